@@ -1,0 +1,29 @@
+"""lightning-zero: ZeRO (arXiv:1910.02054) as a PyTorch Lightning strategy.
+
+Importing the package registers ``zero1``, ``zero2`` (and ``_spawn`` / ``_fork`` variants) with Lightning, so that
+``Trainer(strategy="zero2")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.collectives import TRAFFIC, Traffic
+from lightning_zero.config import ZeroConfig
+from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
+from lightning_zero.precision import LossScaler, ZeroPrecision
+from lightning_zero.strategy import ZeroStrategy
+
+ZeroStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TRAFFIC",
+    "LossScaler",
+    "ModelStateBytes",
+    "Traffic",
+    "ZeroConfig",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "expected_model_state_bytes",
+    "measure_model_states",
+]

@@ -1,0 +1,170 @@
+"""Constant-size gradient buckets, reduce-scattered into this rank's gradient shard as each one fills.
+
+[Note: constant memory]
+A bucket needs a buffer only from its first gradient until its reduce-scatter completes. Buffers come from a small
+pool of ``bucket_buffers`` tensors of the largest bucket's size; when all are busy, the oldest reduce-scatter in
+flight is waited for and its buffer reused. Peak memory is therefore ``bucket_buffers`` (or the number of buckets
+filling at the same moment, if that is larger) times the bucket size, whatever the number of buckets.
+
+[Note: averaging and accumulation]
+Each bucket is divided by the world size before the reduce-scatter, so the sum is DDP's mean gradient. The first
+reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
+accumulation) land in a side buffer and are added, so the shard accumulates exactly as ``.grad`` does under DDP.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from lightning_zero import collectives
+from lightning_zero.layout import Bucket, FlatLayout
+
+
+@dataclass
+class _Slot:
+    """One pooled buffer pair, sized for the largest bucket: the bucket input and the reduce-scatter output."""
+
+    bucket: torch.Tensor
+    out: torch.Tensor
+
+    def input(self, bucket: Bucket, world_size: int) -> torch.Tensor:
+        """The part of the input buffer that ``bucket`` uses."""
+        return self.bucket[: bucket.chunk_size * world_size]
+
+
+class GradientReducer:
+    """Copies gradients into buckets and reduce-scatters every full bucket into ``grad_shard``."""
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_buffers: int,
+        overlap: bool,
+        group: Optional[Any] = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.dtype = dtype
+        self.device = device
+        self.max_buffers = max_buffers
+        self.overlap = overlap
+        self.group = group
+        self.grad_shard: Optional[torch.Tensor] = None
+        self._written = [False] * len(layout.buckets)  # shard slice holds gradients since the last clear
+        self._expected = [sum(length for _, _, length, _ in layout.bucket_pieces(b)) for b in layout.buckets]
+        self._received = [0] * len(layout.buckets)
+        self._open: dict[int, _Slot] = {}
+        self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
+        self._free: list[_Slot] = []
+        self._param_parts: list[list[tuple[Bucket, int, int, int]]] = [[] for _ in layout.numels]
+        for bucket in layout.buckets:
+            for p, start, length, offset in layout.bucket_pieces(bucket):
+                self._param_parts[p].append((bucket, start, length, offset))
+
+    # ------------------------------------------------------------------ filling
+    def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
+        """Copy the gradient of one parameter into its bucket(s); launch every bucket that becomes full."""
+        flat = grad.detach().reshape(-1)
+        for bucket, start, length, offset in self._param_parts[param_index]:
+            view = self._slot_for(bucket).input(bucket, self.layout.world_size)
+            view[offset : offset + length].copy_(flat[start : start + length])
+            self._received[bucket.index] += length
+            if self._received[bucket.index] == self._expected[bucket.index]:
+                self._launch(bucket)
+
+    def flush(self) -> None:
+        """Launch the buckets that are only partly filled (parameters that got no gradient count as zero)."""
+        for index in sorted(self._open):
+            self._launch(self.layout.buckets[index])
+
+    def wait(self) -> None:
+        """Wait for every reduce-scatter in flight and accumulate its result."""
+        while self._in_flight:
+            self._finish_oldest()
+
+    def finalize(self) -> torch.Tensor:
+        """Flush, wait, and zero the shard slices no gradient reached; returns the complete gradient shard."""
+        self.flush()
+        self.wait()
+        shard = self._shard()
+        for bucket in self.layout.buckets:
+            if not self._written[bucket.index]:
+                shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size].zero_()
+                self._written[bucket.index] = True
+        return shard
+
+    def clear(self, release: bool) -> None:
+        """Forget accumulated gradients; ``release`` also frees the shard's memory (stage 1 keeps it only per step)."""
+        self.flush()
+        self.wait()
+        self._written = [False] * len(self.layout.buckets)
+        if release:
+            self.grad_shard = None
+
+    def release_buffers(self) -> None:
+        """Free the pooled bucket buffers (they are made again on demand)."""
+        self.wait()
+        self._free.clear()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes held by bucket buffers right now."""
+        slots = list(self._open.values()) + self._free + [s for _, _, s, _ in self._in_flight]
+        return sum(s.bucket.numel() * s.bucket.element_size() + s.out.numel() * s.out.element_size() for s in slots)
+
+    # ------------------------------------------------------------------ internals
+    def _shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        return self.grad_shard
+
+    def _slot_for(self, bucket: Bucket) -> _Slot:
+        slot = self._open.get(bucket.index)
+        if slot is None:
+            slot = self._acquire()
+            slot.input(bucket, self.layout.world_size).zero_()
+            self._open[bucket.index] = slot
+        return slot
+
+    def _acquire(self) -> _Slot:
+        while not self._free and self._in_flight and self._busy() >= self.max_buffers:
+            self._finish_oldest()
+        if self._free:
+            return self._free.pop()
+        size = self.layout.max_bucket_elements
+        return _Slot(
+            torch.empty(size, dtype=self.dtype, device=self.device),
+            torch.empty(size // self.layout.world_size, dtype=self.dtype, device=self.device),
+        )
+
+    def _busy(self) -> int:
+        return len(self._open) + len(self._in_flight)
+
+    def _launch(self, bucket: Bucket) -> None:
+        slot = self._open.pop(bucket.index)
+        self._received[bucket.index] = 0
+        data = slot.input(bucket, self.layout.world_size).div_(self.layout.world_size)
+        accumulate = self._written[bucket.index]
+        target = slot.out[: bucket.chunk_size] if accumulate else self._shard_slice(bucket)
+        work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
+        self._written[bucket.index] = True
+        self._in_flight.append((bucket, work, slot, accumulate))
+        if not self.overlap:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        bucket, work, slot, accumulate = self._in_flight.popleft()
+        work.wait()
+        if accumulate:
+            self._shard_slice(bucket).add_(slot.out[: bucket.chunk_size])
+        self._free.append(slot)
+
+    def _shard_slice(self, bucket: Bucket) -> torch.Tensor:
+        return self._shard()[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]

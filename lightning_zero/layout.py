@@ -1,0 +1,216 @@
+"""Pure arithmetic: where every parameter lives in a flat buffer, and which slice of it each rank owns.
+
+[Note: the flat layout]
+The parameters managed by one optimizer are laid end to end in one flat buffer, param group by param group, each
+parameter in one contiguous range (so a parameter can be a view of the buffer). The buffer is cut into buckets of at
+most ``bucket_size`` elements; a bucket never spans two param groups. Every bucket is split into ``world_size`` equal
+chunks (the bucket is padded to a multiple of ``world_size``), and rank ``r`` owns chunk ``r`` of every bucket. A
+rank's *shard* is the concatenation of its chunks, so a reduce-scatter of one bucket lands in one contiguous slice of
+every rank's shard, and the shard of one param group is contiguous too (the optimizer sees one tensor per bucket).
+
+With ``whole_params=True`` (optimizers whose update is not elementwise) a chunk holds whole parameters only: the
+parameters of a bucket are dealt to the chunks largest first (longest-processing-time rule) and the chunk size is the
+largest load, so some padding is the price of never splitting a tensor.
+
+Parameters are laid out in reverse registration order, which approximates the order in which backward produces
+their gradients, so buckets fill one after the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that falls in one rank's chunk of one bucket."""
+
+    param: int
+    """Index of the parameter in the layout's parameter list."""
+    param_start: int
+    """First element (in the flattened parameter) of the piece."""
+    length: int
+    """Number of elements."""
+    chunk_offset: int
+    """Where the piece starts inside the chunk."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous range of the flat buffer that is reduced and gathered as one collective."""
+
+    index: int
+    group: int
+    """The param group all parameters of this bucket belong to."""
+    start: int
+    """Offset of the bucket in the flat buffer."""
+    chunk_size: int
+    """Elements each rank owns in this bucket; the bucket has ``chunk_size * world_size`` elements."""
+    shard_offset: int
+    """Where this bucket's chunk starts inside a rank's shard (the same on every rank)."""
+    params: tuple[int, ...]
+    """Indices of the parameters that overlap this bucket."""
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """The placement of a list of parameters in a flat, padded, sharded buffer. See [Note: the flat layout]."""
+
+    world_size: int
+    numels: tuple[int, ...]
+    groups: tuple[int, ...]
+    """The param group of each parameter."""
+    offsets: tuple[int, ...]
+    """Offset of each parameter in the flat buffer."""
+    buckets: tuple[Bucket, ...]
+    whole_params: bool
+
+    @property
+    def total(self) -> int:
+        """Elements in the flat buffer, padding included."""
+        return sum(b.chunk_size for b in self.buckets) * self.world_size
+
+    @property
+    def shard_size(self) -> int:
+        """Elements each rank owns."""
+        return sum(b.chunk_size for b in self.buckets)
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.groups, default=-1) + 1
+
+    @property
+    def max_bucket_elements(self) -> int:
+        """The largest bucket: the size of one constant bucket buffer."""
+        return max((b.chunk_size * self.world_size for b in self.buckets), default=0)
+
+    def bucket_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The ``[start, end)`` range of ``bucket`` in the flat buffer."""
+        return bucket.start, bucket.start + bucket.chunk_size * self.world_size
+
+    def chunk_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
+        """The ``[start, end)`` range of ``rank``'s chunk of ``bucket`` in the flat buffer."""
+        start = bucket.start + rank * bucket.chunk_size
+        return start, start + bucket.chunk_size
+
+    def group_buckets(self, group: int) -> list[Bucket]:
+        """The buckets of one param group, in shard order."""
+        return [b for b in self.buckets if b.group == group]
+
+    def pieces(self, bucket: Bucket, rank: int) -> list[Piece]:
+        """The parts of parameters that fall in ``rank``'s chunk of ``bucket``, in flat order."""
+        return self._pieces[bucket.index][rank]
+
+    def bucket_pieces(self, bucket: Bucket) -> list[tuple[int, int, int, int]]:
+        """``(param, param_start, length, bucket_offset)`` for every parameter part inside ``bucket``."""
+        out = []
+        for p in bucket.params:
+            lo, hi = max(self.offsets[p], bucket.start), min(self.offsets[p] + self.numels[p], self.bucket_range(bucket)[1])
+            out.append((p, lo - self.offsets[p], hi - lo, lo - bucket.start))
+        return out
+
+    @cached_property
+    def _pieces(self) -> list[list[list[Piece]]]:
+        table = []
+        for bucket in self.buckets:
+            per_rank = []
+            for rank in range(self.world_size):
+                c0, c1 = self.chunk_range(bucket, rank)
+                pieces = []
+                for p in bucket.params:
+                    lo, hi = max(self.offsets[p], c0), min(self.offsets[p] + self.numels[p], c1)
+                    if lo < hi:
+                        pieces.append(Piece(param=p, param_start=lo - self.offsets[p], length=hi - lo, chunk_offset=lo - c0))
+                per_rank.append(pieces)
+            table.append(per_rank)
+        return table
+
+
+def plan_layout(
+    numels: Sequence[int],
+    groups: Sequence[int],
+    world_size: int,
+    bucket_size: int,
+    whole_params: bool = False,
+) -> FlatLayout:
+    """Place parameters of the given sizes (``groups[i]`` is the param group of parameter ``i``) in a flat buffer.
+
+    Within a group, parameters are placed in reverse order (see [Note: the flat layout]).
+    """
+    if len(numels) != len(groups):
+        raise ValueError("`numels` and `groups` must have the same length.")
+    if world_size < 1 or bucket_size < 1:
+        raise ValueError(f"world_size and bucket_size must be positive, got {world_size} and {bucket_size}.")
+    offsets = [0] * len(numels)
+    buckets: list[Bucket] = []
+    cursor = shard_cursor = 0
+    plan = _plan_whole if whole_params else _plan_flat
+    for group in sorted(set(groups)):
+        members = [i for i in reversed(range(len(numels))) if groups[i] == group]
+        for params, chunk_size, begins in plan(members, numels, world_size, bucket_size):
+            for p, off in begins.items():
+                offsets[p] = cursor + off
+            ordered = tuple(sorted(params, key=lambda p: offsets[p]))
+            buckets.append(Bucket(len(buckets), group, cursor, chunk_size, shard_cursor, ordered))
+            cursor += chunk_size * world_size
+            shard_cursor += chunk_size
+    return FlatLayout(world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params)
+
+
+# (parameters overlapping the bucket, chunk size, {parameter: offset from the bucket start} for those starting in it)
+_BucketPlan = tuple[list[int], int, dict[int, int]]
+
+
+def _plan_flat(members: list[int], numels: Sequence[int], world_size: int, bucket_size: int) -> list[_BucketPlan]:
+    """Elementwise optimizers: parameters end to end, cut every ``bucket_size`` elements (a param may span buckets)."""
+    capacity = max(world_size, bucket_size - bucket_size % world_size)
+    starts = list(accumulate((numels[p] for p in members), initial=0))
+    total = starts[-1]
+    plans: list[_BucketPlan] = []
+    lo = 0
+    while lo < total:
+        size = min(capacity, total - lo)
+        size += (-size) % world_size
+        hi = lo + size
+        inside = [p for p, s in zip(members, starts) if s < hi and s + numels[p] > lo]
+        begins = {p: s - lo for p, s in zip(members, starts) if lo <= s < hi}
+        plans.append((inside, size // world_size, begins))
+        lo = hi
+    return plans
+
+
+def _plan_whole(members: list[int], numels: Sequence[int], world_size: int, bucket_size: int) -> list[_BucketPlan]:
+    """Non-elementwise optimizers: every parameter lies inside one rank's chunk."""
+    plans: list[_BucketPlan] = []
+    current: list[int] = []
+    filled = 0
+    for p in members:
+        current.append(p)
+        filled += numels[p]
+        if filled >= bucket_size:
+            plans.append(_deal(current, numels, world_size))
+            current, filled = [], 0
+    if current:
+        plans.append(_deal(current, numels, world_size))
+    return plans
+
+
+def _deal(params: list[int], numels: Sequence[int], world_size: int) -> _BucketPlan:
+    """Deal whole parameters to ``world_size`` chunks, largest first to the least loaded chunk."""
+    loads = [0] * world_size
+    owner: dict[int, int] = {}
+    for p in sorted(params, key=lambda p: -numels[p]):  # stable: ties keep layout order
+        rank = loads.index(min(loads))
+        owner[p] = rank
+        loads[rank] += numels[p]
+    chunk = max(1, max(loads))
+    cursor = [0] * world_size
+    begins = {}
+    for p in params:
+        r = owner[p]
+        begins[p] = r * chunk + cursor[r]
+        cursor[r] += numels[p]
+    return [p for p in params if numels[p] > 0], chunk, begins

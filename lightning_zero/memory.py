@@ -1,0 +1,96 @@
+"""Per-rank model-state accounting, measured from live tensors, and the paper's expected figures.
+
+[Note: what is counted]
+Every tensor is counted once per storage, so views of one flat buffer (the working parameters) or a master shard
+that aliases the working buffer are not counted twice. ``grads`` covers full ``.grad`` tensors, the gradient shard
+and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets) are kept
+apart from the model states, as in DESIGN.md's table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero.optimizer import ShardedOptimizer
+
+_MIXED = ("bf16-mixed", "16-mixed")
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes this rank holds, by kind."""
+
+    params: int
+    """Working parameters (flat buffers and parameters no optimizer manages)."""
+    grads: int
+    master: int
+    """Master weights that do not alias the working parameters."""
+    optimizer_states: int
+    buffers: int
+    """The module's buffers (running statistics ...)."""
+    comm_buffers: int
+    """Gradient bucket buffers: constant, independent of the model size."""
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + master weights + optimizer states: the paper's "model states"."""
+        return self.params + self.grads + self.master + self.optimizer_states
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "model_states": self.model_states}
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def bytes(self, tensors: Iterable[Optional[Tensor]]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or not isinstance(t, Tensor) or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in self.seen:
+                continue
+            self.seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+
+def measure_model_states(module: torch.nn.Module, engines: list[ShardedOptimizer]) -> ModelStateBytes:
+    """Measure what this rank holds right now (see [Note: what is counted])."""
+    counter = _Counter()
+    params = counter.bytes(p for p in module.parameters())
+    master = counter.bytes(e.master_storage for e in engines)
+    grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in engines]
+                          + [m.grad for e in engines for m in e.masters])
+    states = counter.bytes(
+        v for e in engines for st in e.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)
+    )
+    buffers = counter.bytes(module.buffers())
+    comm = sum(e.reducer.buffer_bytes for e in engines)
+    return ModelStateBytes(params, grads, master, states, buffers, comm)
+
+
+def expected_model_state_bytes(num_params: int, world_size: int, stage: int, precision: str) -> float:
+    """DESIGN.md's table for Adam: bytes of model states per rank (``stage=0`` is DDP).
+
+    Mixed precision: 2Ψ params + 2Ψ grads + 12Ψ fp32 master/momentum/variance. ``32-true``: 4Ψ + 4Ψ + 8Ψ, the fp32
+    parameters doubling as the master weights.
+    """
+    psi, n = float(num_params), float(world_size)
+    mixed = precision in _MIXED
+    param_b, grad_b, opt_b = (2, 2, 12) if mixed else (4, 4, 8)
+    if stage == 0:
+        return (param_b + grad_b + opt_b) * psi
+    if stage == 1:
+        return (param_b + grad_b) * psi + opt_b * psi / n
+    if stage == 2:
+        return param_b * psi + (grad_b + opt_b) * psi / n
+    if stage == 3:
+        return (param_b + grad_b + opt_b) * psi / n
+    raise ValueError(f"No ZeRO stage {stage}; use 0 (DDP), 1, 2 or 3.")

@@ -1,0 +1,309 @@
+"""The user's own optimizer, stepping on this rank's shard of the master weights.
+
+[Note: what the user's optimizer sees]
+:class:`ShardedOptimizer` keeps the user's optimizer object (its class, hyperparameters, param groups, LR schedulers
+and any ``param_groups[i]["lr"]`` edits all stay live) and only swaps the tensors in ``param_groups[i]["params"]``:
+an elementwise optimizer (SGD, Adam, AdamW, ...) gets one flat master tensor per bucket of the group, any other
+optimizer (Adafactor, unknown classes) gets the whole parameters this rank owns, shaped as the parameters. Its state
+(``exp_avg`` ...) is therefore created for the shard only: the 12Ψ/N of the paper.
+
+[Note: working parameters are views of one flat buffer]
+The managed parameters become views of one flat buffer in the working dtype (16-bit under mixed precision), in the
+order of :mod:`lightning_zero.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights and
+user references keep working. After the step, each rank writes its updated chunk into the buffer and one all-gather
+per bucket refreshes everybody's copy in place. When the master dtype equals the working dtype (``32-true``,
+``bf16-true``) the master shard *is* this rank's chunk of the buffer: no second copy.
+
+[Note: gradients are consumed by the step]
+As in DeepSpeed, ``optimizer.step()`` consumes the gradients: the shard is cleared after the step (stage 1 also frees
+it). ``zero_grad()`` clears them too, which matters with several optimizers (a GAN's generator gradients produced by
+the discriminator's backward must be discarded by ``opt_g.zero_grad()`` exactly as under DDP). Because Lightning
+calls ``zero_grad`` on a ``LightningOptimizer`` whose class is derived from the optimizer's class, the hook has to be
+on the class: the optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero import collectives
+from lightning_zero.buckets import GradientReducer
+from lightning_zero.config import ZeroConfig
+from lightning_zero.layout import FlatLayout, plan_layout
+from lightning_zero.stages import StagePolicy
+
+#: torch optimizers whose update of an element depends on that element's gradient and state only.
+ELEMENTWISE_OPTIMIZERS = frozenset(
+    f"torch.optim.{name}"
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
+)
+#: Optimizers that cannot work on any partition of the parameters.
+UNSUPPORTED_OPTIMIZERS = {
+    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times per step and needs every parameter at once",
+    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold",
+}
+
+
+def optimizer_name(optimizer: Optimizer) -> str:
+    """The public dotted name of the optimizer's class, e.g. ``torch.optim.AdamW``."""
+    cls = _user_class(optimizer)
+    module = cls.__module__
+    if module.startswith("torch.optim."):
+        module = "torch.optim"
+    return f"{module}.{cls.__qualname__}"
+
+
+def is_elementwise(optimizer: Optimizer, config: ZeroConfig) -> bool:
+    """Whether ``optimizer`` may be stepped on flat slices (see ``ZeroConfig.partition_whole_params``)."""
+    if config.partition_whole_params is not None:
+        return not config.partition_whole_params
+    name = optimizer_name(optimizer)
+    return name in ELEMENTWISE_OPTIMIZERS or any(
+        name == n or name.rsplit(".", 1)[-1] == n for n in config.elementwise_optimizers
+    )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raise a clear error for an object ZeRO cannot shard."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"ZeroStrategy needs `configure_optimizers` to return `torch.optim.Optimizer` instances, got "
+            f"{type(optimizer).__name__}. Wrap custom update rules in a `torch.optim.Optimizer` subclass."
+        )
+    reason = UNSUPPORTED_OPTIMIZERS.get(optimizer_name(optimizer))
+    if reason:
+        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}. Use another optimizer.")
+
+
+@dataclass(frozen=True)
+class MasterSlot:
+    """One tensor the user's optimizer steps on: a range of this rank's shard."""
+
+    group: int
+    start: int
+    """Offset in the shard."""
+    length: int
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int, int], ...]
+    """``(layout param index, param_start, length, offset in this slot)`` of every parameter part inside."""
+
+
+class ShardedOptimizer:
+    """Installs ZeRO on one user optimizer: layout, flat working buffer, master shard, gradient reducer."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        policy: StagePolicy,
+        config: ZeroConfig,
+        working_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        device: torch.device,
+        group: Optional[Any] = None,
+    ) -> None:
+        check_optimizer(optimizer)
+        self.optimizer = optimizer
+        self.policy = policy
+        self.group = group
+        self.rank, self.world_size = collectives.rank(group), collectives.world_size(group)
+        self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
+        _check_params(self.canonical, optimizer)
+        self.managed = [i for i, p in enumerate(self.canonical) if p.requires_grad]
+        self.params = [self.canonical[i] for i in self.managed]
+        group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
+        self.layout: FlatLayout = plan_layout(
+            [p.numel() for p in self.params],
+            [group_of[id(p)] for p in self.params],
+            self.world_size,
+            config.reduce_bucket_size,
+            whole_params=not is_elementwise(optimizer, config),
+        )
+        self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
+        self.slots = self._plan_slots()
+        self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=device)
+        aliased = working_dtype == master_dtype
+        self.master_storage = None if aliased else torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
+        self._fill_from_params()
+        self.masters = [self._master_view(s) for s in self.slots]
+        self.reducer = GradientReducer(
+            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group
+        )
+        self._hooks: list[Any] = []
+        self._install_into(optimizer)
+        if policy.shards_grads:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
+
+    # ------------------------------------------------------------------ setup
+    def _plan_slots(self) -> list[MasterSlot]:
+        slots = []
+        for bucket in self.layout.buckets:
+            pieces = self.layout.pieces(bucket, self.rank)
+            if self.layout.whole_params:
+                for pc in pieces:
+                    shape = tuple(self.params[pc.param].shape)
+                    slots.append(MasterSlot(bucket.group, bucket.shard_offset + pc.chunk_offset, pc.length, shape,
+                                            ((pc.param, 0, pc.length, 0),)))
+            elif bucket.chunk_size:
+                parts = tuple((pc.param, pc.param_start, pc.length, pc.chunk_offset) for pc in pieces)
+                slots.append(MasterSlot(bucket.group, bucket.shard_offset, bucket.chunk_size, (bucket.chunk_size,), parts))
+        return slots
+
+    def _fill_from_params(self) -> None:
+        """Copy the parameters into the flat buffer and the master shard, then make them views of the buffer."""
+        with torch.no_grad():
+            for slot in self.slots:
+                if self.master_storage is not None:
+                    target = self.master_storage[slot.start : slot.start + slot.length]
+                    for p, p_start, length, offset in slot.pieces:
+                        source = self.params[p].detach().reshape(-1)[p_start : p_start + length]
+                        target[offset : offset + length].copy_(source)
+            for p, offset in zip(self.params, self.layout.offsets):
+                view = self.flat[offset : offset + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+
+    def _master_view(self, slot: MasterSlot) -> Tensor:
+        if self.master_storage is not None:
+            return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
+        start = self._flat_offset(slot.start)
+        return self.flat[start : start + slot.length].view(slot.shape)
+
+    def _flat_offset(self, shard_offset: int) -> int:
+        """Where a position of this rank's shard lies in the flat buffer."""
+        for bucket in self.layout.buckets:
+            if bucket.shard_offset <= shard_offset < bucket.shard_offset + bucket.chunk_size:
+                return self.layout.chunk_range(bucket, self.rank)[0] + shard_offset - bucket.shard_offset
+        raise IndexError(shard_offset)
+
+    def _install_into(self, optimizer: Optimizer) -> None:
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [m for m, s in zip(self.masters, self.slots) if s.group == g]
+        optimizer.__class__ = _zero_subclass(type(optimizer))
+        optimizer._zero_engine = self  # type: ignore[attr-defined]
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(param: Tensor) -> None:
+            if param.grad is not None:
+                self.reducer.add_grad(index, param.grad)
+                param.grad = None
+
+        return hook
+
+    # ------------------------------------------------------------------ step
+    def finish_backward(self) -> None:
+        """End of one backward pass: stage 2 launches the partly filled buckets and waits for all of them."""
+        if self.policy.shards_grads:
+            self.reducer.flush()
+            self.reducer.wait()
+
+    def prepare_step(self) -> None:
+        """Reduce what is left and give every master tensor its averaged gradient (in the master dtype)."""
+        if not self.policy.shards_grads:
+            for j in self._flat_order:
+                p = self.params[j]
+                if p.grad is not None:
+                    self.reducer.add_grad(j, p.grad)
+                    p.grad = None
+        shard = self.reducer.finalize()
+        for slot, master in zip(self.slots, self.masters):
+            grad = shard[slot.start : slot.start + slot.length].view(slot.shape)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def grads(self) -> list[Tensor]:
+        """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def after_step(self, stepped: bool) -> None:
+        """Consume the gradients and, if the optimizer stepped, all-gather the updated shards into the parameters."""
+        self.zero_grad()
+        if stepped:
+            self._gather_params()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient this engine holds: master grads, the grad shard, and stage 1's full ``.grad``."""
+        for m in self.masters:
+            m.grad = None
+        for p in self.params:
+            p.grad = None
+        self.reducer.clear(release=not self.policy.shards_grads)
+
+    def _gather_params(self) -> None:
+        works = []
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                c0, c1 = self.layout.chunk_range(bucket, self.rank)
+                if self.master_storage is not None:
+                    self.flat[c0:c1].copy_(self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size])
+                b0, b1 = self.layout.bucket_range(bucket)
+                works.append(collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group, async_op=True))
+            for work in works:
+                work.wait()
+
+    # ------------------------------------------------------------------ teardown
+    def gather_full_master(self) -> Tensor:
+        """Every rank gets the full flat buffer in the master dtype (used to hand fp32 weights back after fit)."""
+        if self.master_storage is None:
+            return self.flat
+        full = torch.zeros(self.layout.total, dtype=self.master_storage.dtype, device=self.flat.device)
+        for bucket in self.layout.buckets:
+            b0, b1 = self.layout.bucket_range(bucket)
+            c0, _ = self.layout.chunk_range(bucket, self.rank)
+            chunk = self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
+            full[c0 : c0 + bucket.chunk_size].copy_(chunk)
+            collectives.all_gather(full[b0:b1], full[c0 : c0 + bucket.chunk_size], group=self.group)
+        return full
+
+    def uninstall(self) -> None:
+        """Remove the hooks and give the parameters their own full-precision storage back."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.zero_grad()
+        self.reducer.release_buffers()
+        full = self.gather_full_master()
+        for p, offset in zip(self.params, self.layout.offsets):
+            p.data = full[offset : offset + p.numel()].view_as(p)
+
+
+def _check_params(params: list[Tensor], optimizer: Optimizer) -> None:
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            raise ValueError(f"A parameter appears twice in the param groups of {optimizer_name(optimizer)}.")
+        seen.add(id(p))
+        if p.is_sparse or not p.is_floating_point():
+            raise TypeError(f"ZeroStrategy shards dense floating-point parameters only, got one of dtype {p.dtype}.")
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+class _ZeroGradHook:
+    """Mixin that makes ``zero_grad`` also clear the gradients ZeRO keeps outside the optimizer's params."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - documented on torch.optim.Optimizer
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        self._zero_engine.zero_grad()  # type: ignore[attr-defined]
+
+
+def _zero_subclass(cls: type) -> type:
+    """``cls`` with :class:`_ZeroGradHook` mixed in, keeping its name (see [Note: gradients are consumed by the step])."""
+    if issubclass(cls, _ZeroGradHook):
+        return cls
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(cls.__name__, (_ZeroGradHook, cls), {"__module__": cls.__module__,
+                                                                       "__qualname__": cls.__qualname__})
+    return _SUBCLASSES[cls]
+
+
+def _user_class(optimizer: Optimizer) -> type:
+    cls = type(optimizer)
+    while issubclass(cls, _ZeroGradHook) and cls.__bases__[0] is _ZeroGradHook:
+        cls = cls.__bases__[1]
+    return cls

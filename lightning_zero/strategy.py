@@ -1,0 +1,316 @@
+"""``ZeroStrategy``: the only module that knows Lightning's strategy API. It registers ``zero1``, ``zero2`` and their
+``_spawn`` variants, and wires the engine into Lightning's precision, optimizer and checkpoint lifecycle."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero import collectives
+from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
+from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.stages import policy_for
+from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
+
+    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` (``"zero2_spawn"`` to launch with ``spawn``), or construct it:
+
+    Args:
+        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients.
+        reduce_bucket_size: elements per gradient bucket (constant memory: ``bucket_buffers`` of them).
+        overlap_comm: stage 2 launches each bucket's reduce-scatter asynchronously during backward.
+        bucket_buffers: bucket-sized buffers that may be in flight at once.
+        partition_whole_params: give each rank whole tensors (``None``: only for non-elementwise optimizers).
+        elementwise_optimizers: extra optimizer class names that may be stepped on flat slices.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
+        timeout: the process group's timeout (a hung collective fails after it).
+        start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
+        overlap_comm: bool = True,
+        bucket_buffers: int = 2,
+        partition_whole_params: Optional[bool] = None,
+        elementwise_optimizers: tuple[str, ...] = (),
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        self.config = ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
+                                 bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
+                                 elementwise_optimizers=tuple(elementwise_optimizers))
+        self.policy = policy_for(stage)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.num_nodes = 1
+        self.engines: list[ShardedOptimizer] = []
+
+    # ------------------------------------------------------------------ properties
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision("32-true")
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else _to_zero_precision(plugin)
+
+    @property  # type: ignore[override]
+    @override
+    def accelerator(self) -> Optional[Accelerator]:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Optional[Accelerator]) -> None:
+        if accelerator is not None and not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
+            raise ValueError(
+                f"ZeroStrategy runs on CPU (gloo) and CUDA GPUs (nccl), not on {type(accelerator).__name__}. "
+                "Use `Trainer(accelerator='cpu')` or `accelerator='gpu'`."
+            )
+        self._accelerator = accelerator
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _broadcast_module_states(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._uninstall_engines()
+        super().setup_optimizers(trainer)
+        _check_disjoint(self.optimizers)
+        precision = self.precision_plugin
+        self.engines = [
+            ShardedOptimizer(opt, self.policy, self.config, precision.working_dtype, precision.master_dtype,
+                             self.root_device)
+            for opt in self.optimizers
+        ]
+        # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
+        self.optimizers = list(self.optimizers)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        for engine in self.engines:
+            engine.finish_backward()
+
+    @override
+    def teardown(self) -> None:
+        self._uninstall_engines()
+        super().teardown()
+
+    def _uninstall_engines(self) -> None:
+        for engine in self.engines:
+            engine.uninstall()
+        self.engines = []
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights, in the master precision (fp32 under mixed precision), on every rank."""
+        assert self.lightning_module is not None
+        return full_model_state_dict(self.lightning_module, self.engines)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state gathered to rank 0 in the per-parameter form DDP uses (empty on other ranks)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        engine = self._engine_for(optimizer)
+        state = optimizer_state(engine)
+        return state if self.is_global_zero else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states")
+        if not states:
+            return
+        if len(states) != len(self.engines):
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer states but `configure_optimizers` returned "
+                f"{len(self.engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
+            )
+        for engine, state in zip(self.engines, states):
+            load_optimizer_state(engine, state)
+
+    def _engine_for(self, optimizer: Optimizer) -> ShardedOptimizer:
+        for engine in self.engines:
+            if engine.optimizer is optimizer:
+                return engine
+        raise ValueError("This optimizer was not set up by ZeroStrategy; return it from `configure_optimizers`.")
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (1, 2):
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                strategy_registry.register(
+                    f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
+                    override=True, stage=stage, start_method=start_method,
+                )
+
+
+def _to_zero_precision(plugin: Precision) -> ZeroPrecision:
+    """Lightning builds its own plugin from ``Trainer(precision=...)``; translate it to ours, or refuse it."""
+    if isinstance(plugin, ZeroPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision):
+        return ZeroPrecision(plugin.precision, device_type=plugin.device)
+    if isinstance(plugin, HalfPrecision):
+        return ZeroPrecision(plugin.precision)
+    if type(plugin) is Precision:
+        return ZeroPrecision("32-true")
+    raise ValueError(
+        f"ZeroStrategy does not support the precision plugin {type(plugin).__name__} "
+        f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision='32-true', 'bf16-mixed', '16-mixed' or "
+        "'bf16-true', or pass `lightning_zero.ZeroPrecision(...)` in `plugins`."
+    )
+
+
+def _broadcast_module_states(module: torch.nn.Module) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DDP does."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            collectives.broadcast(tensor.data, src=0)
+
+
+def _check_disjoint(optimizers: list[Optimizer]) -> None:
+    seen: set[int] = set()
+    for optimizer in optimizers:
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            if id(p) in seen:
+                raise ValueError(
+                    "A parameter is in two optimizers. ZeroStrategy shards each parameter for one optimizer only; "
+                    "give every optimizer its own parameters."
+                )
+            seen.add(id(p))
+

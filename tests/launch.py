@@ -1,0 +1,62 @@
+"""Run a worker script on N gloo ranks on this machine, the way torchrun would, with a hard timeout.
+
+Each rank is a separate ``python`` process with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` set, so
+Lightning sees an externally launched job and does not start processes itself. A hung collective fails the test
+after ``timeout`` seconds instead of eating CI's time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), timeout: float = 300) -> list[Any]:
+    """Run ``tests/workers/<script>`` on ``world_size`` ranks; return what each rank saved to ``out_dir/rank{r}.pt``."""
+    port = str(free_port())
+    procs = []
+    logs = []
+    for rank in range(world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
+                   LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                   PL_DISABLE_FORK="1")
+        log = open(out_dir / f"rank{rank}.log", "w")
+        logs.append(log)
+        cmd = [sys.executable, str(ROOT / "tests" / "workers" / script), str(out_dir), *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout}s:\n{_tail(out_dir)}")
+    finally:
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(f"{script} on {world_size} ranks failed with exit codes {codes}:\n{_tail(out_dir)}")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _tail(out_dir: Path, lines: int = 60) -> str:
+    parts = []
+    for log in sorted(out_dir.glob("rank*.log")):
+        text = log.read_text().splitlines()
+        parts.append(f"--- {log.name}\n" + "\n".join(text[-lines:]))
+    return "\n".join(parts)

@@ -1,0 +1,131 @@
+"""Small LightningModules for the tests: ordinary user code that knows nothing about ZeRO."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB = 37  # odd sizes on purpose: shards and buckets must pad
+
+
+def token_data(n: int = 96, seq: int = 8, seed: int = 1234) -> TensorDataset:
+    """A fixed, learnable token task: predict the next token of noisy arithmetic sequences."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (n, 1), generator=g)
+    step = torch.randint(1, 4, (n, 1), generator=g)
+    seqs = (start + step * torch.arange(seq + 1)) % VOCAB
+    return TensorDataset(seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous())
+
+
+class TinyLM(L.LightningModule):
+    """Embedding, two residual MLP blocks with LayerNorm, a head; AdamW with decay and no-decay groups.
+
+    ``optimizer`` picks the optimizer; ``frozen`` freezes the first block's LayerNorm and keeps a parameter out of
+    every optimizer, as fine-tuning code does.
+    """
+
+    def __init__(self, optimizer: str = "adamw", width: int = 24, lr: float = 3e-3, frozen: bool = False,
+                 batch_size: int = 4, scheduler: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(width, VOCAB)
+        self.unused_scale = nn.Parameter(torch.ones(3))  # in no optimizer when ``frozen``
+        if frozen:
+            for p in self.blocks[0][0].parameters():
+                p.requires_grad_(False)
+        self.losses: list[float] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self(tokens)
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        tokens, targets = batch
+        loss = F.cross_entropy(self(tokens).float().reshape(-1, VOCAB), targets.reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = [p for n, p in self.named_parameters() if not (hp.frozen and n == "unused_scale")]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        optimizer = _make_optimizer(hp.optimizer, decay, no_decay, hp.lr)
+        if not hp.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_data(), batch_size=self.hparams.batch_size, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(token_data(n=24, seed=99), batch_size=self.hparams.batch_size)
+
+
+def _make_optimizer(name: str, decay: list, no_decay: list, lr: float) -> torch.optim.Optimizer:
+    makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "adamw": lambda: torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 2}], lr=lr
+        ),
+        "sgd": lambda: torch.optim.SGD(
+            [{"params": decay}, {"params": no_decay, "momentum": 0.5}], lr=lr * 10, momentum=0.9, weight_decay=1e-3
+        ),
+        "adafactor": lambda: torch.optim.Adafactor([{"params": decay}, {"params": no_decay, "lr": lr}], lr=lr * 3),
+        "adam": lambda: torch.optim.Adam(decay + no_decay, lr=lr),
+    }
+    return makers[name]()
+
+
+class TinyGAN(L.LightningModule):
+    """Manual optimization with two optimizers, as in Lightning's GAN example."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 4))
+        self.discriminator = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real, noise = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.generator(noise)
+        g_loss = F.softplus(-self.discriminator(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        d_loss = F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake.detach())).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+        opt_d.step()
+        self.losses += [g_loss.item(), d_loss.item()]
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.9)),
+                torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.8))
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(7)
+        real = torch.randn(48, 4, generator=g) * 0.5 + 1.0
+        return DataLoader(TensorDataset(real, torch.randn(48, 8, generator=g)), batch_size=4)
