@@ -135,6 +135,7 @@ class ShardedOptimizer:
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group
         )
         self._hooks: list[Any] = []
+        self._prepared = False
         self._install_into(optimizer)
         if policy.shards_grads:
             self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
@@ -203,7 +204,14 @@ class ShardedOptimizer:
             self.reducer.wait()
 
     def prepare_step(self) -> None:
-        """Reduce what is left and give every master tensor its averaged gradient (in the master dtype)."""
+        """Reduce what is left and give every master tensor its averaged gradient (in the master dtype).
+
+        Idempotent until the step: manual optimization may clip (which needs the reduced gradients) before
+        ``optimizer.step()`` prepares again.
+        """
+        if self._prepared:
+            return
+        self._prepared = True
         if not self.policy.shards_grads:
             for j in self._flat_order:
                 p = self.params[j]
@@ -227,6 +235,7 @@ class ShardedOptimizer:
 
     def zero_grad(self) -> None:
         """Drop every gradient this engine holds: master grads, the grad shard, and stage 1's full ``.grad``."""
+        self._prepared = False
         for m in self.masters:
             m.grad = None
         for p in self.params:

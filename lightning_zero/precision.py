@@ -165,7 +165,9 @@ class ZeroPrecision(Precision):
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if clip_val <= 0:
             return
-        grads = _engine_of(optimizer).grads()
+        engine = _engine_of(optimizer)
+        engine.prepare_step()
+        grads = engine.grads()
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             for g in grads:
                 g.clamp_(-clip_val, clip_val)

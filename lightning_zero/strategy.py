@@ -132,6 +132,11 @@ class ZeroStrategy(ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning's connector to use a ``DistributedSampler`` (custom strategies must say so)."""
+        return True
+
+    @property
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 

@@ -1,0 +1,74 @@
+"""One rank of the parity suite: the same model, seed and data under ddp, zero1 and zero2, one after the other in the
+same processes (which also exercises fresh Trainers after earlier ones). Saves losses and final weights per run."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import lightning_zero
+from lightning_zero import ZeroPrecision, ZeroStrategy
+from tests.models import TinyGAN, TinyLM
+
+warnings.filterwarnings("ignore")
+
+SMALL_BUCKET = 50  # elements: many buckets, parameters spanning buckets, several buckets filling at once
+
+
+def strategy(name: str, **kwargs: Any) -> Any:
+    if name == "ddp":
+        return "ddp_find_unused_parameters_true"
+    return ZeroStrategy(stage=int(name[-1]), **kwargs)
+
+
+def run(name: str, model: L.LightningModule, world_size: int, precision: Any = "32-true", **trainer_kwargs: Any) -> dict:
+    plugins = [precision] if isinstance(precision, ZeroPrecision) else None
+    trainer = L.Trainer(
+        strategy=strategy(name, reduce_bucket_size=SMALL_BUCKET),
+        accelerator="cpu", devices=world_size, precision=None if plugins else precision, plugins=plugins,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(model)
+    return {
+        "losses": list(model.losses),
+        "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()},
+        "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+    }
+
+
+def scenarios(world_size: int) -> dict[str, Any]:
+    fit = dict(max_steps=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
+    return {
+        "adamw": lambda s: run(s, TinyLM(frozen=True), world_size, **fit),
+        "sgd_value_clip": lambda s: run(s, TinyLM(optimizer="sgd", frozen=True), world_size, max_steps=5,
+                                        gradient_clip_val=0.01, gradient_clip_algorithm="value"),
+        "adafactor": lambda s: run(s, TinyLM(optimizer="adafactor"), world_size, **fit),
+        "gan_manual": lambda s: run(s, TinyGAN(), world_size, max_steps=10),
+        "bf16_mixed": lambda s: run(s, TinyLM(scheduler=False), world_size, precision="bf16-mixed", max_steps=6),
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    names = sys.argv[2].split(",")
+    strategies = sys.argv[3].split(",")
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
+        __import__("os").environ["WORLD_SIZE"])
+    table = scenarios(world_size)
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        for s in strategies:
+            L.seed_everything(0, verbose=False)
+            results.setdefault(name, {})[s] = table[name](s)
+    torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    assert lightning_zero.__version__
+    main()
