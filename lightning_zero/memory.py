@@ -10,10 +10,11 @@ apart from the model states, as in DESIGN.md's table.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_zero.optimizer import ShardedOptimizer
 
@@ -61,15 +62,20 @@ class _Counter:
         return total
 
 
-def measure_model_states(module: torch.nn.Module, engines: list[ShardedOptimizer]) -> ModelStateBytes:
-    """Measure what this rank holds right now (see [Note: what is counted])."""
+def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer]) -> ModelStateBytes:
+    """Measure what this rank holds right now (see [Note: what is counted]).
+
+    Works for any strategy: pass ``trainer.optimizers``; optimizers set up by ZeRO also report their shards.
+    """
+    optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
+    engines: list[ShardedOptimizer] = [e for e in (getattr(o, "_zero_engine", None) for o in optimizers) if e]
     counter = _Counter()
     params = counter.bytes(p for p in module.parameters())
     master = counter.bytes(e.master_storage for e in engines)
     grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in engines]
                           + [m.grad for e in engines for m in e.masters])
     states = counter.bytes(
-        v for e in engines for st in e.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)
+        v for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)
     )
     buffers = counter.bytes(module.buffers())
     comm = sum(e.reducer.buffer_bytes for e in engines)

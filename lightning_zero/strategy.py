@@ -77,7 +77,7 @@ class ZeroStrategy(ParallelStrategy):
     ) -> None:
         self.config = ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
                                  bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
-                                 elementwise_optimizers=tuple(elementwise_optimizers))
+                                 elementwise_optimizers=elementwise_optimizers)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")

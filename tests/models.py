@@ -25,8 +25,8 @@ def token_data(n: int = 96, seq: int = 8, seed: int = 1234) -> TensorDataset:
 class TinyLM(L.LightningModule):
     """Embedding, two residual MLP blocks with LayerNorm, a head; AdamW with decay and no-decay groups.
 
-    ``optimizer`` picks the optimizer; ``frozen`` freezes the first block's LayerNorm and keeps a parameter out of
-    every optimizer, as fine-tuning code does.
+    ``optimizer`` picks the optimizer; ``frozen`` freezes the first block's LayerNorm and adds a parameter that is in
+    no optimizer, as fine-tuning code does.
     """
 
     def __init__(self, optimizer: str = "adamw", width: int = 24, lr: float = 3e-3, frozen: bool = False,
@@ -39,8 +39,8 @@ class TinyLM(L.LightningModule):
             for _ in range(2)
         )
         self.head = nn.Linear(width, VOCAB)
-        self.unused_scale = nn.Parameter(torch.ones(3))  # in no optimizer when ``frozen``
         if frozen:
+            self.unused_scale = nn.Parameter(torch.ones(3))  # trainable, but in no optimizer
             for p in self.blocks[0][0].parameters():
                 p.requires_grad_(False)
         self.losses: list[float] = []

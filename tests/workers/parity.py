@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 import lightning_zero
-from lightning_zero import ZeroPrecision, ZeroStrategy
+from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy
 from tests.models import TinyGAN, TinyLM
 
 warnings.filterwarnings("ignore")
@@ -42,6 +42,25 @@ def run(name: str, model: L.LightningModule, world_size: int, precision: Any = "
     }
 
 
+class OverflowOnRank1(TinyLM):
+    """Rank 1 produces an infinite gradient at step 2: every rank must skip that step together."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2 and self.global_rank == 1:
+            loss = loss * torch.tensor(float("inf"))
+        return loss
+
+
+def run_fp16_overflow(name: str, world_size: int) -> dict:
+    if name == "ddp":
+        return {}
+    precision = ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))
+    result = run(name, OverflowOnRank1(scheduler=False), world_size, precision=precision, max_steps=6)
+    result["scaler"] = precision.scaler.state_dict()
+    return result
+
+
 def scenarios(world_size: int) -> dict[str, Any]:
     fit = dict(max_steps=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
     return {
@@ -51,6 +70,7 @@ def scenarios(world_size: int) -> dict[str, Any]:
         "adafactor": lambda s: run(s, TinyLM(optimizer="adafactor"), world_size, **fit),
         "gan_manual": lambda s: run(s, TinyGAN(), world_size, max_steps=10),
         "bf16_mixed": lambda s: run(s, TinyLM(scheduler=False), world_size, precision="bf16-mixed", max_steps=6),
+        "fp16_overflow": lambda s: run_fp16_overflow(s, world_size),
     }
 
 

@@ -1,0 +1,75 @@
+"""Unit tests of the pure layout arithmetic."""
+
+import random
+
+import pytest
+
+from lightning_zero.layout import plan_layout
+
+
+def _owned_elements(layout):
+    """(param, element) -> owning rank, from the per-rank pieces."""
+    owner = {}
+    for bucket in layout.buckets:
+        for rank in range(layout.world_size):
+            for pc in layout.pieces(bucket, rank):
+                assert 0 <= pc.chunk_offset and pc.chunk_offset + pc.length <= bucket.chunk_size
+                for e in range(pc.param_start, pc.param_start + pc.length):
+                    assert (pc.param, e) not in owner, "an element is owned twice"
+                    owner[(pc.param, e)] = rank
+    return owner
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_size", [1, 7, 64, 10_000])
+def test_every_element_owned_exactly_once(whole, world_size, bucket_size):
+    rng = random.Random(world_size * 1000 + bucket_size)
+    numels = [rng.choice([1, 3, 17, 40, 129]) for _ in range(23)]
+    groups = [0 if i % 3 else 1 for i in range(23)]
+    layout = plan_layout(numels, groups, world_size, bucket_size, whole_params=whole)
+    owner = _owned_elements(layout)
+    assert len(owner) == sum(numels)
+    # parameters are contiguous, disjoint ranges of the flat buffer
+    spans = sorted((layout.offsets[i], layout.offsets[i] + n) for i, n in enumerate(numels))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= layout.total
+    # a bucket never spans two groups, and a group's shard is contiguous
+    for bucket in layout.buckets:
+        assert {groups[p] for p in bucket.params} == {bucket.group}
+    assert layout.shard_size * world_size == layout.total
+    if whole:  # never split a tensor across ranks
+        assert all(len({owner[(p, e)] for e in range(n)}) == 1 for p, n in enumerate(numels))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_flat_padding_is_below_world_size_per_bucket(world_size):
+    numels = [1000, 333, 77, 5]
+    layout = plan_layout(numels, [0] * 4, world_size, bucket_size=256)
+    assert layout.total - sum(numels) <= (world_size - 1) * len(layout.buckets)
+    assert layout.max_bucket_elements <= 256 + world_size
+    assert len(layout.buckets) == -(-sum(numels) // (256 - 256 % world_size))
+
+
+def test_reverse_order_and_bucket_boundaries():
+    layout = plan_layout([6, 4, 10, 3], [0, 0, 0, 1], world_size=3, bucket_size=9)
+    # reverse registration order inside a group, group 1 after group 0
+    assert layout.offsets == (14, 10, 0, 21)
+    assert [(b.start, b.chunk_size, b.group) for b in layout.buckets] == [(0, 3, 0), (9, 3, 0), (18, 1, 0), (21, 1, 1)]
+    # parameter 2 (10 elements) spans the first two buckets
+    assert 2 in layout.buckets[0].params and 2 in layout.buckets[1].params
+
+
+def test_whole_params_balance_load():
+    layout = plan_layout([100, 60, 50, 40, 10], [0] * 5, world_size=2, bucket_size=10_000, whole_params=True)
+    (bucket,) = layout.buckets
+    loads = [sum(pc.length for pc in layout.pieces(bucket, r)) for r in range(2)]
+    assert sorted(loads) == [120, 140]
+    assert bucket.chunk_size == 140
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="same length"):
+        plan_layout([1, 2], [0], 2, 10)
+    with pytest.raises(ValueError, match="positive"):
+        plan_layout([1], [0], 0, 10)

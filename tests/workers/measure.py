@@ -1,0 +1,64 @@
+"""One rank of the measurement run: traffic per optimizer step and model-state bytes per rank, for ddp/zero1/zero2.
+
+Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS]``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_zero import TRAFFIC, ZeroStrategy, measure_model_states
+from tests.models import TinyLM
+
+warnings.filterwarnings("ignore")
+
+
+class Probe(L.Callback):
+    """Counts collective payload per optimizer step and measures model states after a backward."""
+
+    def __init__(self, measure_at: int = 2) -> None:
+        self.measure_at = measure_at
+        self.traffic: list[dict[str, Any]] = []
+        self.states: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        TRAFFIC.reset()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.traffic.append(TRAFFIC.snapshot())
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.measure_at and not self.states:
+            self.states = measure_model_states(pl_module, trainer.optimizers).as_dict()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    width, precision, strategies = int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    steps = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    results: dict[str, Any] = {}
+    for name in strategies:
+        L.seed_everything(0, verbose=False)
+        model = TinyLM(optimizer="adam", width=width, scheduler=False)
+        probe = Probe()
+        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), reduce_bucket_size=width * width)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size()
+                            if torch.distributed.is_initialized() else int(__import__("os").environ["WORLD_SIZE"]),
+                            precision=precision, max_steps=steps, gradient_clip_val=1.0, callbacks=[probe],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(model)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        results[name] = {"traffic": probe.traffic, "states": probe.states, "numel": numel,
+                         "bucket_elements": width * width}
+    torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()
