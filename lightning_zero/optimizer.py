@@ -136,6 +136,7 @@ class ShardedOptimizer:
         )
         self._hooks: list[Any] = []
         self._prepared = False
+        self.uninstalled = False
         self._install_into(optimizer)
         if policy.shards_grads:
             self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
@@ -269,7 +270,13 @@ class ShardedOptimizer:
         return full
 
     def uninstall(self) -> None:
-        """Remove the hooks and give the parameters their own full-precision storage back."""
+        """Remove the hooks and give the parameters their own full-precision storage back.
+
+        The master shard and the optimizer state stay, so a checkpoint can still be saved after ``fit`` returns.
+        """
+        if self.uninstalled:
+            return
+        self.uninstalled = True
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

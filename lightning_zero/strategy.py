@@ -183,6 +183,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._uninstall_engines()
+        self.engines = []
         super().setup_optimizers(trainer)
         _check_disjoint(self.optimizers)
         precision = self.precision_plugin
@@ -210,9 +211,9 @@ class ZeroStrategy(ParallelStrategy):
         super().teardown()
 
     def _uninstall_engines(self) -> None:
+        # The engines stay reachable after teardown: `trainer.save_checkpoint` after `fit` still needs their shards.
         for engine in self.engines:
             engine.uninstall()
-        self.engines = []
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

@@ -1,0 +1,141 @@
+"""Lightning integration in one process (world size 1, a user debugging on a laptop) and with the spawn launcher."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader
+
+import lightning_zero  # noqa: F401
+from lightning_zero import ZeroPrecision
+from tests.models import TinyLM, token_data
+
+
+def _trainer(strategy="zero2", **kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+class MetricLM(TinyLM):
+    """Logs a torchmetrics metric in validation and returns logits from predict."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=37)
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        tokens, targets = batch
+        self.val_acc(self(tokens).argmax(-1).reshape(-1), targets.reshape(-1))
+        self.log("val_acc", self.val_acc, on_epoch=True)
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def predict_dataloader(self):
+        return DataLoader(token_data(n=8, seed=5), batch_size=4)
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_fit_validate_test_predict(strategy):
+    L.seed_everything(0)
+    model = MetricLM()
+    trainer = _trainer(strategy, max_steps=8, val_check_interval=4, limit_val_batches=2)
+    trainer.fit(model)
+    assert 0.0 <= trainer.callback_metrics["val_acc"] <= 1.0
+    assert model.losses[-1] < model.losses[0]
+    assert _trainer(strategy).validate(model)[0]["val_loss"] > 0
+    assert _trainer(strategy).test(model)[0]["val_acc"] >= 0
+    predictions = _trainer(strategy).predict(model)
+    expected = model(token_data(n=8, seed=5).tensors[0][:4])
+    torch.testing.assert_close(predictions[0], expected)
+
+
+def test_second_fit_on_fresh_trainer_continues_from_trained_weights():
+    L.seed_everything(0)
+    model = TinyLM(scheduler=False)
+    _trainer("zero2", max_steps=4, precision="bf16-mixed").fit(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 handed back after a mixed run
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _trainer("zero1", max_steps=2).fit(model)
+    assert any(not torch.equal(weights[n], p) for n, p in model.named_parameters())
+
+
+def _fit_losses(tmp_path, epochs, ckpt_path=None, save_at=None, precision="32-true", strategy="zero2"):
+    """Train ``epochs`` epochs of 4 batches (2 optimizer steps each); the data restarts at each epoch boundary."""
+    L.seed_everything(0)
+    model = TinyLM()
+    trainer = _trainer(strategy, max_epochs=epochs, limit_train_batches=4, precision=precision,
+                       accumulate_grad_batches=2, gradient_clip_val=0.5)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    if save_at:
+        trainer.save_checkpoint(save_at)
+    return model.losses
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_checkpoint_resume_is_exact(tmp_path, precision):
+    full = _fit_losses(tmp_path, 6, precision=precision)
+    ckpt = tmp_path / "half.ckpt"
+    first = _fit_losses(tmp_path, 3, save_at=ckpt, precision=precision)
+    second = _fit_losses(tmp_path, 6, ckpt_path=ckpt, precision=precision)
+    assert len(first) == len(second) == 12 and first + second == full  # bit for bit: weights and optimizer state are restored exactly
+
+    checkpoint = torch.load(ckpt, weights_only=False)
+    assert all(v.dtype == torch.float32 for v in checkpoint["state_dict"].values())  # fp32 masters, not bf16
+    assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(list(TinyLM().parameters()))))
+    restored = TinyLM.load_from_checkpoint(ckpt)  # a plain Lightning checkpoint
+    assert isinstance(restored, TinyLM)
+
+
+def test_checkpoint_resumes_across_stages_and_under_ddp_format(tmp_path):
+    ckpt = tmp_path / "zero2.ckpt"
+    _fit_losses(tmp_path, 3, save_at=ckpt)
+    full = _fit_losses(tmp_path, 6)
+    resumed = _fit_losses(tmp_path, 6, ckpt_path=ckpt, strategy="zero1")
+    assert len(resumed) == 12 and resumed == full[len(full) - len(resumed):]
+    plain = TinyLM().configure_optimizers()["optimizer"]  # what DDP would restore into
+    plain.load_state_dict(torch.load(ckpt, weights_only=False)["optimizer_states"][0])  # same form as DDP's
+
+
+def test_loss_scaler_state_is_saved(tmp_path):
+    L.seed_everything(0)
+    precision = ZeroPrecision("16-mixed")
+    trainer = _trainer("zero2", plugins=[precision], max_steps=2)
+    trainer.fit(TinyLM(scheduler=False))
+    trainer.save_checkpoint(tmp_path / "fp16.ckpt")
+    saved = torch.load(tmp_path / "fp16.ckpt", weights_only=False)["ZeroPrecision"]
+    assert saved["scale"] == precision.scaler.scale and saved["good_steps"] == 2
+
+
+def test_optimizer_state_of_another_model_is_refused(tmp_path):
+    ckpt = tmp_path / "small.ckpt"
+    _fit_losses(tmp_path, 2, save_at=ckpt)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    checkpoint["optimizer_states"][0]["param_groups"][0]["params"].append(999)
+    torch.save(checkpoint, ckpt)
+    model = TinyLM()
+    with pytest.raises(ValueError, match="param groups of sizes"):
+        _trainer("zero2", max_steps=4).fit(model, ckpt_path=ckpt)
+
+
+def test_spawn_launcher_returns_trained_weights(monkeypatch):
+    # Earlier tests left this process's world-size-1 group (and its port) behind; spawn needs a fresh rendezvous.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    L.seed_everything(0)
+    model = TinyLM(scheduler=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = _trainer("zero2_spawn", devices=2, max_steps=3)
+    trainer.fit(model)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -1,0 +1,67 @@
+"""Traffic and model-state bytes per rank, measured on live runs, against DESIGN.md's table.
+
+Ψ is the number of trainable parameters. Stages 1 and 2 must move Ψ elements by reduce-scatter and Ψ by all-gather
+per optimizer step (2Ψ, as DDP's all-reduce) and never all-reduce gradients; the only all-reduce is the one-element
+global gradient norm for clipping. Model states per rank must match the table within 5%.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_zero import expected_model_state_bytes
+from tests.launch import launch
+
+WIDTH = 96
+
+
+@pytest.fixture(scope="module", params=[(2, "32-true"), (3, "bf16-mixed")], ids=["ws2-fp32", "ws3-bf16"])
+def measured(request, tmp_path_factory):
+    world_size, precision = request.param
+    out = tmp_path_factory.mktemp(f"measure{world_size}")
+    ranks = launch("measure.py", world_size, out, (str(WIDTH), precision, "ddp,zero1,zero2"), timeout=300)
+    return world_size, precision, ranks
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_traffic_is_2psi_per_step_without_gradient_all_reduce(measured, stage):
+    world_size, _, ranks = measured
+    for rank in ranks:
+        run = rank[stage]
+        psi = run["numel"]
+        buckets_padding = world_size * (psi // (run["bucket_elements"] - run["bucket_elements"] % world_size) + 2)
+        for step in run["traffic"][1:]:
+            elements = step["elements"]
+            assert set(elements) <= {"reduce_scatter", "all_gather", "all_reduce"}, elements
+            assert psi <= elements["reduce_scatter"] <= psi + buckets_padding
+            assert psi <= elements["all_gather"] <= psi + buckets_padding
+            assert elements.get("all_reduce", 0) <= 1  # the clipping norm; gradients are never all-reduced
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2"])
+def test_model_state_bytes_match_the_table(measured, stage):
+    world_size, precision, ranks = measured
+    number = {"ddp": 0, "zero1": 1, "zero2": 2}[stage]
+    for rank in ranks:
+        run = rank[stage]
+        expected = expected_model_state_bytes(run["numel"], world_size, number, precision)
+        measured_bytes = run["states"]["model_states"]
+        assert abs(measured_bytes - expected) <= 0.05 * expected, (stage, measured_bytes, expected, run["states"])
+
+
+def test_zero_saves_memory_in_the_order_of_the_stages(measured):
+    _, _, ranks = measured
+    for rank in ranks:
+        sizes = [rank[s]["states"]["model_states"] for s in ("ddp", "zero1", "zero2")]
+        assert sizes[0] > sizes[1] > sizes[2]
+
+
+def test_bucket_buffers_are_bounded_by_the_bucket_size(measured):
+    world_size, precision, ranks = measured
+    element_size = 4 if precision == "32-true" else 2
+    for rank in ranks:
+        for stage in ("zero1", "zero2"):
+            run = rank[stage]
+            # two pooled buffers (config default), each a bucket plus its reduce-scatter output
+            bound = 2 * (run["bucket_elements"] + world_size) * (1 + 1 / world_size) * element_size
+            assert 0 < run["states"]["comm_buffers"] <= bound
