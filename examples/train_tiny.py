@@ -30,7 +30,7 @@ TEXT = (
 class CharLM(L.LightningModule):
     """A character-level model: embedding, a few residual MLP blocks, a head."""
 
-    def __init__(self, vocab: int, width: int = 256, depth: int = 4, context: int = 32) -> None:
+    def __init__(self, vocab: int, width: int = 256, depth: int = 4, context: int = 32, lr: float = 3e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab, width)
@@ -54,7 +54,7 @@ class CharLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
 class MemoryReport(L.Callback):

@@ -26,14 +26,20 @@ from lightning_zero.layout import Bucket, FlatLayout
 
 @dataclass
 class _Slot:
-    """One pooled buffer pair, sized for the largest bucket: the bucket input and the reduce-scatter output."""
+    """One pooled buffer, sized for the largest bucket, and (only once accumulation needs it) a side output."""
 
     bucket: torch.Tensor
-    out: torch.Tensor
+    out: Optional[torch.Tensor] = None
 
     def input(self, bucket: Bucket, world_size: int) -> torch.Tensor:
         """The part of the input buffer that ``bucket`` uses."""
         return self.bucket[: bucket.chunk_size * world_size]
+
+    def output(self, bucket: Bucket, world_size: int) -> torch.Tensor:
+        """The side output for a reduce-scatter that must be added to the shard (gradient accumulation)."""
+        if self.out is None:
+            self.out = torch.empty(self.bucket.numel() // world_size, dtype=self.bucket.dtype, device=self.bucket.device)
+        return self.out[: bucket.chunk_size]
 
 
 class GradientReducer:
@@ -63,6 +69,8 @@ class GradientReducer:
         self._open: dict[int, _Slot] = {}
         self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
         self._free: list[_Slot] = []
+        self.buffers_allocated = 0
+        """How many bucket buffers were ever made (the pool's high-water mark, see [Note: constant memory])."""
         self._param_parts: list[list[tuple[Bucket, int, int, int]]] = [[] for _ in layout.numels]
         for bucket in layout.buckets:
             for p, start, length, offset in layout.bucket_pieces(bucket):
@@ -112,12 +120,13 @@ class GradientReducer:
         """Free the pooled bucket buffers (they are made again on demand)."""
         self.wait()
         self._free.clear()
+        self.buffers_allocated = len(self._open)
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes held by bucket buffers right now."""
         slots = list(self._open.values()) + self._free + [s for _, _, s, _ in self._in_flight]
-        return sum(s.bucket.numel() * s.bucket.element_size() + s.out.numel() * s.out.element_size() for s in slots)
+        return sum(t.numel() * t.element_size() for s in slots for t in (s.bucket, s.out) if t is not None)
 
     # ------------------------------------------------------------------ internals
     def _shard(self) -> torch.Tensor:
@@ -138,11 +147,8 @@ class GradientReducer:
             self._finish_oldest()
         if self._free:
             return self._free.pop()
-        size = self.layout.max_bucket_elements
-        return _Slot(
-            torch.empty(size, dtype=self.dtype, device=self.device),
-            torch.empty(size // self.layout.world_size, dtype=self.dtype, device=self.device),
-        )
+        self.buffers_allocated += 1
+        return _Slot(torch.empty(self.layout.max_bucket_elements, dtype=self.dtype, device=self.device))
 
     def _busy(self) -> int:
         return len(self._open) + len(self._in_flight)
@@ -152,7 +158,7 @@ class GradientReducer:
         self._received[bucket.index] = 0
         data = slot.input(bucket, self.layout.world_size).div_(self.layout.world_size)
         accumulate = self._written[bucket.index]
-        target = slot.out[: bucket.chunk_size] if accumulate else self._shard_slice(bucket)
+        target = slot.output(bucket, self.layout.world_size) if accumulate else self._shard_slice(bucket)
         work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
         self._in_flight.append((bucket, work, slot, accumulate))
@@ -163,7 +169,7 @@ class GradientReducer:
         bucket, work, slot, accumulate = self._in_flight.popleft()
         work.wait()
         if accumulate:
-            self._shard_slice(bucket).add_(slot.out[: bucket.chunk_size])
+            self._shard_slice(bucket).add_(slot.output(bucket, self.layout.world_size))
         self._free.append(slot)
 
     def _shard_slice(self, bucket: Bucket) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""The gradient reducer in one process: constant buffer memory whatever the number of buckets, exact shards."""
+
+import random
+
+import torch
+
+from lightning_zero.buckets import GradientReducer
+from lightning_zero.layout import plan_layout
+
+
+def _reducer(numels, bucket_size, max_buffers=2):
+    layout = plan_layout(numels, [0] * len(numels), world_size=1, bucket_size=bucket_size)
+    return layout, GradientReducer(layout, 0, torch.float32, torch.device("cpu"), max_buffers, overlap=True)
+
+
+def _expected_shard(layout, grads):
+    flat = torch.zeros(layout.total)
+    for g, offset in zip(grads, layout.offsets):
+        flat[offset : offset + g.numel()] = g.reshape(-1)
+    return flat
+
+
+def test_buffers_do_not_grow_with_the_number_of_buckets():
+    for num_params in (10, 100):
+        numels = [37] * num_params
+        layout, reducer = _reducer(numels, bucket_size=50)
+        assert len(layout.buckets) >= num_params * 37 // 50
+        grads = [torch.randn(n) for n in numels]
+        for j in reversed(range(num_params)):  # backward order
+            reducer.add_grad(j, grads[j])
+        torch.testing.assert_close(reducer.finalize(), _expected_shard(layout, grads))
+        assert reducer.buffers_allocated <= 2, (num_params, reducer.buffers_allocated)
+
+
+def test_out_of_order_gradients_and_accumulation():
+    numels = [5, 40, 3, 64, 1, 17]
+    layout, reducer = _reducer(numels, bucket_size=16)
+    grads = [torch.randn(n) for n in numels]
+    order = list(range(len(numels)))
+    random.Random(0).shuffle(order)
+    for _ in range(2):  # two micro-batches accumulate
+        for j in order:
+            reducer.add_grad(j, grads[j])
+        reducer.flush()
+        reducer.wait()
+    torch.testing.assert_close(reducer.finalize(), 2 * _expected_shard(layout, grads))
+    reducer.clear(release=False)
+    reducer.add_grad(1, grads[1])  # one parameter only: the rest of the shard must read as zero, not stale
+    shard = reducer.finalize()
+    expected = _expected_shard(layout, [g if j == 1 else torch.zeros_like(g) for j, g in enumerate(grads)])
+    torch.testing.assert_close(shard, expected)
