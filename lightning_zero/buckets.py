@@ -6,6 +6,13 @@ pool of ``bucket_buffers`` tensors of the largest bucket's size; when all are bu
 flight is waited for and its buffer reused. Peak memory is therefore ``bucket_buffers`` (or the number of buckets
 filling at the same moment, if that is larger) times the bucket size, whatever the number of buckets.
 
+[Note: lockstep]
+Collectives are matched across ranks by the order in which they are issued, so every rank must launch the same
+buckets in the same order. Buckets are launched strictly by index (a bucket that fills early waits for its
+predecessors, as in DDP's reducer), and a round ends with a flush that launches every remaining bucket, zeros where
+this rank received no gradient. Rounds end at call sites every rank passes together: the end of each backward
+(stage 2) and the start of the optimizer step (stage 1).
+
 [Note: averaging and accumulation]
 Each bucket is divided by the world size before the reduce-scatter, so the sum is DDP's mean gradient. The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
@@ -66,6 +73,8 @@ class GradientReducer:
         self._written = [False] * len(layout.buckets)  # shard slice holds gradients since the last clear
         self._expected = [sum(length for _, _, length, _ in layout.bucket_pieces(b)) for b in layout.buckets]
         self._received = [0] * len(layout.buckets)
+        self._next = 0  # the next bucket to launch in this round
+        self._pending = False  # gradients arrived since the last flush
         self._open: dict[int, _Slot] = {}
         self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
         self._free: list[_Slot] = []
@@ -78,28 +87,36 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ filling
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
-        """Copy the gradient of one parameter into its bucket(s); launch every bucket that becomes full."""
+        """Copy the gradient of one parameter into its bucket(s); launch the buckets that are full, in order."""
         flat = grad.detach().reshape(-1)
+        self._pending = True
         for bucket, start, length, offset in self._param_parts[param_index]:
             view = self._slot_for(bucket).input(bucket, self.layout.world_size)
             view[offset : offset + length].copy_(flat[start : start + length])
             self._received[bucket.index] += length
-            if self._received[bucket.index] == self._expected[bucket.index]:
-                self._launch(bucket)
+        while self._next < len(self.layout.buckets) and self._received[self._next] == self._expected[self._next]:
+            self._launch(self.layout.buckets[self._next])
 
-    def flush(self) -> None:
-        """Launch the buckets that are only partly filled (parameters that got no gradient count as zero)."""
-        for index in sorted(self._open):
-            self._launch(self.layout.buckets[index])
+    def flush(self, force: bool = True) -> None:
+        """End the round: launch every bucket not launched yet, in order, parts that got no gradient as zeros.
+
+        See [Note: lockstep]. ``force=False`` only flushes if this rank received gradients since the last flush.
+        """
+        if force or self._pending:
+            for bucket in self.layout.buckets[self._next :]:
+                self._slot_for(bucket)
+                self._launch(bucket)
+        self._next = 0
+        self._pending = False
 
     def wait(self) -> None:
         """Wait for every reduce-scatter in flight and accumulate its result."""
         while self._in_flight:
             self._finish_oldest()
 
-    def finalize(self) -> torch.Tensor:
+    def finalize(self, force: bool) -> torch.Tensor:
         """Flush, wait, and zero the shard slices no gradient reached; returns the complete gradient shard."""
-        self.flush()
+        self.flush(force)
         self.wait()
         shard = self._shard()
         for bucket in self.layout.buckets:
@@ -109,9 +126,12 @@ class GradientReducer:
         return shard
 
     def clear(self, release: bool) -> None:
-        """Forget accumulated gradients; ``release`` also frees the shard's memory (stage 1 keeps it only per step)."""
-        self.flush()
+        """Forget accumulated gradients without communicating; ``release`` also frees the shard's memory."""
         self.wait()
+        self._free.extend(self._open.values())
+        self._open.clear()
+        self._received = [0] * len(self.layout.buckets)
+        self._next, self._pending = 0, False
         self._written = [False] * len(self.layout.buckets)
         if release:
             self.grad_shard = None
@@ -155,6 +175,7 @@ class GradientReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         slot = self._open.pop(bucket.index)
+        self._next = bucket.index + 1
         self._received[bucket.index] = 0
         data = slot.input(bucket, self.layout.world_size).div_(self.layout.world_size)
         accumulate = self._written[bucket.index]

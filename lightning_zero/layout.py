@@ -1,19 +1,22 @@
 """Pure arithmetic: where every parameter lives in a flat buffer, and which slice of it each rank owns.
 
 [Note: the flat layout]
-The parameters managed by one optimizer are laid end to end in one flat buffer, param group by param group, each
-parameter in one contiguous range (so a parameter can be a view of the buffer). The buffer is cut into buckets of at
-most ``bucket_size`` elements; a bucket never spans two param groups. Every bucket is split into ``world_size`` equal
-chunks (the bucket is padded to a multiple of ``world_size``), and rank ``r`` owns chunk ``r`` of every bucket. A
-rank's *shard* is the concatenation of its chunks, so a reduce-scatter of one bucket lands in one contiguous slice of
-every rank's shard, and the shard of one param group is contiguous too (the optimizer sees one tensor per bucket).
+The parameters managed by one optimizer are laid end to end in one flat buffer, each parameter in one contiguous
+range (so a parameter can be a view of the buffer). The buffer is cut into buckets of at most ``bucket_size``
+elements; a bucket never spans two param groups (the optimizer sees one tensor per bucket, in that bucket's group).
+Every bucket is split into ``world_size`` equal chunks (the bucket is padded to a multiple of ``world_size``), and
+rank ``r`` owns chunk ``r`` of every bucket. A rank's *shard* is the concatenation of its chunks, so a
+reduce-scatter of one bucket lands in one contiguous slice of every rank's shard.
 
 With ``whole_params=True`` (optimizers whose update is not elementwise) a chunk holds whole parameters only: the
 parameters of a bucket are dealt to the chunks largest first (longest-processing-time rule) and the chunk size is the
 largest load, so some padding is the price of never splitting a tensor.
 
-Parameters are laid out in reverse registration order, which approximates the order in which backward produces
-their gradients, so buckets fill one after the other.
+Within a param group, parameters are laid out in reverse registration order, which approximates the order in which
+backward produces their gradients. Buckets are reduced strictly in index order (see ``buckets.py``), so buckets of
+all groups are ordered by when they should be complete: the latest of their parameters in reverse registration
+order. Buckets linked by a parameter that spans them stay adjacent. Then the buckets fill and launch one after the
+other even when groups interleave (decay / no-decay groups, layer-wise learning rates).
 """
 
 from __future__ import annotations
@@ -96,10 +99,6 @@ class FlatLayout:
         start = bucket.start + rank * bucket.chunk_size
         return start, start + bucket.chunk_size
 
-    def group_buckets(self, group: int) -> list[Bucket]:
-        """The buckets of one param group, in shard order."""
-        return [b for b in self.buckets if b.group == group]
-
     def pieces(self, bucket: Bucket, rank: int) -> list[Piece]:
         """The parts of parameters that fall in ``rank``'s chunk of ``bucket``, in flat order."""
         return self._pieces[bucket.index][rank]
@@ -144,19 +143,29 @@ def plan_layout(
         raise ValueError("`numels` and `groups` must have the same length.")
     if world_size < 1 or bucket_size < 1:
         raise ValueError(f"world_size and bucket_size must be positive, got {world_size} and {bucket_size}.")
+    plan = _plan_whole if whole_params else _plan_flat
+    chains: list[list[tuple[int, _BucketPlan]]] = []
+    for group in sorted(set(groups)):
+        members = [i for i in reversed(range(len(numels))) if groups[i] == group]
+        for bucket_plan in plan(members, numels, world_size, bucket_size):
+            previous = chains[-1][-1] if chains else None
+            if previous and previous[0] == group and set(previous[1][0]) & set(bucket_plan[0]):
+                chains[-1].append((group, bucket_plan))  # a parameter spans both: keep them adjacent
+            else:
+                chains.append([(group, bucket_plan)])
+    # Launch order is bucket order: sort by when a bucket is expected to be complete in backward, i.e. by the
+    # latest of its parameters in reverse registration order (see [Note: the flat layout]).
+    chains.sort(key=lambda chain: max((len(numels) - 1 - p for _, (params, _, _) in chain for p in params), default=0))
     offsets = [0] * len(numels)
     buckets: list[Bucket] = []
     cursor = shard_cursor = 0
-    plan = _plan_whole if whole_params else _plan_flat
-    for group in sorted(set(groups)):
-        members = [i for i in reversed(range(len(numels))) if groups[i] == group]
-        for params, chunk_size, begins in plan(members, numels, world_size, bucket_size):
-            for p, off in begins.items():
-                offsets[p] = cursor + off
-            ordered = tuple(sorted(params, key=lambda p: offsets[p]))
-            buckets.append(Bucket(len(buckets), group, cursor, chunk_size, shard_cursor, ordered))
-            cursor += chunk_size * world_size
-            shard_cursor += chunk_size
+    for group, (params, chunk_size, begins) in (item for chain in chains for item in chain):
+        for p, off in begins.items():
+            offsets[p] = cursor + off
+        ordered = tuple(sorted(params, key=lambda p: offsets[p]))
+        buckets.append(Bucket(len(buckets), group, cursor, chunk_size, shard_cursor, ordered))
+        cursor += chunk_size * world_size
+        shard_cursor += chunk_size
     return FlatLayout(world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params)
 
 

@@ -201,7 +201,7 @@ class ShardedOptimizer:
     def finish_backward(self) -> None:
         """End of one backward pass: stage 2 launches the partly filled buckets and waits for all of them."""
         if self.policy.shards_grads:
-            self.reducer.flush()
+            self.reducer.flush(force=True)
             self.reducer.wait()
 
     def prepare_step(self) -> None:
@@ -219,7 +219,8 @@ class ShardedOptimizer:
                 if p.grad is not None:
                     self.reducer.add_grad(j, p.grad)
                     p.grad = None
-        shard = self.reducer.finalize()
+        # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
+        shard = self.reducer.finalize(force=not self.policy.shards_grads)
         for slot, master in zip(self.slots, self.masters):
             grad = shard[slot.start : slot.start + slot.length].view(slot.shape)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)

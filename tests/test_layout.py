@@ -53,11 +53,20 @@ def test_flat_padding_is_below_world_size_per_bucket(world_size):
 
 def test_reverse_order_and_bucket_boundaries():
     layout = plan_layout([6, 4, 10, 3], [0, 0, 0, 1], world_size=3, bucket_size=9)
-    # reverse registration order inside a group, group 1 after group 0
-    assert layout.offsets == (14, 10, 0, 21)
-    assert [(b.start, b.chunk_size, b.group) for b in layout.buckets] == [(0, 3, 0), (9, 3, 0), (18, 1, 0), (21, 1, 1)]
-    # parameter 2 (10 elements) spans the first two buckets
-    assert 2 in layout.buckets[0].params and 2 in layout.buckets[1].params
+    # parameter 3 (group 1) is the first whose gradient backward produces: its bucket is launched first; group 0
+    # follows in reverse registration order, parameter 2 (10 elements) spanning its first two buckets
+    assert layout.offsets == (17, 13, 3, 0)
+    assert [(b.start, b.chunk_size, b.group) for b in layout.buckets] == [(0, 1, 1), (3, 3, 0), (12, 3, 0), (21, 1, 0)]
+    assert 2 in layout.buckets[1].params and 2 in layout.buckets[2].params
+
+
+def test_interleaved_groups_complete_in_launch_order():
+    # weight/bias pairs in alternating groups (decay / no-decay): the bias bucket holds every layer's bias, so it
+    # completes with the first layer's bias, just before that layer's weight; weight buckets in backward order
+    numels = [64, 4] * 4
+    groups = [0, 1] * 4
+    layout = plan_layout(numels, groups, world_size=2, bucket_size=64)
+    assert [b.params for b in layout.buckets] == [(6,), (4,), (2,), (7, 5, 3, 1), (0,)]
 
 
 def test_whole_params_balance_load():

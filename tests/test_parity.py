@@ -14,7 +14,8 @@ import torch
 from tests.launch import launch
 
 FP32_SCENARIOS = ["adamw", "sgd_value_clip", "adafactor", "gan_manual"]
-ALL = FP32_SCENARIOS + ["bf16_mixed", "fp16_overflow"]
+CHECKPOINTS = ["checkpoint_adamw", "checkpoint_adafactor"]
+ALL = FP32_SCENARIOS + ["bf16_mixed", "fp16_overflow"] + CHECKPOINTS
 # fp32: the only difference to DDP is the order of the gradient sums (reduce-scatter of pre-divided buckets versus
 # DDP's all-reduce), i.e. rounding; the bound is 1e-5 relative.
 RTOL = 1e-5
@@ -56,7 +57,7 @@ def test_lr_schedule_and_param_groups_kept(results):
         assert runs["ddp"]["lr"][1] == pytest.approx(2 * runs["ddp"]["lr"][0])  # two groups, two learning rates
 
 
-@pytest.mark.parametrize("scenario", ALL)
+@pytest.mark.parametrize("scenario", ALL[:-len(CHECKPOINTS)])
 def test_every_rank_ends_with_the_same_weights(results, scenario):
     for stage in ("zero1", "zero2"):
         first = results[0][scenario][stage]["params"]
@@ -86,3 +87,25 @@ def test_fp16_overflow_skips_the_step_on_every_rank(results):
         assert all(s["scale"] == 1024.0 and s["good_steps"] == 3 for s in scalers), scalers
         losses = results[0]["fp16_overflow"][stage]["losses"]
         assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("scenario", CHECKPOINTS)
+def test_checkpoint_resumes_under_another_stage(results, scenario, stage):
+    for rank_result in results:
+        run = rank_result[scenario][stage]
+        _assert_losses_close(run["resumed"], run["straight"], RTOL)
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("scenario", CHECKPOINTS)
+def test_checkpoint_has_the_content_of_a_ddp_checkpoint(results, scenario, stage):
+    ddp = torch.load(results[0][scenario]["ddp"]["ckpt"], weights_only=False)
+    zero = torch.load(results[0][scenario][stage]["ckpt"], weights_only=False)
+    _assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
+    ddp_opt, zero_opt = ddp["optimizer_states"][0], zero["optimizer_states"][0]
+    assert [g["params"] for g in zero_opt["param_groups"]] == [g["params"] for g in ddp_opt["param_groups"]]
+    assert zero_opt["state"].keys() == ddp_opt["state"].keys()
+    for index, expected in ddp_opt["state"].items():
+        assert zero_opt["state"][index].keys() == expected.keys()
+        _assert_params_close(zero_opt["state"][index], expected, RTOL)

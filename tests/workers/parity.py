@@ -61,6 +61,31 @@ def run_fp16_overflow(name: str, world_size: int) -> dict:
     return result
 
 
+def run_checkpoint(name: str, world_size: int, out: Path, optimizer: str) -> dict:
+    """Train 2 epochs and save; resume under zero1 for a third; compare with 3 uninterrupted epochs (zero2)."""
+    fit = dict(limit_train_batches=4, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    ckpt = out / f"{name}-{optimizer}.ckpt"
+
+    def trainer(kind: str, epochs: int) -> L.Trainer:
+        return L.Trainer(strategy=strategy(kind, reduce_bucket_size=SMALL_BUCKET), accelerator="cpu",
+                         devices=world_size, max_epochs=epochs, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **fit)
+
+    L.seed_everything(0, verbose=False)
+    first = trainer(name, 2)
+    first.fit(TinyLM(optimizer=optimizer))
+    first.save_checkpoint(ckpt)
+    if name == "ddp":
+        return {"ckpt": str(ckpt)}
+    L.seed_everything(0, verbose=False)
+    resumed = TinyLM(optimizer=optimizer)
+    trainer("zero1", 3).fit(resumed, ckpt_path=ckpt)
+    L.seed_everything(0, verbose=False)
+    straight = TinyLM(optimizer=optimizer)
+    trainer(name, 3).fit(straight)
+    return {"ckpt": str(ckpt), "resumed": resumed.losses, "straight": straight.losses[-len(resumed.losses):]}
+
+
 def scenarios(world_size: int) -> dict[str, Any]:
     fit = dict(max_steps=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
     return {
@@ -71,11 +96,17 @@ def scenarios(world_size: int) -> dict[str, Any]:
         "gan_manual": lambda s: run(s, TinyGAN(), world_size, max_steps=10),
         "bf16_mixed": lambda s: run(s, TinyLM(scheduler=False), world_size, precision="bf16-mixed", max_steps=6),
         "fp16_overflow": lambda s: run_fp16_overflow(s, world_size),
+        "checkpoint_adamw": lambda s: run_checkpoint(s, world_size, OUT, "adamw"),
+        "checkpoint_adafactor": lambda s: run_checkpoint(s, world_size, OUT, "adafactor"),
     }
 
 
+OUT = Path(".")
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
+    global OUT
+    out = OUT = Path(sys.argv[1])
     names = sys.argv[2].split(",")
     strategies = sys.argv[3].split(",")
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
