@@ -94,8 +94,9 @@ class GradientReducer:
             view = self._slot_for(bucket).input(bucket, self.layout.world_size)
             view[offset : offset + length].copy_(flat[start : start + length])
             self._received[bucket.index] += length
-        while self._next < len(self.layout.buckets) and self._received[self._next] == self._expected[self._next]:
-            self._launch(self.layout.buckets[self._next])
+            # launch before filling the next part: a parameter spanning many buckets needs no more buffers
+            while self._next < len(self.layout.buckets) and self._received[self._next] == self._expected[self._next]:
+                self._launch(self.layout.buckets[self._next])
 
     def flush(self, force: bool = True) -> None:
         """End the round: launch every bucket not launched yet, in order, parts that got no gradient as zeros.

@@ -12,10 +12,9 @@ With ``whole_params=True`` (optimizers whose update is not elementwise) a chunk 
 parameters of a bucket are dealt to the chunks largest first (longest-processing-time rule) and the chunk size is the
 largest load, so some padding is the price of never splitting a tensor.
 
-Within a param group, parameters are laid out in reverse registration order, which approximates the order in which
-backward produces their gradients. Buckets are reduced strictly in index order (see ``buckets.py``), so buckets of
-all groups are ordered by when they should be complete: the latest of their parameters in reverse registration
-order. Buckets linked by a parameter that spans them stay adjacent. Then the buckets fill and launch one after the
+Within a param group, parameters are laid out in the order backward is expected to produce their gradients: the
+reverse of the module's registration order (not of the optimizer's list, which users often sort by kind). Buckets are reduced strictly in index order (see ``buckets.py``), so buckets of
+all groups are ordered by when they should be complete: the latest of their parameters in that order. Buckets linked by a parameter that spans them stay adjacent. Then the buckets fill and launch one after the
 other even when groups interleave (decay / no-decay groups, layer-wise learning rates).
 """
 
@@ -24,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -134,19 +133,22 @@ def plan_layout(
     world_size: int,
     bucket_size: int,
     whole_params: bool = False,
+    ready_order: Optional[Sequence[int]] = None,
 ) -> FlatLayout:
     """Place parameters of the given sizes (``groups[i]`` is the param group of parameter ``i``) in a flat buffer.
 
-    Within a group, parameters are placed in reverse order (see [Note: the flat layout]).
+    ``ready_order[i]`` says when backward is expected to produce parameter ``i``'s gradient (smaller is earlier);
+    by default the reverse of the list order. See [Note: the flat layout].
     """
     if len(numels) != len(groups):
         raise ValueError("`numels` and `groups` must have the same length.")
     if world_size < 1 or bucket_size < 1:
         raise ValueError(f"world_size and bucket_size must be positive, got {world_size} and {bucket_size}.")
+    ready = list(ready_order) if ready_order is not None else [len(numels) - 1 - i for i in range(len(numels))]
     plan = _plan_whole if whole_params else _plan_flat
     chains: list[list[tuple[int, _BucketPlan]]] = []
     for group in sorted(set(groups)):
-        members = [i for i in reversed(range(len(numels))) if groups[i] == group]
+        members = sorted((i for i in range(len(numels)) if groups[i] == group), key=lambda i: ready[i])
         for bucket_plan in plan(members, numels, world_size, bucket_size):
             previous = chains[-1][-1] if chains else None
             if previous and previous[0] == group and set(previous[1][0]) & set(bucket_plan[0]):
@@ -155,7 +157,7 @@ def plan_layout(
                 chains.append([(group, bucket_plan)])
     # Launch order is bucket order: sort by when a bucket is expected to be complete in backward, i.e. by the
     # latest of its parameters in reverse registration order (see [Note: the flat layout]).
-    chains.sort(key=lambda chain: max((len(numels) - 1 - p for _, (params, _, _) in chain for p in params), default=0))
+    chains.sort(key=lambda chain: max((ready[p] for _, (params, _, _) in chain for p in params), default=0))
     offsets = [0] * len(numels)
     buckets: list[Bucket] = []
     cursor = shard_cursor = 0

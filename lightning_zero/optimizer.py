@@ -104,6 +104,7 @@ class ShardedOptimizer:
         working_dtype: torch.dtype,
         master_dtype: torch.dtype,
         device: torch.device,
+        module: Optional[torch.nn.Module] = None,
         group: Optional[Any] = None,
     ) -> None:
         check_optimizer(optimizer)
@@ -123,6 +124,7 @@ class ShardedOptimizer:
             self.world_size,
             config.reduce_bucket_size,
             whole_params=not is_elementwise(optimizer, config),
+            ready_order=_backward_order(self.params, module),
         )
         self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
         self.slots = self._plan_slots()
@@ -200,7 +202,7 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ step
     def finish_backward(self) -> None:
         """End of one backward pass: stage 2 launches the partly filled buckets and waits for all of them."""
-        if self.policy.shards_grads:
+        if self.policy.shards_grads and not self.uninstalled:
             self.reducer.flush(force=True)
             self.reducer.wait()
 
@@ -286,6 +288,13 @@ class ShardedOptimizer:
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
             p.data = full[offset : offset + p.numel()].view_as(p)
+
+
+def _backward_order(params: list[Tensor], module: Optional[torch.nn.Module]) -> list[int]:
+    """When backward should produce each parameter's gradient: the reverse of the module's registration order."""
+    registered = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
+    fallback = len(registered)
+    return [-registered.get(id(p), fallback + i) for i, p in enumerate(params)]
 
 
 def _check_params(params: list[Tensor], optimizer: Optimizer) -> None:

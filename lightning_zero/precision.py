@@ -95,7 +95,7 @@ class ZeroPrecision(Precision):
         loss_scaler: the scaler for ``"16-mixed"``; a default dynamic one is made when omitted.
     """
 
-    def __init__(self, precision: Union[str, int] = "32-true", device_type: str = "cpu",
+    def __init__(self, precision: ZeroPrecisionInput = "32-true", device_type: str = "cpu",
                  loss_scaler: Optional[LossScaler] = None) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
         self.device_type = device_type

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_zero import collectives
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
-from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.optimizer import ShardedOptimizer, check_optimizer
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.stages import policy_for
 from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
@@ -189,7 +189,7 @@ class ZeroStrategy(ParallelStrategy):
         precision = self.precision_plugin
         self.engines = [
             ShardedOptimizer(opt, self.policy, self.config, precision.working_dtype, precision.master_dtype,
-                             self.root_device)
+                             self.root_device, module=self.lightning_module)
             for opt in self.optimizers
         ]
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
@@ -312,6 +312,7 @@ def _broadcast_module_states(module: torch.nn.Module) -> None:
 def _check_disjoint(optimizers: list[Optimizer]) -> None:
     seen: set[int] = set()
     for optimizer in optimizers:
+        check_optimizer(optimizer)
         for p in (p for group in optimizer.param_groups for p in group["params"]):
             if id(p) in seen:
                 raise ValueError(

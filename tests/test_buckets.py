@@ -49,3 +49,12 @@ def test_out_of_order_gradients_and_accumulation():
     shard = reducer.finalize(force=True)
     expected = _expected_shard(layout, [g if j == 1 else torch.zeros_like(g) for j, g in enumerate(grads)])
     torch.testing.assert_close(shard, expected)
+
+
+def test_a_parameter_spanning_many_buckets_needs_no_more_buffers():
+    layout, reducer = _reducer([1000, 3], bucket_size=64)
+    grads = [torch.randn(1000), torch.randn(3)]
+    reducer.add_grad(1, grads[1])
+    reducer.add_grad(0, grads[0])
+    torch.testing.assert_close(reducer.finalize(force=True), _expected_shard(layout, grads))
+    assert len(layout.buckets) == 16 and reducer.buffers_allocated <= 2
