@@ -6,12 +6,10 @@ Every option is checked when the strategy is constructed, so a bad value fails b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
-#: Stages this version implements. Stage 3 lands in its own change.
-SUPPORTED_STAGES = (1, 2)
-#: Every stage the paper defines; used to tell "not yet" from "does not exist".
-KNOWN_STAGES = (1, 2, 3)
+#: Stages this version implements.
+SUPPORTED_STAGES = (1, 2, 3)
 
 DEFAULT_BUCKET_ELEMENTS = 25_000_000
 
@@ -35,6 +33,13 @@ class ZeroConfig:
     elementwise_optimizers: tuple[str, ...] = field(default_factory=tuple)
     """Extra optimizer class names (``"mypkg.MyAdam"`` or ``"MyAdam"``) whose update is elementwise, so that they may
     be stepped on flat slices."""
+    unit_classes: tuple[Union[type, str], ...] = field(default_factory=tuple)
+    """Stage 3: module classes (or class names) gathered as one unit; default: the children of ``nn.ModuleList`` and
+    ``nn.Sequential`` and every other module with parameters."""
+    persistence_threshold: int = 100_000
+    """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
+    prefetch_size: int = 50_000_000
+    """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
@@ -48,17 +53,23 @@ class ZeroConfig:
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"`elementwise_optimizers` must be a list of class names, got {names!r}.")
         object.__setattr__(self, "elementwise_optimizers", tuple(names))
+        classes = self.unit_classes
+        if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
+            raise TypeError(f"`unit_classes` must be a list of module classes or class names, got {classes!r}.")
+        object.__setattr__(self, "unit_classes", tuple(classes))
+        for name in ("persistence_threshold", "prefetch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
 
 
 def _check_stage(stage: object) -> None:
     if isinstance(stage, bool) or not isinstance(stage, int):
-        raise TypeError(f"`stage` must be an int (1 or 2), got {stage!r}.")
-    if stage == 3 and 3 not in SUPPORTED_STAGES:
-        raise ValueError("ZeRO stage 3 is not available in this version yet; use `stage=1` or `stage=2`.")
+        raise TypeError(f"`stage` must be an int (1, 2 or 3), got {stage!r}.")
     if stage not in SUPPORTED_STAGES:
         raise ValueError(
-            f"ZeRO has no stage {stage}. Pick one of {list(SUPPORTED_STAGES)} "
-            "(1: optimizer states, 2: + gradients), e.g. `ZeroStrategy(stage=2)` or `strategy='zero2'`."
+            f"ZeRO has no stage {stage}. Pick one of {list(SUPPORTED_STAGES)} (1: optimizer states, 2: + gradients, "
+            "3: + parameters), e.g. `ZeroStrategy(stage=2)` or `strategy='zero2'`."
         )
 
 

@@ -55,6 +55,8 @@ class Bucket:
     """Where this bucket's chunk starts inside a rank's shard (the same on every rank)."""
     params: tuple[int, ...]
     """Indices of the parameters that overlap this bucket."""
+    unit: int = 0
+    """Stage 3: the unit (gathered together) this bucket belongs to."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class FlatLayout:
     """Offset of each parameter in the flat buffer."""
     buckets: tuple[Bucket, ...]
     whole_params: bool
+    param_units: tuple[int, ...] = ()
+    """Stage 3: the unit of each parameter."""
 
     @property
     def total(self) -> int:
@@ -92,6 +96,15 @@ class FlatLayout:
     def bucket_range(self, bucket: Bucket) -> tuple[int, int]:
         """The ``[start, end)`` range of ``bucket`` in the flat buffer."""
         return bucket.start, bucket.start + bucket.chunk_size * self.world_size
+
+    def unit_buckets(self, unit: int) -> list[Bucket]:
+        """The (adjacent) buckets of one stage-3 unit."""
+        return [b for b in self.buckets if b.unit == unit]
+
+    def unit_range(self, unit: int) -> tuple[int, int]:
+        """The ``[start, end)`` range of one stage-3 unit in the flat buffer."""
+        buckets = self.unit_buckets(unit)
+        return (buckets[0].start, self.bucket_range(buckets[-1])[1]) if buckets else (0, 0)
 
     def chunk_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
         """The ``[start, end)`` range of ``rank``'s chunk of ``bucket`` in the flat buffer."""
@@ -134,11 +147,14 @@ def plan_layout(
     bucket_size: int,
     whole_params: bool = False,
     ready_order: Optional[Sequence[int]] = None,
+    units: Optional[Sequence[int]] = None,
 ) -> FlatLayout:
     """Place parameters of the given sizes (``groups[i]`` is the param group of parameter ``i``) in a flat buffer.
 
     ``ready_order[i]`` says when backward is expected to produce parameter ``i``'s gradient (smaller is earlier);
-    by default the reverse of the list order. See [Note: the flat layout].
+    by default the reverse of the list order. ``units[i]`` (stage 3) is the unit of parameter ``i``: a bucket never
+    spans two units and the buckets of a unit are adjacent, so a unit is gathered as one range. See
+    [Note: the flat layout].
     """
     if len(numels) != len(groups):
         raise ValueError("`numels` and `groups` must have the same length.")
@@ -146,29 +162,36 @@ def plan_layout(
         raise ValueError(f"world_size and bucket_size must be positive, got {world_size} and {bucket_size}.")
     ready = list(ready_order) if ready_order is not None else [len(numels) - 1 - i for i in range(len(numels))]
     plan = _plan_whole if whole_params else _plan_flat
-    chains: list[list[tuple[int, _BucketPlan]]] = []
-    for group in sorted(set(groups)):
-        members = sorted((i for i in range(len(numels)) if groups[i] == group), key=lambda i: ready[i])
-        for bucket_plan in plan(members, numels, world_size, bucket_size):
-            previous = chains[-1][-1] if chains else None
-            if previous and previous[0] == group and set(previous[1][0]) & set(bucket_plan[0]):
-                chains[-1].append((group, bucket_plan))  # a parameter spans both: keep them adjacent
-            else:
-                chains.append([(group, bucket_plan)])
+    unit_of = list(units) if units is not None else [0] * len(numels)
+    chains: list[list[tuple[int, int, _BucketPlan]]] = []
+    for unit in sorted(set(unit_of)):
+        unit_start = len(chains)
+        for group in sorted(set(groups)):
+            members = sorted((i for i in range(len(numels)) if groups[i] == group and unit_of[i] == unit),
+                             key=lambda i: ready[i])
+            for bucket_plan in plan(members, numels, world_size, bucket_size):
+                previous = chains[-1][-1] if len(chains) > unit_start else None
+                same_unit = units is not None and previous is not None
+                spans = previous is not None and previous[1] == group and bool(set(previous[2][0]) & set(bucket_plan[0]))
+                if same_unit or spans:
+                    chains[-1].append((unit, group, bucket_plan))  # same unit, or a parameter spans both
+                else:
+                    chains.append([(unit, group, bucket_plan)])
     # Launch order is bucket order: sort by when a bucket is expected to be complete in backward, i.e. by the
     # latest of its parameters in reverse registration order (see [Note: the flat layout]).
-    chains.sort(key=lambda chain: max((ready[p] for _, (params, _, _) in chain for p in params), default=0))
+    chains.sort(key=lambda chain: max((ready[p] for _, _, (params, _, _) in chain for p in params), default=0))
     offsets = [0] * len(numels)
     buckets: list[Bucket] = []
     cursor = shard_cursor = 0
-    for group, (params, chunk_size, begins) in (item for chain in chains for item in chain):
+    for unit, group, (params, chunk_size, begins) in (item for chain in chains for item in chain):
         for p, off in begins.items():
             offsets[p] = cursor + off
         ordered = tuple(sorted(params, key=lambda p: offsets[p]))
-        buckets.append(Bucket(len(buckets), group, cursor, chunk_size, shard_cursor, ordered))
+        buckets.append(Bucket(len(buckets), group, cursor, chunk_size, shard_cursor, ordered, unit))
         cursor += chunk_size * world_size
         shard_cursor += chunk_size
-    return FlatLayout(world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params)
+    return FlatLayout(world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params,
+                      tuple(unit_of))
 
 
 # (parameters overlapping the bucket, chunk size, {parameter: offset from the bucket start} for those starting in it)

@@ -70,8 +70,8 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
     engines: list[ShardedOptimizer] = [e for e in (getattr(o, "_zero_engine", None) for o in optimizers) if e]
     counter = _Counter()
-    params = counter.bytes(p for p in module.parameters())
     master = counter.bytes(e.master_storage for e in engines)
+    params = counter.bytes([p for p in module.parameters()] + [e.sharded.working_shard for e in engines if e.sharded])
     grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in engines]
                           + [m.grad for e in engines for m in e.masters])
     states = counter.bytes(

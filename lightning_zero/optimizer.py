@@ -25,7 +25,7 @@ on the class: the optimizer's class is swapped for a subclass that adds it (``is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from lightning_zero import collectives
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import FlatLayout, plan_layout
+from lightning_zero.params import ShardedParams
 from lightning_zero.stages import StagePolicy
 
 #: torch optimizers whose update of an element depends on that element's gradient and state only.
@@ -105,6 +106,7 @@ class ShardedOptimizer:
         master_dtype: torch.dtype,
         device: torch.device,
         module: Optional[torch.nn.Module] = None,
+        unit_of: Optional[Callable[[Tensor], int]] = None,
         group: Optional[Any] = None,
     ) -> None:
         check_optimizer(optimizer)
@@ -118,6 +120,7 @@ class ShardedOptimizer:
         self.managed = [i for i, p in enumerate(self.canonical) if p.requires_grad]
         self.params = [self.canonical[i] for i in self.managed]
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
+        self.param_units = [unit_of(p) if unit_of is not None else 0 for p in self.params]
         self.layout: FlatLayout = plan_layout(
             [p.numel() for p in self.params],
             [group_of[id(p)] for p in self.params],
@@ -125,13 +128,23 @@ class ShardedOptimizer:
             config.reduce_bucket_size,
             whole_params=not is_elementwise(optimizer, config),
             ready_order=_backward_order(self.params, module),
+            units=self.param_units if policy.shards_params else None,
         )
         self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
         self.slots = self._plan_slots()
-        self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=device)
+        self.device = device
         aliased = working_dtype == master_dtype
-        self.master_storage = None if aliased else torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
-        self._fill_from_params()
+        self.flat: Optional[Tensor] = None
+        self.sharded: Optional[ShardedParams] = None
+        if policy.shards_params:  # stage 3: no full buffer; the strategy fills the shards unit by unit
+            self.master_storage = torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
+            working = self.master_storage if aliased else torch.zeros_like(self.master_storage, dtype=working_dtype)
+            self.sharded = ShardedParams(self.layout, self.params, self.rank, working, group)
+        else:
+            self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=device)
+            self.master_storage = None if aliased else torch.zeros(self.layout.shard_size, dtype=master_dtype,
+                                                                   device=device)
+            self._fill_from_params()
         self.masters = [self._master_view(s) for s in self.slots]
         self.reducer = GradientReducer(
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group
@@ -175,6 +188,7 @@ class ShardedOptimizer:
     def _master_view(self, slot: MasterSlot) -> Tensor:
         if self.master_storage is not None:
             return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
+        assert self.flat is not None
         start = self._flat_offset(slot.start)
         return self.flat[start : start + slot.length].view(slot.shape)
 
@@ -232,10 +246,41 @@ class ShardedOptimizer:
         return [m.grad for m in self.masters if m.grad is not None]
 
     def after_step(self, stepped: bool) -> None:
-        """Consume the gradients and, if the optimizer stepped, all-gather the updated shards into the parameters."""
+        """Consume the gradients and, if the optimizer stepped, bring the update to the working parameters: stages
+        1 and 2 all-gather it into the full buffer, stage 3 casts it into the working shard (gathered on use)."""
         self.zero_grad()
-        if stepped:
+        if not stepped:
+            return
+        if self.sharded is not None:
+            if self.sharded.working_shard is not self.master_storage:
+                with torch.no_grad():
+                    self.sharded.working_shard.copy_(self.master_storage)
+        else:
             self._gather_params()
+
+    # ------------------------------------------------------------------ stage 3
+    def fill_unit(self, unit: int) -> None:
+        """Stage 3: shard ``unit``'s materialized parameters into the master and working shards, then free them."""
+        assert self.sharded is not None and self.master_storage is not None
+        master = self.master_storage
+
+        def write_master(start: int, length: int, values: Tensor) -> None:
+            master[start : start + length].copy_(values)
+
+        self.sharded.fill_unit(unit, write_master)
+        self.sharded.release(unit)
+
+    def gather_unit(self, unit: int) -> list[Any]:
+        """Stage 3: all-gather ``unit`` (asynchronous work handles)."""
+        return self.sharded.gather(unit) if self.sharded is not None else []
+
+    def release_unit(self, unit: int) -> None:
+        """Stage 3: free ``unit``'s gathered memory."""
+        if self.sharded is not None:
+            self.sharded.release(unit)
+
+    def unit_numel(self, unit: int) -> int:
+        return self.sharded.unit_numel(unit) if self.sharded is not None else 0
 
     def zero_grad(self) -> None:
         """Drop every gradient this engine holds: master grads, the grad shard, and stage 1's full ``.grad``."""
@@ -247,6 +292,7 @@ class ShardedOptimizer:
         self.reducer.clear(release=not self.policy.shards_grads)
 
     def _gather_params(self) -> None:
+        assert self.flat is not None
         works = []
         with torch.no_grad():
             for bucket in self.layout.buckets:
@@ -262,8 +308,9 @@ class ShardedOptimizer:
     def gather_full_master(self) -> Tensor:
         """Every rank gets the full flat buffer in the master dtype (used to hand fp32 weights back after fit)."""
         if self.master_storage is None:
+            assert self.flat is not None
             return self.flat
-        full = torch.zeros(self.layout.total, dtype=self.master_storage.dtype, device=self.flat.device)
+        full = torch.zeros(self.layout.total, dtype=self.master_storage.dtype, device=self.device)
         for bucket in self.layout.buckets:
             b0, b1 = self.layout.bucket_range(bucket)
             c0, _ = self.layout.chunk_range(bucket, self.rank)
@@ -288,6 +335,9 @@ class ShardedOptimizer:
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
             p.data = full[offset : offset + p.numel()].view_as(p)
+        if self.sharded is not None:
+            for unit in list(self.sharded.buffers):
+                self.sharded.release(unit)
 
 
 def _backward_order(params: list[Tensor], module: Optional[torch.nn.Module]) -> list[int]:

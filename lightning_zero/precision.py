@@ -150,7 +150,7 @@ class ZeroPrecision(Precision):
         engine.prepare_step()
         overflow = False
         if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check(engine.grads(), engine.flat.device)
+            overflow = self.scaler.unscale_and_check(engine.grads(), engine.device)
         self._after_closure(model, optimizer)
         step_output = None
         if not overflow:

@@ -31,6 +31,7 @@ class StagePolicy:
 _POLICIES = {
     1: StagePolicy(stage=1, shards_optimizer_states=True, shards_grads=False, shards_params=False),
     2: StagePolicy(stage=2, shards_optimizer_states=True, shards_grads=True, shards_params=False),
+    3: StagePolicy(stage=3, shards_optimizer_states=True, shards_grads=True, shards_params=True),
 }
 
 

@@ -1,11 +1,12 @@
-"""``ZeroStrategy``: the only module that knows Lightning's strategy API. It registers ``zero1``, ``zero2`` and their
-``_spawn`` variants, and wires the engine into Lightning's precision, optimizer and checkpoint lifecycle."""
+"""``ZeroStrategy``: the only module that knows Lightning's strategy API. It registers ``zero1``, ``zero2``, ``zero3``
+and their ``_spawn`` variants, and wires the engine into Lightning's precision, optimizer and checkpoint lifecycle."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -31,10 +32,12 @@ from typing_extensions import override
 
 from lightning_zero import collectives
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
+from lightning_zero.materialize import move_materialized, shard_by_units, warn_if_built_in_full
 from lightning_zero.optimizer import ShardedOptimizer, check_optimizer
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.stages import policy_for
 from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
+from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -42,15 +45,19 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 class ZeroStrategy(ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
-    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` (``"zero2_spawn"`` to launch with ``spawn``), or construct it:
+    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` (``"zero2_spawn"`` to launch with ``spawn``), or
+    construct it:
 
     Args:
-        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients.
+        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters.
         reduce_bucket_size: elements per gradient bucket (constant memory: ``bucket_buffers`` of them).
         overlap_comm: stage 2 launches each bucket's reduce-scatter asynchronously during backward.
         bucket_buffers: bucket-sized buffers that may be in flight at once.
         partition_whole_params: give each rank whole tensors (``None``: only for non-elementwise optimizers).
         elementwise_optimizers: extra optimizer class names that may be stepped on flat slices.
+        unit_classes: stage 3: module classes (or names) gathered as one unit; default: repeated blocks.
+        persistence_threshold: stage 3: units with at most this many elements are gathered once per step.
+        prefetch_size: stage 3: elements of upcoming units all-gathered ahead of their use.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -66,6 +73,9 @@ class ZeroStrategy(ParallelStrategy):
         bucket_buffers: int = 2,
         partition_whole_params: Optional[bool] = None,
         elementwise_optimizers: tuple[str, ...] = (),
+        unit_classes: tuple[Union[type, str], ...] = (),
+        persistence_threshold: int = 100_000,
+        prefetch_size: int = 50_000_000,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -77,7 +87,8 @@ class ZeroStrategy(ParallelStrategy):
     ) -> None:
         self.config = ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
                                  bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
-                                 elementwise_optimizers=elementwise_optimizers)
+                                 elementwise_optimizers=elementwise_optimizers, unit_classes=unit_classes,
+                                 persistence_threshold=persistence_threshold, prefetch_size=prefetch_size)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -89,6 +100,8 @@ class ZeroStrategy(ParallelStrategy):
         self._start_method = start_method
         self.num_nodes = 1
         self.engines: list[ShardedOptimizer] = []
+        self.runtime: Optional[UnitRuntime] = None
+        self._unit_plan = UnitPlan()
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -174,11 +187,27 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        _broadcast_module_states(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.policy.shards_params:
+            self._setup_sharded_params(fitting)
+        else:
+            self.model_to_device()
+            _broadcast_module_states(self.model)
+            if fitting:
+                self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _setup_sharded_params(self, fitting: bool) -> None:
+        """Stage 3: plan the units, make the optimizers' engines, then shard the model unit by unit."""
+        assert self.model is not None and self.lightning_module is not None
+        warn_if_built_in_full(self.model)
+        move_materialized(self.model, self.root_device)
+        self._unit_plan = plan_units(self.lightning_module, self.config.unit_classes, self.config.persistence_threshold)
+        if fitting:
+            self.setup_optimizers(self.lightning_module.trainer)
+        shard_by_units(self.model, self._unit_plan, self.engines if fitting else [], self.root_device)
+        if fitting and self.engines:
+            self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -187,9 +216,10 @@ class ZeroStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         _check_disjoint(self.optimizers)
         precision = self.precision_plugin
+        unit_of = self._unit_plan.unit if self.policy.shards_params else None
         self.engines = [
             ShardedOptimizer(opt, self.policy, self.config, precision.working_dtype, precision.master_dtype,
-                             self.root_device, module=self.lightning_module)
+                             self.root_device, module=self.lightning_module, unit_of=unit_of)
             for opt in self.optimizers
         ]
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
@@ -200,13 +230,67 @@ class ZeroStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Under zero3, ``configure_model`` builds on the meta device; setup materializes one unit at a time."""
+        with torch.device("meta") if self.policy.shards_params else nullcontext():
+            yield
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.runtime is not None:
+            self.runtime.gather(ROOT)
+        output = super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        if self.runtime is not None and not self.lightning_module.automatic_optimization:
+            self.runtime.end_step()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.runtime is None:
+            return step(*args, **kwargs)
+        self.runtime.gather(ROOT)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.runtime.end_step()
+
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         for engine in self.engines:
             engine.finish_backward()
+        if self.runtime is not None:
+            assert self.lightning_module is not None
+            self.runtime.end_backward(include_root=self.lightning_module.automatic_optimization)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.runtime is not None:
+            self.runtime.refresh()
+        return output
 
     @override
     def teardown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.release_all(include_root=True)
+            self.runtime.remove()
+            self.runtime = None
         self._uninstall_engines()
         super().teardown()
 
@@ -277,7 +361,7 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 strategy_registry.register(
                     f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",

@@ -129,3 +129,84 @@ class TinyGAN(L.LightningModule):
         g = torch.Generator().manual_seed(7)
         real = torch.randn(48, 4, generator=g) * 0.5 + 1.0
         return DataLoader(TensorDataset(real, torch.randn(48, 8, generator=g)), batch_size=4)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(L.LightningModule):
+    """GPT-style: token embedding tied to the head, a position table owned by the LightningModule itself, blocks.
+
+    ``meta_init`` builds the network in ``configure_model`` (the way to train models larger than one rank).
+    """
+
+    def __init__(self, width: int = 32, depth: int = 3, context: int = 8, lr: float = 3e-3,
+                 meta_init: bool = False, checkpointing: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.losses: list[float] = []
+        if not meta_init:
+            self._build()
+
+    def configure_model(self) -> None:
+        if self.hparams.meta_init and not hasattr(self, "blocks"):
+            self._build()
+
+    def _build(self) -> None:
+        hp = self.hparams
+        self.wte = nn.Embedding(VOCAB, hp.width)
+        self.pos = nn.Parameter(torch.zeros(hp.context, hp.width))
+        self.blocks = nn.ModuleList(Block(hp.width) for _ in range(hp.depth))
+        self.ln_f = nn.LayerNorm(hp.width)
+        self.lm_head = nn.Linear(hp.width, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            if self.hparams.checkpointing:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = F.cross_entropy(self(tokens).float().reshape(-1, VOCAB), targets.reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("val_loss", F.cross_entropy(self(tokens).float().reshape(-1, VOCAB), targets.reshape(-1)),
+                 sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=self.hparams.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_data(), batch_size=4, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(token_data(n=24, seed=99), batch_size=4)

@@ -14,7 +14,8 @@ from tests.models import TinyLM
     [
         ({"stage": 4}, ValueError, "no stage 4"),
         ({"stage": 0}, ValueError, "no stage 0"),
-        ({"stage": 3}, ValueError, "stage 3 is not available"),
+        ({"persistence_threshold": -1}, ValueError, "persistence_threshold"),
+        ({"unit_classes": "Block"}, TypeError, "unit_classes"),
         ({"stage": "2"}, TypeError, "must be an int"),
         ({"reduce_bucket_size": -5}, ValueError, "positive number of elements"),
         ({"reduce_bucket_size": 1.5}, TypeError, "positive int"),
@@ -55,7 +56,7 @@ def test_unsupported_accelerator_is_refused():
 
 
 def test_registered_names_resolve():
-    for name, stage in [("zero1", 1), ("zero2", 2), ("zero2_spawn", 2)]:
+    for name, stage in [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero2_spawn", 2)]:
         trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
         assert isinstance(trainer.strategy, ZeroStrategy)
         assert trainer.strategy.config.stage == stage

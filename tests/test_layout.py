@@ -82,3 +82,22 @@ def test_bad_arguments():
         plan_layout([1, 2], [0], 2, 10)
     with pytest.raises(ValueError, match="positive"):
         plan_layout([1], [0], 0, 10)
+
+
+def test_units_are_contiguous_and_never_share_a_bucket():
+    numels = [50, 7, 50, 7, 50, 7, 30]
+    groups = [0, 1, 0, 1, 0, 1, 0]
+    units = [1, 1, 2, 2, 3, 3, 0]
+    layout = plan_layout(numels, groups, world_size=3, bucket_size=40, units=units)
+    _owned_elements(layout)
+    seen = []
+    for bucket in layout.buckets:
+        assert {units[p] for p in bucket.params} == {bucket.unit}
+        if not seen or seen[-1] != bucket.unit:
+            assert bucket.unit not in seen, "a unit's buckets must be adjacent"
+            seen.append(bucket.unit)
+    for unit in set(units):
+        start, end = layout.unit_range(unit)
+        assert all(start <= layout.offsets[i] and layout.offsets[i] + numels[i] <= end
+                   for i in range(len(numels)) if units[i] == unit)
+    assert seen[0] == 0 and seen[1:] == [3, 2, 1]  # backward order: the last registered unit first

@@ -1,0 +1,76 @@
+"""Stage 3 setup: bring a model's parameters into the sharded form one unit at a time.
+
+[Note: never the whole model]
+A model built in ``configure_model`` under zero3 is created on the meta device (shapes, no memory). Setup then
+walks the units: it materializes one unit on the device (``reset_parameters`` of each of its modules, Lightning's own
+helper), broadcasts it from rank 0 so every rank starts from the same weights, copies this rank's pieces into the
+master and working shards, and frees the unit again. The peak per rank is the shards plus one unit. The root unit
+(parameters owned by the LightningModule itself, tied weights, small units) comes last and is materialized in full.
+A model built in ``__init__`` is already full on every rank; it is sharded the same way, but the full copy existed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+from lightning.fabric.utilities.init import _materialize_meta_tensors
+from torch import nn
+
+from lightning_zero import collectives
+from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.units import ROOT, UnitPlan
+
+#: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.
+LARGE_MODEL_PARAMS = 50_000_000
+
+
+def move_materialized(module: nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers that are not on the meta device (``Module.to`` refuses meta tensors)."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if not tensor.is_meta and tensor.device != device:
+                tensor.data = tensor.data.to(device)
+
+
+def warn_if_built_in_full(module: nn.Module) -> None:
+    """Warn when a large model was built outside ``configure_model`` (every rank then held it in full)."""
+    full = sum(p.numel() for p in module.parameters() if not p.is_meta)
+    if full > LARGE_MODEL_PARAMS:
+        warnings.warn(
+            f"zero3: the model has {full:,} parameters that were created in full on every rank (built in `__init__`). "
+            "Build large models in `LightningModule.configure_model` so that each rank only ever holds its shard "
+            "and one unit.",
+            stacklevel=2,
+        )
+
+
+def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
+                   device: torch.device) -> None:
+    """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model])."""
+    managed = {id(p) for engine in engines for p in engine.params}
+    for unit in range(1, len(plan.names)):
+        unit_module = plan.modules[unit]
+        assert unit_module is not None
+        _materialize_meta_tensors(unit_module, device)
+        params = [p for p in unit_module.parameters() if plan.unit(p) == unit and id(p) in managed]
+        _broadcast(params)
+        _fill(engines, unit)
+    # the root: parameters of no unit, plus everything not managed by an optimizer and the buffers, in full
+    _materialize_meta_tensors(module, device)
+    unit_params = {id(p) for p in module.parameters() if plan.unit(p) != ROOT and id(p) in managed}
+    _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()))
+    _fill(engines, ROOT)
+
+
+def _broadcast(tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for tensor in tensors:
+            collectives.broadcast(tensor.data, src=0)
+
+
+def _fill(engines: Sequence[ShardedOptimizer], unit: int) -> None:
+    for engine in engines:
+        if engine.sharded is not None and unit in engine.sharded.buffers:
+            engine.fill_unit(unit)

@@ -1,0 +1,91 @@
+"""Stage 3 parameter storage: this rank keeps a shard of the working parameters; units are gathered on demand.
+
+[Note: stage 3 storage]
+Each unit of :mod:`lightning_zero.units` has one flat buffer per optimizer, in the working dtype, covering the unit's
+adjacent buckets of the layout. Its parameters are views of that buffer from setup on; between uses the buffer's
+storage is resized to zero bytes, so the parameters keep their shapes but hold no memory. The only persistent copy
+is the working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master
+shard when the working and master dtypes are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero import collectives
+from lightning_zero.layout import FlatLayout
+
+
+class ShardedParams:
+    """The working shard and the per-unit gather buffers of one optimizer's parameters (see [Note: stage 3 storage])."""
+
+    def __init__(self, layout: FlatLayout, params: list[Tensor], rank: int, working_shard: Tensor,
+                 group: Optional[Any] = None) -> None:
+        self.layout = layout
+        self.params = params
+        self.rank = rank
+        self.group = group
+        self.working_shard = working_shard
+        self.buffers: dict[int, Tensor] = {}
+        for unit in sorted({b.unit for b in layout.buckets}):
+            start, end = layout.unit_range(unit)
+            self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=working_shard.device)
+            self._free(unit)
+
+    def unit_numel(self, unit: int) -> int:
+        """Elements of ``unit`` gathered by this optimizer (0 if it has no parameter there)."""
+        buffer = self.buffers.get(unit)
+        return buffer.numel() if buffer is not None else 0
+
+    def fill_unit(self, unit: int, write_master: Callable[[int, int, Tensor], None]) -> None:
+        """Take this rank's pieces of ``unit``'s (full, materialized) parameters, then make them views of the buffer.
+
+        ``write_master(shard_start, length, values)`` stores a piece in the master shard.
+        """
+        start, _ = self.layout.unit_range(unit)
+        with torch.no_grad():
+            for bucket in self.layout.unit_buckets(unit):
+                for pc in self.layout.pieces(bucket, self.rank):
+                    values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
+                    at = bucket.shard_offset + pc.chunk_offset
+                    self.working_shard[at : at + pc.length].copy_(values)
+                    write_master(at, pc.length, values)
+            buffer = self._allocate(unit)  # views can only be made of a tensor that has its storage
+            for j, p in enumerate(self.params):
+                if self.layout.param_units[j] == unit:
+                    offset = self.layout.offsets[j] - start
+                    p.data = buffer[offset : offset + p.numel()].view(p.shape)
+
+    def gather(self, unit: int) -> list[Any]:
+        """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles."""
+        if unit not in self.buffers:
+            return []
+        buffer = self._allocate(unit)
+        start, _ = self.layout.unit_range(unit)
+        works = []
+        for bucket in self.layout.unit_buckets(unit):
+            b0, b1 = self.layout.bucket_range(bucket)
+            source = self.working_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
+            works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group, async_op=True))
+        return works
+
+    def release(self, unit: int) -> None:
+        """Free ``unit``'s gathered memory."""
+        if unit in self.buffers:
+            self._free(unit)
+
+    def _allocate(self, unit: int) -> Tensor:
+        buffer = self.buffers[unit]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        return buffer
+
+    def _free(self, unit: int) -> None:
+        self.buffers[unit].untyped_storage().resize_(0)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of unit buffers gathered right now."""
+        return sum(b.untyped_storage().nbytes() for b in self.buffers.values())

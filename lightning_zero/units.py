@@ -1,0 +1,262 @@
+"""Stage 3: which modules are gathered together ("units"), and the hooks that gather them around their use.
+
+[Note: units]
+A unit is a module whose parameters are all-gathered together before it runs and freed right after. By default the
+units are the repeated blocks (children of ``nn.ModuleList`` / ``nn.Sequential``, outermost first) and every other
+module with parameters that contains no block (embeddings, heads, final norms); ``unit_classes`` names the block
+classes instead. Whatever is left forms the *root* unit (unit 0): parameters owned directly by the LightningModule,
+parameters shared by two units (tied embeddings live in both the embedding and the head), and units smaller than
+``persistence_threshold`` elements (norms and biases are not worth a collective each). The root unit is gathered
+once at the start of a step and kept until the step's backward is done.
+
+[Note: gather, free, and autograd]
+Each unit's parameters are views of one flat buffer per optimizer; freeing resizes that buffer's *storage* to zero
+and gathering resizes it back and all-gathers into it. The tensor objects never change, so the tensors autograd
+saved in forward (the weights, and views of them such as ``W.t()``) read the re-gathered values in backward. A hook
+on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
+parameters have their gradient. Inside backward (activation checkpointing recomputes a forward) the post-forward
+hook does not free: the backward that follows needs the parameters.
+
+[Note: lockstep and prefetch]
+Every rank must issue the same all-gathers in the same order. The order of units in the first forward is recorded;
+afterwards the next units in that order (the previous ones in backward) are gathered asynchronously while the
+current one computes, up to ``prefetch_size`` elements in flight. A rank whose control flow runs a different unit
+than the others cannot be matched: its collective fails after the process group timeout, and the error names the
+unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+ROOT = 0
+
+
+@dataclass
+class UnitPlan:
+    """Modules and parameters of every unit; unit 0 is the root."""
+
+    names: list[str] = field(default_factory=lambda: ["<root>"])
+    modules: list[Optional[nn.Module]] = field(default_factory=lambda: [None])
+    unit_of: dict[int, int] = field(default_factory=dict)
+    """``id(parameter)`` to unit index."""
+
+    def unit(self, param: torch.Tensor) -> int:
+        return self.unit_of.get(id(param), ROOT)
+
+
+def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
+               persistence_threshold: int = 0) -> UnitPlan:
+    """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names."""
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def has_params(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    def is_unit_class(m: nn.Module) -> bool:
+        cls = type(m)
+        return any(c is cls or (isinstance(c, type) and isinstance(m, c)) or c in (cls.__name__, cls.__qualname__,
+                   f"{cls.__module__}.{cls.__qualname__}") for c in unit_classes)
+
+    def visit(name: str, mod: nn.Module, in_container: bool) -> None:
+        is_block = is_unit_class(mod) if unit_classes else in_container
+        if name and is_block and has_params(mod):
+            chosen.append((name, mod))
+            return
+        container = isinstance(mod, (nn.ModuleList, nn.Sequential))
+        for child_name, child in mod.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, container)
+
+    visit("", module, False)
+    blocks = {id(m) for _, m in chosen}
+
+    def contains_block(mod: nn.Module) -> bool:
+        return any(id(m) in blocks for m in mod.modules())
+
+    def leftovers(name: str, mod: nn.Module) -> None:
+        for child_name, child in mod.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if id(child) in blocks:
+                continue
+            if contains_block(child):
+                leftovers(full, child)
+            elif has_params(child):
+                chosen.append((full, child))
+
+    leftovers("", module)
+    return _assign(chosen, persistence_threshold)
+
+
+def _assign(chosen: list[tuple[str, nn.Module]], persistence_threshold: int) -> UnitPlan:
+    owners: dict[int, set[int]] = {}
+    for index, (_, mod) in enumerate(chosen, start=1):
+        for p in mod.parameters():
+            owners.setdefault(id(p), set()).add(index)
+    sizes = {i: sum(p.numel() for p in mod.parameters()) for i, (_, mod) in enumerate(chosen, start=1)}
+    plan = UnitPlan()
+    renumber: dict[int, int] = {}
+    for index, (name, mod) in enumerate(chosen, start=1):
+        if sizes[index] > persistence_threshold:
+            renumber[index] = len(plan.names)
+            plan.names.append(name)
+            plan.modules.append(mod)
+    for pid, units in owners.items():
+        if len(units) == 1 and next(iter(units)) in renumber:
+            plan.unit_of[pid] = renumber[next(iter(units))]
+    return plan
+
+
+@dataclass
+class _UnitState:
+    gathered: bool = False
+    pending: list[Any] = field(default_factory=list)
+    grads_expected: int = 0
+    grads_seen: int = 0
+
+
+class UnitRuntime:
+    """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
+
+    def __init__(self, plan: UnitPlan, engines: list[Any], prefetch_size: int) -> None:
+        self.plan = plan
+        self.engines = engines
+        self.prefetch_size = prefetch_size
+        self.states = [_UnitState() for _ in plan.names]
+        self.forward_order: list[int] = []
+        self._recorded = False
+        self._handles: list[Any] = []
+        for engine in engines:
+            for j, p in enumerate(engine.params):
+                unit = engine.param_units[j]
+                self.states[unit].grads_expected += 1
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+        for unit, mod in enumerate(plan.modules):
+            if mod is not None:
+                self._handles.append(mod.register_forward_pre_hook(self._pre_forward_hook(unit)))
+                self._handles.append(mod.register_forward_hook(self._post_forward_hook(unit)))
+
+    # ------------------------------------------------------------------ gather / free
+    def gather(self, unit: int, wait: bool = True) -> None:
+        """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather."""
+        state = self.states[unit]
+        if not state.gathered:
+            state.pending = [w for engine in self.engines for w in engine.gather_unit(unit)]
+            state.gathered = True
+        if wait and state.pending:
+            try:
+                for work in state.pending:
+                    work.wait()
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"ZeRO stage 3 could not gather unit '{self.plan.names[unit]}': {error}. The ranks probably ran "
+                    "different units (data-dependent control flow). Every rank must run the same modules in the same "
+                    "order under zero3; use zero2 for models whose ranks take different branches."
+                ) from error
+            state.pending = []
+
+    def release(self, unit: int) -> None:
+        """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`)."""
+        state = self.states[unit]
+        if unit == ROOT or not state.gathered:
+            return
+        self.gather(unit)  # a prefetch still in flight must land before its buffer goes
+        for engine in self.engines:
+            engine.release_unit(unit)
+        state.gathered = False
+
+    def end_backward(self, include_root: bool) -> None:
+        """After a backward: the forward order is known from now on; free what is still gathered."""
+        self._recorded = bool(self.forward_order)
+        self.release_all(include_root)
+
+    def end_step(self) -> None:
+        """After an evaluation step or a manual-optimization training step: free everything, the root too."""
+        self.release_all(include_root=True)
+
+    def release_all(self, include_root: bool) -> None:
+        """Free every gathered unit (end of backward; with ``include_root`` also the end of a step)."""
+        for unit, state in enumerate(self.states):
+            state.grads_seen = 0
+            if unit != ROOT:
+                self.release(unit)
+        if include_root and self.states[ROOT].gathered:
+            self.gather(ROOT)
+            for engine in self.engines:
+                engine.release_unit(ROOT)
+            self.states[ROOT].gathered = False
+
+    def refresh(self) -> None:
+        """After an optimizer step the gathered units hold old values: gather them again from the new shards."""
+        for unit, state in enumerate(self.states):
+            if state.gathered:
+                self.gather(unit)  # let a prefetch in flight land first
+                state.gathered = False
+                self.gather(unit)
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward_hook(self, unit: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled() and not self._recorded and unit not in self.forward_order:
+                self.forward_order.append(unit)
+            self.gather(unit)
+            self._prefetch(unit, step=1)
+
+        return hook
+
+    def _post_forward_hook(self, unit: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():
+                return  # recomputation under activation checkpointing: backward needs the parameters next
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward_hook(unit))
+            self.release(unit)
+
+        return hook
+
+    def _pre_backward_hook(self, unit: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self.gather(unit)
+            self._prefetch(unit, step=-1)
+
+        return hook
+
+    def _grad_hook(self, unit: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            state = self.states[unit]
+            state.grads_seen += 1
+            if state.grads_seen == state.grads_expected:
+                state.grads_seen = 0
+                self.release(unit)
+
+        return hook
+
+    def _prefetch(self, unit: int, step: int) -> None:
+        if unit not in self.forward_order or self.prefetch_size <= 0:
+            return
+        position = self.forward_order.index(unit) + step
+        budget = self.prefetch_size
+        while 0 <= position < len(self.forward_order):
+            candidate = self.forward_order[position]
+            size = sum(engine.unit_numel(candidate) for engine in self.engines)
+            if size > budget:
+                return
+            if not self.states[candidate].gathered:
+                self.gather(candidate, wait=False)
+            budget -= size
+            position += step
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
