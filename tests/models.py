@@ -138,7 +138,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        # No qkv bias: the key bias has an exactly zero gradient (softmax ignores a constant added to every score),
+        # so Adam would turn pure rounding noise into lr-sized steps, under DDP and ZeRO alike.
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.proj = nn.Linear(width, width)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
@@ -178,6 +180,9 @@ class TinyGPT(L.LightningModule):
         self.ln_f = nn.LayerNorm(hp.width)
         self.lm_head = nn.Linear(hp.width, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight
+        if not hp.meta_init:  # GPT-2's initialization; under meta init the modules' own reset_parameters apply
+            nn.init.normal_(self.wte.weight, std=0.02)
+            nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens) + self.pos[: tokens.shape[1]]
