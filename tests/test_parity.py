@@ -24,10 +24,23 @@ ALL = FP32_SCENARIOS + ["bf16_mixed", "fp16_overflow"] + CHECKPOINTS
 RTOL = 1e-5
 
 
+# World size 2 runs every scenario; the odd world size 3 (padding everywhere) runs a subset, to keep the suite quick.
+AT_WORLD_SIZE = {2: ALL, 3: ["adamw", "gpt", "adafactor", "bf16_mixed", "checkpoint_adamw"]}
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
-    return launch("parity.py", request.param, out, (",".join(ALL), "ddp,zero1,zero2"), timeout=400)
+    names = AT_WORLD_SIZE[request.param]
+    ranks = launch("parity.py", request.param, out, (",".join(names), "ddp," + ",".join(STAGES)), timeout=900)
+    return request.param, ranks
+
+
+def _runs(results, scenario):
+    world_size, ranks = results
+    if scenario not in AT_WORLD_SIZE[world_size]:
+        pytest.skip(f"{scenario} runs at world size 2 only (suite time budget)")
+    return ranks
 
 
 def _assert_losses_close(actual, expected, rtol):
@@ -47,14 +60,14 @@ def _assert_params_close(actual, expected, rtol):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("scenario", FP32_SCENARIOS)
 def test_fp32_matches_ddp_step_for_step(results, scenario, stage):
-    for rank_result in results:
+    for rank_result in _runs(results, scenario):
         ddp, zero = rank_result[scenario]["ddp"], rank_result[scenario][stage]
         _assert_losses_close(zero["losses"], ddp["losses"], RTOL)
         _assert_params_close(zero["params"], ddp["params"], RTOL)
 
 
 def test_lr_schedule_and_param_groups_kept(results):
-    for rank_result in results:
+    for rank_result in _runs(results, "adamw"):
         runs = rank_result["adamw"]
         assert runs["zero1"]["lr"] == runs["zero2"]["lr"] == runs["zero3"]["lr"] == runs["ddp"]["lr"]
         assert runs["ddp"]["lr"][1] == pytest.approx(2 * runs["ddp"]["lr"][0])  # two groups, two learning rates
@@ -62,9 +75,10 @@ def test_lr_schedule_and_param_groups_kept(results):
 
 @pytest.mark.parametrize("scenario", ALL[:-len(CHECKPOINTS)])
 def test_every_rank_ends_with_the_same_weights(results, scenario):
+    ranks = _runs(results, scenario)
     for stage in STAGES:
-        first = results[0][scenario][stage]["params"]
-        for other in results[1:]:
+        first = ranks[0][scenario][stage]["params"]
+        for other in ranks[1:]:
             for name, value in other[scenario][stage]["params"].items():
                 assert torch.equal(value, first[name]), f"{scenario}/{stage}: {name} differs between ranks"
 
@@ -72,31 +86,33 @@ def test_every_rank_ends_with_the_same_weights(results, scenario):
 def test_bf16_mixed_close_to_ddp_amp(results):
     # DDP's bf16-mixed keeps fp32 weights and autocasts; ZeRO computes with bf16 working weights (the paper's 2Ψ)
     # and steps fp32 masters. bf16 has an 8-bit mantissa (relative rounding 2**-9 ~ 2e-3 per value); through a few
-    # layers the loss moves by a few of those, so 1e-2 relative is the honest bound. Stage 1 and 2 do the same
-    # arithmetic in the same order, so they must agree to fp32 rounding.
-    for rank_result in results:
+    # layers the loss moves by a few of those, so 1e-2 relative is the honest bound. Stages 1 and 2 use the same
+    # buckets, so they do the same arithmetic in the same order and must agree to fp32 rounding; stage 3 buckets by
+    # unit, so its bf16 sums are rounded differently and it is held to the DDP bound.
+    for rank_result in _runs(results, "bf16_mixed"):
         runs = rank_result["bf16_mixed"]
-        _assert_losses_close(runs["zero1"]["losses"], runs["ddp"]["losses"], 1e-2)
-        for stage in ("zero2", "zero3"):
-            _assert_losses_close(runs[stage]["losses"], runs["zero1"]["losses"], 1e-6)
-            _assert_params_close(runs[stage]["params"], runs["zero1"]["params"], 1e-6)
+        for stage in STAGES:
+            _assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())  # fp32 back after fit
+        _assert_losses_close(runs["zero2"]["losses"], runs["zero1"]["losses"], 1e-6)
+        _assert_params_close(runs["zero2"]["params"], runs["zero1"]["params"], 1e-6)
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank(results):
+    ranks = _runs(results, "fp16_overflow")
     for stage in STAGES:
-        scalers = [r["fp16_overflow"][stage]["scaler"] for r in results]
+        scalers = [r["fp16_overflow"][stage]["scaler"] for r in ranks]
         # rank 1 alone overflowed at step 2; all ranks skipped it and backed off, then grew again after 3 good steps
         assert all(s["skipped_steps"] == 1 for s in scalers), scalers
         assert all(s["scale"] == 1024.0 and s["good_steps"] == 3 for s in scalers), scalers
-        losses = results[0]["fp16_overflow"][stage]["losses"]
+        losses = ranks[0]["fp16_overflow"][stage]["losses"]
         assert all(torch.isfinite(torch.tensor(losses)))
 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("scenario", CHECKPOINTS)
 def test_checkpoint_resumes_under_another_stage(results, scenario, stage):
-    for rank_result in results:
+    for rank_result in _runs(results, scenario):
         run = rank_result[scenario][stage]
         _assert_losses_close(run["resumed"], run["straight"], RTOL)
 
@@ -104,8 +120,9 @@ def test_checkpoint_resumes_under_another_stage(results, scenario, stage):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("scenario", CHECKPOINTS)
 def test_checkpoint_has_the_content_of_a_ddp_checkpoint(results, scenario, stage):
-    ddp = torch.load(results[0][scenario]["ddp"]["ckpt"], weights_only=False)
-    zero = torch.load(results[0][scenario][stage]["ckpt"], weights_only=False)
+    ranks = _runs(results, scenario)
+    ddp = torch.load(ranks[0][scenario]["ddp"]["ckpt"], weights_only=False)
+    zero = torch.load(ranks[0][scenario][stage]["ckpt"], weights_only=False)
     _assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
     ddp_opt, zero_opt = ddp["optimizer_states"][0], zero["optimizer_states"][0]
     assert [g["params"] for g in zero_opt["param_groups"]] == [g["params"] for g in ddp_opt["param_groups"]]
