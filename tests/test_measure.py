@@ -1,8 +1,9 @@
 """Traffic and model-state bytes per rank, measured on live runs, against DESIGN.md's table.
 
 Ψ is the number of trainable parameters. Stages 1 and 2 must move Ψ elements by reduce-scatter and Ψ by all-gather
-per optimizer step (2Ψ, as DDP's all-reduce) and never all-reduce gradients; the only all-reduce is the one-element
-global gradient norm for clipping. Model states per rank must match the table within 5%.
+per optimizer step (2Ψ, as DDP's all-reduce), stage 3 one more Ψ of all-gather (forward and backward: 3Ψ), and no
+stage all-reduces gradients; the only all-reduce is the one-element global gradient norm for clipping. Model states
+per rank must match the table within 5% (stage 3: measured after backward, when no unit is gathered).
 """
 
 from __future__ import annotations
@@ -19,29 +20,32 @@ WIDTH = 96
 def measured(request, tmp_path_factory):
     world_size, precision = request.param
     out = tmp_path_factory.mktemp(f"measure{world_size}")
-    ranks = launch("measure.py", world_size, out, (str(WIDTH), precision, "ddp,zero1,zero2"), timeout=300)
+    ranks = launch("measure.py", world_size, out, (str(WIDTH), precision, "ddp,zero1,zero2,zero3"), timeout=400)
     return world_size, precision, ranks
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2"])
-def test_traffic_is_2psi_per_step_without_gradient_all_reduce(measured, stage):
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_traffic_per_step_matches_the_table(measured, stage):
     world_size, _, ranks = measured
+    gathers = 2 if stage == "zero3" else 1  # stage 3 gathers every unit for forward and again for backward
     for rank in ranks:
         run = rank[stage]
         psi = run["numel"]
-        buckets_padding = world_size * (psi // (run["bucket_elements"] - run["bucket_elements"] % world_size) + 2)
+        # each bucket pads to a multiple of the world size; stage 3 cuts buckets at unit and group boundaries too
+        buckets = psi // (run["bucket_elements"] - run["bucket_elements"] % world_size) + 20
+        padding = world_size * buckets
         for step in run["traffic"][1:]:
             elements = step["elements"]
             assert set(elements) <= {"reduce_scatter", "all_gather", "all_reduce"}, elements
-            assert psi <= elements["reduce_scatter"] <= psi + buckets_padding
-            assert psi <= elements["all_gather"] <= psi + buckets_padding
+            assert psi <= elements["reduce_scatter"] <= psi + padding
+            assert gathers * psi <= elements["all_gather"] <= gathers * (psi + padding)
             assert elements.get("all_reduce", 0) <= 1  # the clipping norm; gradients are never all-reduced
 
 
-@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
 def test_model_state_bytes_match_the_table(measured, stage):
     world_size, precision, ranks = measured
-    number = {"ddp": 0, "zero1": 1, "zero2": 2}[stage]
+    number = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
     for rank in ranks:
         run = rank[stage]
         expected = expected_model_state_bytes(run["numel"], world_size, number, precision)
@@ -52,15 +56,15 @@ def test_model_state_bytes_match_the_table(measured, stage):
 def test_zero_saves_memory_in_the_order_of_the_stages(measured):
     _, _, ranks = measured
     for rank in ranks:
-        sizes = [rank[s]["states"]["model_states"] for s in ("ddp", "zero1", "zero2")]
-        assert sizes[0] > sizes[1] > sizes[2]
+        sizes = [rank[s]["states"]["model_states"] for s in ("ddp", "zero1", "zero2", "zero3")]
+        assert sizes[0] > sizes[1] > sizes[2] > sizes[3]
 
 
 def test_bucket_buffers_are_bounded_by_the_bucket_size(measured):
     world_size, precision, ranks = measured
     element_size = 4 if precision == "32-true" else 2
     for rank in ranks:
-        for stage in ("zero1", "zero2"):
+        for stage in ("zero1", "zero2", "zero3"):
             run = rank[stage]
             # two pooled buffers (config default), each a bucket plus its reduce-scatter output
             bound = 2 * (run["bucket_elements"] + world_size) * (1 + 1 / world_size) * element_size

@@ -1,4 +1,4 @@
-"""One rank of the measurement run: traffic per optimizer step and model-state bytes per rank, for ddp/zero1/zero2.
+"""One rank of the measurement run: traffic per optimizer step and model-state bytes per rank, for ddp and zero1-3.
 
 Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS]``.
 """
@@ -47,7 +47,8 @@ def main() -> None:
         L.seed_everything(0, verbose=False)
         model = TinyLM(optimizer="adam", width=width, scheduler=False)
         probe = Probe()
-        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), reduce_bucket_size=width * width)
+        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), reduce_bucket_size=width * width,
+                                                            persistence_threshold=0)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size()
                             if torch.distributed.is_initialized() else int(__import__("os").environ["WORLD_SIZE"]),
                             precision=precision, max_steps=steps, gradient_clip_val=1.0, callbacks=[probe],
