@@ -48,7 +48,23 @@ def warn_if_built_in_full(module: nn.Module) -> None:
 
 def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
                    device: torch.device) -> None:
-    """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model])."""
+    """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model]).
+
+    Materialization swaps each meta parameter's contents in place (``torch.utils.swap_tensors``), so the parameter
+    objects the optimizer holds, and tied weights, stay the same objects.
+    """
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        _shard_by_units(module, plan, engines, device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    for engine in engines:
+        engine.install_grad_hooks()
+
+
+def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
+                    device: torch.device) -> None:
     managed = {id(p) for engine in engines for p in engine.params}
     for unit in range(1, len(plan.names)):
         unit_module = plan.modules[unit]

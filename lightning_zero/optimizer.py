@@ -153,8 +153,15 @@ class ShardedOptimizer:
         self._prepared = False
         self.uninstalled = False
         self._install_into(optimizer)
-        if policy.shards_grads:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
+        if policy.shards_grads and not policy.shards_params:
+            self.install_grad_hooks()
+
+    def install_grad_hooks(self) -> None:
+        """Stages 2 and 3: hand each gradient to the reducer as soon as it is accumulated, then drop ``.grad``.
+
+        Stage 3 calls this once the parameters are materialized (materialization swaps tensors, hooks and all).
+        """
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ setup
     def _plan_slots(self) -> list[MasterSlot]:
@@ -332,6 +339,8 @@ class ShardedOptimizer:
         self._hooks = []
         self.zero_grad()
         self.reducer.release_buffers()
+        if any(p.is_meta for p in self.params):
+            return  # setup failed before the parameters were materialized: nothing to hand back
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
             p.data = full[offset : offset + p.numel()].view_as(p)

@@ -184,6 +184,10 @@ class TinyGPT(L.LightningModule):
             nn.init.normal_(self.wte.weight, std=0.02)
             nn.init.normal_(self.pos, std=0.02)
 
+    def reset_parameters(self) -> None:
+        """Initializes the parameters the LightningModule owns itself (needed to materialize them from meta)."""
+        nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:

@@ -45,7 +45,7 @@ class MetricLM(TinyLM):
         return self.val_dataloader()
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_fit_validate_test_predict(strategy):
     L.seed_everything(0)
     model = MetricLM()
