@@ -189,7 +189,7 @@ class GradientReducer:
 
     def _finish_oldest(self) -> None:
         bucket, work, slot, accumulate = self._in_flight.popleft()
-        work.wait()
+        collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index} (stage 3 unit {bucket.unit})")
         if accumulate:
             self._shard_slice(bucket).add_(slot.output(bucket, self.layout.world_size))
         self._free.append(slot)

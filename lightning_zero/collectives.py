@@ -58,6 +58,21 @@ class _DoneWork:
         return True
 
 
+DIVERGENCE_HINT = (
+    "The ranks probably issued different collectives (data-dependent control flow, or a rank that skipped a step). "
+    "Every rank must run the same modules in the same order; under zero3 prefer zero2 for models whose ranks take "
+    "different branches."
+)
+
+
+def wait(work: Any, what: str) -> None:
+    """Wait for ``work``; a failure (a peer that never joined, the process group timeout) says what was waited for."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        raise RuntimeError(f"ZeRO could not {what}: {error}. {DIVERGENCE_HINT}") from error
+
+
 def is_distributed(group: Optional[Any] = None) -> bool:
     """Whether a process group of more than one rank is there to talk to."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1

@@ -309,7 +309,7 @@ class ShardedOptimizer:
                 b0, b1 = self.layout.bucket_range(bucket)
                 works.append(collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group, async_op=True))
             for work in works:
-                work.wait()
+                collectives.wait(work, "all-gather the updated parameters")
 
     # ------------------------------------------------------------------ teardown
     def gather_full_master(self) -> Tensor:

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_zero import collectives
+
 ROOT = 0
 
 
@@ -148,15 +150,8 @@ class UnitRuntime:
             state.pending = [w for engine in self.engines for w in engine.gather_unit(unit)]
             state.gathered = True
         if wait and state.pending:
-            try:
-                for work in state.pending:
-                    work.wait()
-            except RuntimeError as error:
-                raise RuntimeError(
-                    f"ZeRO stage 3 could not gather unit '{self.plan.names[unit]}': {error}. The ranks probably ran "
-                    "different units (data-dependent control flow). Every rank must run the same modules in the same "
-                    "order under zero3; use zero2 for models whose ranks take different branches."
-                ) from error
+            for work in state.pending:
+                collectives.wait(work, f"gather stage 3 unit '{self.plan.names[unit]}'")
             state.pending = []
 
     def release(self, unit: int) -> None:

@@ -16,3 +16,11 @@ def test_configure_model_never_materializes_the_full_model(tmp_path):
         assert rank["gathered"] == 0  # nothing left gathered after setup
         assert rank["growth"] < 0.7 * rank["full_bytes"], (rank["growth"], rank["full_bytes"])
         assert math.isfinite(rank["loss"])
+
+
+def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
+    # rank 1 skips a block at step 2; with a 20 s process-group timeout the job must end, not hang
+    ranks = launch("diverge.py", 2, tmp_path, timeout=150)
+    errors = [rank["error"] for rank in ranks]
+    assert all(errors), errors  # every rank stopped with an error
+    assert any("stage 3 unit 'blocks." in e and "different collectives" in e for e in errors), errors

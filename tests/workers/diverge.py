@@ -1,0 +1,48 @@
+"""One rank: rank 1 skips a block at step 2 (data-dependent control flow). zero3 must fail, not hang, and say which
+unit it was gathering. Saves the error message."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_zero import ZeroStrategy
+from tests.models import TinyGPT
+
+warnings.filterwarnings("ignore")
+
+
+class Divergent(TinyGPT):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
+        for i, block in enumerate(self.blocks):
+            if not (self.global_rank == 1 and self.global_step == 2 and i == 1):
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=3, persistence_threshold=0, timeout=timedelta(seconds=20)),
+                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=5, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    message: Any = None
+    try:
+        trainer.fit(Divergent(width=32, depth=4))
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        message = f"{type(error).__name__}: {error}"
+    torch.save({"error": message}, out / f"rank{os.environ['RANK']}.pt")
+    sys.stdout.flush()
+    os._exit(0)  # the process group is broken; do not wait for it at exit
+
+
+if __name__ == "__main__":
+    main()
