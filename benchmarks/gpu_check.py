@@ -1,4 +1,4 @@
-"""The GPU paths on one CUDA device: NCCL at world size 1, every precision, ddp/zero1/zero2 side by side.
+"""The GPU paths on one CUDA device: NCCL at world size 1, every precision, ddp and zero1-3 side by side.
 
     python benchmarks/gpu_check.py --width 1024 --depth 8 --steps 30
 
@@ -80,7 +80,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for precision in args.precisions:
         base = None
-        for strategy in ("ddp", "zero1", "zero2"):
+        for strategy in ("ddp", "zero1", "zero2", "zero3"):
             if strategy == "ddp" and precision == "bf16-true":
                 continue
             r = run(strategy, precision, args)

@@ -1,10 +1,13 @@
 """One rank of the measurement run: traffic per optimizer step and model-state bytes per rank, for ddp and zero1-3.
 
-Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS]``.
+Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS [MODEL [DEPTH]]]`` with MODEL
+``lm`` (the MLP language model, default) or ``gpt`` (TinyGPT, tied embeddings). The peak resident memory growth is
+only meaningful when one strategy runs per launch (the peak of a process never goes down).
 """
 
 from __future__ import annotations
 
+import resource
 import sys
 import warnings
 from pathlib import Path
@@ -14,7 +17,7 @@ import lightning as L
 import torch
 
 from lightning_zero import TRAFFIC, ZeroStrategy, measure_model_states
-from tests.models import TinyLM
+from tests.models import TinyGPT, TinyLM
 
 warnings.filterwarnings("ignore")
 
@@ -42,10 +45,16 @@ def main() -> None:
     out = Path(sys.argv[1])
     width, precision, strategies = int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    kind = sys.argv[6] if len(sys.argv) > 6 else "lm"
+    depth = int(sys.argv[7]) if len(sys.argv) > 7 else 4
     results: dict[str, Any] = {}
     for name in strategies:
         L.seed_everything(0, verbose=False)
-        model = TinyLM(optimizer="adam", width=width, scheduler=False)
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if kind == "gpt":
+            model: L.LightningModule = TinyGPT(width=width, depth=depth, meta_init=True)
+        else:
+            model = TinyLM(optimizer="adam", width=width, scheduler=False)
         probe = Probe()
         strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), reduce_bucket_size=width * width,
                                                             persistence_threshold=0)
@@ -56,8 +65,10 @@ def main() -> None:
                             enable_model_summary=False)
         trainer.fit(model)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         results[name] = {"traffic": probe.traffic, "states": probe.states, "numel": numel,
-                         "bucket_elements": width * width}
+                         "bucket_elements": width * width, "peak_rss": peak * 1024,
+                         "peak_rss_growth": (peak - baseline) * 1024}
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
