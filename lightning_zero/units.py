@@ -95,21 +95,24 @@ def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
 
 
 def _assign(chosen: list[tuple[str, nn.Module]], persistence_threshold: int) -> UnitPlan:
+    """Give each parameter to the one unit that holds it; shared ones and units too small to keep go to the root."""
     owners: dict[int, set[int]] = {}
-    for index, (_, mod) in enumerate(chosen, start=1):
+    numel: dict[int, int] = {}
+    for index, (_, mod) in enumerate(chosen):
         for p in mod.parameters():
             owners.setdefault(id(p), set()).add(index)
-    sizes = {i: sum(p.numel() for p in mod.parameters()) for i, (_, mod) in enumerate(chosen, start=1)}
+            numel[id(p)] = p.numel()
+    exclusive: dict[int, list[int]] = {index: [] for index in range(len(chosen))}
+    for pid, units in owners.items():
+        if len(units) == 1:
+            exclusive[next(iter(units))].append(pid)
     plan = UnitPlan()
-    renumber: dict[int, int] = {}
-    for index, (name, mod) in enumerate(chosen, start=1):
-        if sizes[index] > persistence_threshold:
-            renumber[index] = len(plan.names)
+    for index, (name, mod) in enumerate(chosen):
+        if sum(numel[pid] for pid in exclusive[index]) > persistence_threshold:
+            unit = len(plan.names)
             plan.names.append(name)
             plan.modules.append(mod)
-    for pid, units in owners.items():
-        if len(units) == 1 and next(iter(units)) in renumber:
-            plan.unit_of[pid] = renumber[next(iter(units))]
+            plan.unit_of.update({pid: unit for pid in exclusive[index]})
     return plan
 
 

@@ -31,9 +31,10 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
     procs = []
     logs = []
     for rank in range(world_size):
+        # A fixed mmap threshold makes glibc give freed tensors back to the OS, so resident memory tracks live memory.
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
                    LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                   PL_DISABLE_FORK="1")
+                   PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072")
         log = open(out_dir / f"rank{rank}.log", "w")
         logs.append(log)
         cmd = [sys.executable, str(ROOT / "tests" / "workers" / script), str(out_dir), *args]

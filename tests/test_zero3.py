@@ -24,3 +24,21 @@ def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
     errors = [rank["error"] for rank in ranks]
     assert all(errors), errors  # every rank stopped with an error
     assert any("stage 3 unit 'blocks." in e and "different collectives" in e for e in errors), errors
+
+
+def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
+    from lightning_zero.units import ROOT, plan_units
+    from tests.models import Block, TinyGPT
+
+    model = TinyGPT(width=16, depth=3)
+    plan = plan_units(model, persistence_threshold=0)
+    assert plan.names[1:] == ["blocks.0", "blocks.1", "blocks.2", "ln_f"]
+    assert plan.unit(model.wte.weight) == ROOT  # tied with the head
+    assert plan.unit(model.pos) == ROOT  # owned by the LightningModule itself
+    assert plan.unit(model.blocks[1].mlp[0].weight) == 2
+
+    by_name = plan_units(model, unit_classes=["Block"], persistence_threshold=0)
+    assert by_name.names == plan.names and plan_units(model, unit_classes=[Block]).names[1:4] == plan.names[1:4]
+    everything_small = plan_units(model, persistence_threshold=10**9)
+    assert everything_small.names == ["<root>"]
+    assert all(everything_small.unit(p) == ROOT for p in model.parameters())

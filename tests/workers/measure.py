@@ -36,6 +36,9 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.traffic.append(TRAFFIC.snapshot())
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before teardown hands weights back
+
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.measure_at and not self.states:
             self.states = measure_model_states(pl_module, trainer.optimizers).as_dict()
@@ -65,7 +68,7 @@ def main() -> None:
                             enable_model_summary=False)
         trainer.fit(model)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = probe.peak_rss
         results[name] = {"traffic": probe.traffic, "states": probe.states, "numel": numel,
                          "bucket_elements": width * width, "peak_rss": peak * 1024,
                          "peak_rss_growth": (peak - baseline) * 1024}
