@@ -38,7 +38,7 @@ class ZeroConfig:
     ``nn.Sequential`` and every other module with parameters."""
     persistence_threshold: int = 100_000
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
-    prefetch_size: int = 50_000_000
+    prefetch_size: int = 5_000_000
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
 
     def __post_init__(self) -> None:

@@ -75,7 +75,7 @@ class ZeroStrategy(ParallelStrategy):
         elementwise_optimizers: tuple[str, ...] = (),
         unit_classes: tuple[Union[type, str], ...] = (),
         persistence_threshold: int = 100_000,
-        prefetch_size: int = 50_000_000,
+        prefetch_size: int = 5_000_000,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
