@@ -189,7 +189,7 @@ class ZeroStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.policy.shards_params:
-            self._setup_sharded_params(fitting)
+            self._setup_sharded_params(trainer, fitting)
         else:
             self.model_to_device()
             _broadcast_module_states(self.model)
@@ -197,14 +197,14 @@ class ZeroStrategy(ParallelStrategy):
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _setup_sharded_params(self, fitting: bool) -> None:
+    def _setup_sharded_params(self, trainer: "pl.Trainer", fitting: bool) -> None:
         """Stage 3: plan the units, make the optimizers' engines, then shard the model unit by unit."""
         assert self.model is not None and self.lightning_module is not None
         warn_if_built_in_full(self.model)
         move_materialized(self.model, self.root_device)
         self._unit_plan = plan_units(self.lightning_module, self.config.unit_classes, self.config.persistence_threshold)
         if fitting:
-            self.setup_optimizers(self.lightning_module.trainer)
+            self.setup_optimizers(trainer)
         shard_by_units(self.model, self._unit_plan, self.engines if fitting else [], self.root_device)
         if fitting and self.engines:
             self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
