@@ -159,8 +159,12 @@ class UnitRuntime:
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`)."""
+        if unit != ROOT:
+            self._free(unit)
+
+    def _free(self, unit: int) -> None:
         state = self.states[unit]
-        if unit == ROOT or not state.gathered:
+        if not state.gathered:
             return
         self.gather(unit)  # a prefetch still in flight must land before its buffer goes
         for engine in self.engines:
@@ -180,13 +184,8 @@ class UnitRuntime:
         """Free every gathered unit (end of backward; with ``include_root`` also the end of a step)."""
         for unit, state in enumerate(self.states):
             state.grads_seen = 0
-            if unit != ROOT:
-                self.release(unit)
-        if include_root and self.states[ROOT].gathered:
-            self.gather(ROOT)
-            for engine in self.engines:
-                engine.release_unit(ROOT)
-            self.states[ROOT].gathered = False
+            if unit != ROOT or include_root:
+                self._free(unit)
 
     def refresh(self) -> None:
         """After an optimizer step the gathered units hold old values: gather them again from the new shards."""

@@ -141,3 +141,21 @@ def test_spawn_launcher_returns_trained_weights(monkeypatch):
     # the main process gets rank 0's full weights back, though during fit each rank held only its shard
     assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+class _FreezeByLearningRate(TinyLM):
+    """Sets the no-decay group's learning rate to zero by editing ``param_groups`` directly."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.optimizers().param_groups[1]["lr"] = 0.0
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_learning_rate_edits_take_effect(strategy):
+    L.seed_everything(0)
+    model = _FreezeByLearningRate(scheduler=False)
+    no_decay = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() < 2}
+    _trainer(ZeroStrategy(stage=int(strategy[-1]), persistence_threshold=0), max_steps=3).fit(model)
+    for name, p in model.named_parameters():
+        if name in no_decay:
+            assert torch.equal(p, no_decay[name]), name  # lr 0: unchanged
