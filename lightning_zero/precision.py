@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -211,3 +211,19 @@ def _engine_of(optimizer: Optimizer) -> Any:
         )
     return engine
 
+
+def to_zero_precision(plugin: Precision) -> ZeroPrecision:
+    """Lightning builds its own plugin from ``Trainer(precision=...)``; translate it to ours, or refuse it."""
+    if isinstance(plugin, ZeroPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision):
+        return ZeroPrecision(plugin.precision, device_type=plugin.device)
+    if isinstance(plugin, HalfPrecision):
+        return ZeroPrecision(plugin.precision)
+    if type(plugin) is Precision:
+        return ZeroPrecision("32-true")
+    raise ValueError(
+        f"ZeroStrategy does not support the precision plugin {type(plugin).__name__} "
+        f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision='32-true', 'bf16-mixed', '16-mixed' or "
+        "'bf16-true', or pass `lightning_zero.ZeroPrecision(...)` in `plugins`."
+    )

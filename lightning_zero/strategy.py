@@ -21,7 +21,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,7 +34,7 @@ from lightning_zero import collectives
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
 from lightning_zero.materialize import move_materialized, shard_by_units, warn_if_built_in_full
 from lightning_zero.optimizer import ShardedOptimizer, check_optimizer
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.stages import policy_for
 from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
 from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
@@ -113,7 +113,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else _to_zero_precision(plugin)
+        self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
 
     @property  # type: ignore[override]
     @override
@@ -367,23 +367,6 @@ class ZeroStrategy(ParallelStrategy):
                     f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
                     override=True, stage=stage, start_method=start_method,
                 )
-
-
-def _to_zero_precision(plugin: Precision) -> ZeroPrecision:
-    """Lightning builds its own plugin from ``Trainer(precision=...)``; translate it to ours, or refuse it."""
-    if isinstance(plugin, ZeroPrecision):
-        return plugin
-    if isinstance(plugin, MixedPrecision):
-        return ZeroPrecision(plugin.precision, device_type=plugin.device)
-    if isinstance(plugin, HalfPrecision):
-        return ZeroPrecision(plugin.precision)
-    if type(plugin) is Precision:
-        return ZeroPrecision("32-true")
-    raise ValueError(
-        f"ZeroStrategy does not support the precision plugin {type(plugin).__name__} "
-        f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision='32-true', 'bf16-mixed', '16-mixed' or "
-        "'bf16-true', or pass `lightning_zero.ZeroPrecision(...)` in `plugins`."
-    )
 
 
 def _broadcast_module_states(module: torch.nn.Module) -> None:
