@@ -85,10 +85,6 @@ class FlatLayout:
         return sum(b.chunk_size for b in self.buckets)
 
     @property
-    def num_groups(self) -> int:
-        return max(self.groups, default=-1) + 1
-
-    @property
     def max_bucket_elements(self) -> int:
         """The largest bucket: the size of one constant bucket buffer."""
         return max((b.chunk_size * self.world_size for b in self.buckets), default=0)
