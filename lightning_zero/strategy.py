@@ -205,9 +205,18 @@ class ZeroStrategy(ParallelStrategy):
         self._unit_plan = plan_units(self.lightning_module, self.config.unit_classes, self.config.persistence_threshold)
         if fitting:
             self.setup_optimizers(trainer)
-        shard_by_units(self.model, self._unit_plan, self.engines if fitting else [], self.root_device)
-        if fitting and self.engines:
-            self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
+        elif any(p.requires_grad for p in self.model.parameters()):
+            self.engines = [self._evaluation_engine()]
+        shard_by_units(self.model, self._unit_plan, self.engines, self.root_device)
+        self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
+
+    def _evaluation_engine(self) -> ShardedOptimizer:
+        """validate/test/predict under zero3 shard the weights too; an internal SGD (never stepped) holds them."""
+        assert self.model is not None
+        holder = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.0)
+        precision = self.precision_plugin
+        return ShardedOptimizer(holder, self.policy, self.config, precision.working_dtype, precision.master_dtype,
+                                self.root_device, module=self.lightning_module, unit_of=self._unit_plan.unit)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:

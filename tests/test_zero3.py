@@ -7,7 +7,7 @@ import math
 from tests.launch import launch
 
 
-def test_configure_model_never_materializes_the_full_model(tmp_path):
+def test_configure_model_never_materializes_the_full_model_and_validation_stays_sharded(tmp_path):
     # 16 blocks at world size 4: a rank holds a quarter of the weights plus one block while setting up. Built in
     # full, every rank would have grown by at least the whole model.
     ranks = launch("meta_init.py", 4, tmp_path, ("384", "16"), timeout=300)
@@ -16,6 +16,9 @@ def test_configure_model_never_materializes_the_full_model(tmp_path):
         assert rank["gathered"] == 0  # nothing left gathered after setup
         assert rank["growth"] < 0.7 * rank["full_bytes"], (rank["growth"], rank["full_bytes"])
         assert math.isfinite(rank["loss"])
+        # a standalone `validate` under zero3 gathers blocks around their forward too: never all 16 at once
+        assert 0 < rank["val_gathered"] < 0.25 * rank["blocks_bytes"], (rank["val_gathered"], rank["blocks_bytes"])
+        assert math.isfinite(rank["val_loss"]) and rank["val_loss"] == ranks[0]["val_loss"]
 
 
 def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):

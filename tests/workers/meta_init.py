@@ -20,6 +20,21 @@ from tests.models import TinyGPT
 warnings.filterwarnings("ignore")
 
 
+class GatheredDuringValidation(L.Callback):
+    """The most bytes of block weights holding memory as any block starts its forward in validation."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for block in pl_module.blocks:  # runs after ZeRO's own pre-forward hook, which gathers the block
+            block.register_forward_pre_hook(lambda module, args: self._measure(pl_module))
+
+    def _measure(self, pl_module: L.LightningModule) -> None:
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pl_module.blocks.parameters()}
+        self.most = max(self.most, sum(storages.values()))
+
+
 class PeakAtSetup(L.Callback):
     def __init__(self, baseline_kib: int) -> None:
         self.baseline_kib = baseline_kib
@@ -42,8 +57,16 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model)
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # standalone validation under zero3 is sharded too: blocks are gathered one (plus prefetch) at a time
+    validation = GatheredDuringValidation()
+    validator = L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=trainer.world_size,
+                          callbacks=[validation], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          limit_val_batches=2)
+    val_loss = validator.validate(model, verbose=False)[0]["val_loss"]
     result: dict[str, Any] = {"growth": probe.growth, "full_bytes": full_bytes, "gathered": probe.gathered,
-                              "loss": model.losses[0], "units": len(trainer.strategy._unit_plan.names)}
+                              "loss": model.losses[0], "units": len(trainer.strategy._unit_plan.names),
+                              "val_loss": val_loss, "val_gathered": validation.most,
+                              "blocks_bytes": sum(p.numel() * 4 for p in model.blocks.parameters())}
     torch.save(result, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
