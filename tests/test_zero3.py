@@ -45,3 +45,19 @@ def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
     everything_small = plan_units(model, persistence_threshold=10**9)
     assert everything_small.names == ["<root>"]
     assert all(everything_small.unit(p) == ROOT for p in model.parameters())
+
+
+def test_a_large_model_built_in_init_gets_a_warning(monkeypatch):
+    import warnings
+
+    import pytest
+    import torch
+
+    from lightning_zero import materialize
+
+    monkeypatch.setattr(materialize, "LARGE_MODEL_PARAMS", 1000)
+    with pytest.warns(UserWarning, match="configure_model"):
+        materialize.warn_if_built_in_full(torch.nn.Linear(100, 100))
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        materialize.warn_if_built_in_full(torch.nn.Linear(100, 100))  # on meta: nothing was materialized
