@@ -26,8 +26,9 @@ _Piece = tuple[int, Optional[str], Optional[int], Any]
 def full_model_state_dict(module: torch.nn.Module, engines: list[ShardedOptimizer]) -> dict[str, Any]:
     """``module.state_dict()`` with every managed parameter replaced by its full master-precision value.
 
-    Where the masters alias the working parameters (``32-true``, ``bf16-true``) this is ``module.state_dict()``;
-    under mixed precision the fp32 masters are gathered to rank 0 (other ranks get an empty dict).
+    Where the masters alias the full working parameters (stages 1 and 2 in ``32-true`` or ``bf16-true``) this is
+    ``module.state_dict()``; otherwise (mixed precision, stage 3) the masters are gathered to rank 0 and the other
+    ranks get an empty dict.
     """
     if all(engine.master_storage is None for engine in engines):
         return module.state_dict()
