@@ -125,6 +125,27 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional[Any] = None) -
     return tensor
 
 
+def barrier(device: Optional[torch.device] = None) -> None:
+    """Wait for every rank (NCCL needs to know this rank's device)."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl" and device is not None and device.index is not None:
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s (picklable) ``obj`` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src)
+    return holder[0]
+
+
+MAX = dist.ReduceOp.MAX
+
+
 def gather_objects(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Optional[list[Any]]:
     """Pickle ``obj`` from every rank to ``dst``: the list on ``dst``, ``None`` elsewhere."""
     if not is_distributed(group):

@@ -60,7 +60,7 @@ class LossScaler:
         found = torch.zeros(1, device=device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale, device=device))
-        collectives.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        collectives.all_reduce(found, op=collectives.MAX)
         return bool(found.item())
 
     def update(self, overflow: bool) -> None:

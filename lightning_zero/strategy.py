@@ -14,7 +14,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
@@ -311,19 +310,11 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            if torch.distributed.get_backend() == "nccl":
-                torch.distributed.barrier(device_ids=[self.root_device.index])
-            else:
-                torch.distributed.barrier()
+        collectives.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src)
-        return holder[0]
+        return collectives.broadcast_object(obj, src)
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
