@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_zero import collectives
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
-from lightning_zero.layout import FlatLayout, plan_layout
+from lightning_zero.layout import Bucket, FlatLayout, plan_layout
 from lightning_zero.params import ShardedParams
 from lightning_zero.stages import StagePolicy
 
@@ -180,17 +180,23 @@ class ShardedOptimizer:
 
     def _fill_from_params(self) -> None:
         """Copy the parameters into the flat buffer and the master shard, then make them views of the buffer."""
+        assert self.flat is not None
+        if self.master_storage is not None:
+            self._copy_pieces(self.layout.buckets, self.master_storage)
         with torch.no_grad():
-            for slot in self.slots:
-                if self.master_storage is not None:
-                    target = self.master_storage[slot.start : slot.start + slot.length]
-                    for p, p_start, length, offset in slot.pieces:
-                        source = self.params[p].detach().reshape(-1)[p_start : p_start + length]
-                        target[offset : offset + length].copy_(source)
             for p, offset in zip(self.params, self.layout.offsets):
                 view = self.flat[offset : offset + p.numel()]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
+
+    def _copy_pieces(self, buckets: list[Bucket], shard: Tensor) -> None:
+        """Write this rank's pieces of the (full) parameters in ``buckets`` into a shard-shaped tensor."""
+        with torch.no_grad():
+            for bucket in buckets:
+                for pc in self.layout.pieces(bucket, self.rank):
+                    values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
+                    at = bucket.shard_offset + pc.chunk_offset
+                    shard[at : at + pc.length].copy_(values)
 
     def _master_view(self, slot: MasterSlot) -> Tensor:
         if self.master_storage is not None:
@@ -269,12 +275,11 @@ class ShardedOptimizer:
     def fill_unit(self, unit: int) -> None:
         """Stage 3: shard ``unit``'s materialized parameters into the master and working shards, then free them."""
         assert self.sharded is not None and self.master_storage is not None
-        master = self.master_storage
-
-        def write_master(start: int, length: int, values: Tensor) -> None:
-            master[start : start + length].copy_(values)
-
-        self.sharded.fill_unit(unit, write_master)
+        buckets = self.layout.unit_buckets(unit)
+        self._copy_pieces(buckets, self.master_storage)
+        if self.sharded.working_shard is not self.master_storage:
+            self._copy_pieces(buckets, self.sharded.working_shard)
+        self.sharded.attach_views(unit)
         self.sharded.release(unit)
 
     def gather_unit(self, unit: int) -> list[Any]:

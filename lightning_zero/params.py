@@ -10,7 +10,7 @@ shard when the working and master dtypes are the same.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -40,24 +40,14 @@ class ShardedParams:
         buffer = self.buffers.get(unit)
         return buffer.numel() if buffer is not None else 0
 
-    def fill_unit(self, unit: int, write_master: Callable[[int, int, Tensor], None]) -> None:
-        """Take this rank's pieces of ``unit``'s (full, materialized) parameters, then make them views of the buffer.
-
-        ``write_master(shard_start, length, values)`` stores a piece in the master shard.
-        """
+    def attach_views(self, unit: int) -> None:
+        """Make ``unit``'s parameters views of its buffer (their values must already be in the shards)."""
         start, _ = self.layout.unit_range(unit)
-        with torch.no_grad():
-            for bucket in self.layout.unit_buckets(unit):
-                for pc in self.layout.pieces(bucket, self.rank):
-                    values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
-                    at = bucket.shard_offset + pc.chunk_offset
-                    self.working_shard[at : at + pc.length].copy_(values)
-                    write_master(at, pc.length, values)
-            buffer = self._allocate(unit)  # views can only be made of a tensor that has its storage
-            for j, p in enumerate(self.params):
-                if self.layout.param_units[j] == unit:
-                    offset = self.layout.offsets[j] - start
-                    p.data = buffer[offset : offset + p.numel()].view(p.shape)
+        buffer = self._allocate(unit)  # views can only be made of a tensor that has its storage
+        for j, p in enumerate(self.params):
+            if self.layout.param_units[j] == unit:
+                offset = self.layout.offsets[j] - start
+                p.data = buffer[offset : offset + p.numel()].view(p.shape)
 
     def gather(self, unit: int) -> list[Any]:
         """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles."""

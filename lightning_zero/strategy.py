@@ -212,10 +212,13 @@ class ZeroStrategy(ParallelStrategy):
     def _evaluation_engine(self) -> ShardedOptimizer:
         """validate/test/predict under zero3 shard the weights too; an internal SGD (never stepped) holds them."""
         assert self.model is not None
-        holder = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.0)
+        return self._make_engine(torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.0))
+
+    def _make_engine(self, optimizer: Optimizer) -> ShardedOptimizer:
         precision = self.precision_plugin
-        return ShardedOptimizer(holder, self.policy, self.config, precision.working_dtype, precision.master_dtype,
-                                self.root_device, module=self.lightning_module, unit_of=self._unit_plan.unit)
+        unit_of = self._unit_plan.unit if self.policy.shards_params else None
+        return ShardedOptimizer(optimizer, self.policy, self.config, precision.working_dtype, precision.master_dtype,
+                                self.root_device, module=self.lightning_module, unit_of=unit_of)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -223,13 +226,7 @@ class ZeroStrategy(ParallelStrategy):
         self.engines = []
         super().setup_optimizers(trainer)
         _check_disjoint(self.optimizers)
-        precision = self.precision_plugin
-        unit_of = self._unit_plan.unit if self.policy.shards_params else None
-        self.engines = [
-            ShardedOptimizer(opt, self.policy, self.config, precision.working_dtype, precision.master_dtype,
-                             self.root_device, module=self.lightning_module, unit_of=unit_of)
-            for opt in self.optimizers
-        ]
+        self.engines = [self._make_engine(opt) for opt in self.optimizers]
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
 
