@@ -1,13 +1,22 @@
 """lightning-zero: ZeRO (arXiv:1910.02054) as a PyTorch Lightning strategy.
 
 Importing the package registers ``zero1``, ``zero2`` (and ``_spawn`` / ``_fork`` variants) with Lightning, so that
-``Trainer(strategy="zero2")`` works.
+``Trainer(strategy="zero2")`` works. Sharded checkpoints are read back with :func:`load_from_checkpoint`,
+:func:`consolidate` (or ``lightning-zero consolidate``) and, under other strategies, :class:`ZeroCheckpointIO`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.collectives import TRAFFIC, Traffic
 from lightning_zero.config import ZeroConfig
+from lightning_zero.consolidate import (
+    ZeroCheckpointIO,
+    consolidate,
+    inspect_checkpoint,
+    load_from_checkpoint,
+    load_full_checkpoint,
+)
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.precision import LossScaler, ZeroPrecision
 from lightning_zero.strategy import ZeroStrategy
@@ -18,6 +27,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TRAFFIC",
+    "CheckpointError",
+    "ZeroCheckpointIO",
+    "consolidate",
+    "inspect_checkpoint",
+    "load_from_checkpoint",
+    "load_full_checkpoint",
     "LossScaler",
     "ModelStateBytes",
     "Traffic",

@@ -153,3 +153,12 @@ def gather_objects(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Optio
     out: Optional[list[Any]] = [None] * world_size(group) if rank(group) == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
+
+
+def all_gather_objects(obj: Any, group: Optional[Any] = None) -> list[Any]:
+    """Pickle ``obj`` from every rank to every rank."""
+    if not is_distributed(group):
+        return [obj]
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -6,7 +6,7 @@ Every option is checked when the strategy is constructed, so a bad value fails b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 #: Stages this version implements.
 SUPPORTED_STAGES = (1, 2, 3)
@@ -40,6 +40,9 @@ class ZeroConfig:
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
     prefetch_size: int = 5_000_000
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
+    state_dict_type: Literal["sharded", "full"] = "sharded"
+    """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
+    in the form ``ddp`` writes."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
@@ -61,6 +64,8 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
 
 
 def _check_stage(stage: object) -> None:

@@ -262,8 +262,11 @@ class ShardedOptimizer:
         """Consume the gradients and, if the optimizer stepped, bring the update to the working parameters: stages
         1 and 2 all-gather it into the full buffer, stage 3 casts it into the working shard (gathered on use)."""
         self.zero_grad()
-        if not stepped:
-            return
+        if stepped:
+            self.refresh_working()
+
+    def refresh_working(self) -> None:
+        """Bring the master shard's values to the working parameters (after a step, or a checkpoint load)."""
         if self.sharded is not None:
             if self.sharded.working_shard is not self.master_storage:
                 with torch.no_grad():

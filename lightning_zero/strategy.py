@@ -4,6 +4,7 @@ and their ``_spawn`` variants, and wires the engine into Lightning's precision, 
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
+from pathlib import Path
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -19,6 +20,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -30,11 +32,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives
+from lightning_zero.checkpoint import KEY, check_files, is_sharded_checkpoint, read_meta, save_file, save_sharded
+from lightning_zero.checkpoint_state import (
+    copy_full_state,
+    load_model_from_dir,
+    load_optimizers_from_dir,
+    split_checkpoint,
+)
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
 from lightning_zero.materialize import move_materialized, shard_by_units, warn_if_built_in_full
 from lightning_zero.optimizer import ShardedOptimizer, check_optimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.stages import policy_for
+from lightning_zero.shards import model_shards, optimizer_shards, param_groups
 from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
 from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
 
@@ -57,6 +67,8 @@ class ZeroStrategy(ParallelStrategy):
         unit_classes: stage 3: module classes (or names) gathered as one unit; default: repeated blocks.
         persistence_threshold: stage 3: units with at most this many elements are gathered once per step.
         prefetch_size: stage 3: elements of upcoming units all-gathered ahead of their use.
+        state_dict_type: ``"sharded"`` (default): checkpoints are directories, every rank writes its own pieces and
+            any world size or stage loads them; ``"full"``: one file gathered on rank 0, in ``ddp``'s form.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -75,6 +87,7 @@ class ZeroStrategy(ParallelStrategy):
         unit_classes: tuple[Union[type, str], ...] = (),
         persistence_threshold: int = 100_000,
         prefetch_size: int = 5_000_000,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -87,7 +100,8 @@ class ZeroStrategy(ParallelStrategy):
         self.config = ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
                                  bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
                                  elementwise_optimizers=elementwise_optimizers, unit_classes=unit_classes,
-                                 persistence_threshold=persistence_threshold, prefetch_size=prefetch_size)
+                                 persistence_threshold=persistence_threshold, prefetch_size=prefetch_size,
+                                 state_dict_type=state_dict_type)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -187,6 +201,8 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if not fitting:
+            self.engines = []  # those of an earlier fit were uninstalled at its teardown
         if self.policy.shards_params:
             self._setup_sharded_params(trainer, fitting)
         else:
@@ -321,24 +337,85 @@ class ZeroStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the sharded engines, so they are read after setup built them."""
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights, in the master precision (fp32 under mixed precision), on every rank."""
+        """``"sharded"``: this rank's pieces (``Shard``) of every entry; ``"full"``: full weights in the master
+        precision (fp32 under mixed precision) on rank 0."""
         assert self.lightning_module is not None
-        return full_model_state_dict(self.lightning_module, self.engines)
+        if self.config.state_dict_type == "full":
+            return full_model_state_dict(self.lightning_module, self.engines)
+        return model_shards(self.lightning_module, self.engines, full_copies=self.is_global_zero)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state gathered to rank 0 in the per-parameter form DDP uses (empty on other ranks)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        engine = self._engine_for(optimizer)
-        state = optimizer_state(engine)
-        return state if self.is_global_zero else {}
+        """``"sharded"``: this rank's pieces; ``"full"``: gathered to rank 0 in the per-parameter form DDP uses."""
+        engine = self._engine_for(getattr(optimizer, "_optimizer", optimizer))
+        if self.config.state_dict_type == "full":
+            state = optimizer_state(engine)
+            return state if self.is_global_zero else {}
+        return {"state": optimizer_shards(engine), "param_groups": param_groups(engine)}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Optional[Any] = None) -> None:
+        """Write a sharded checkpoint directory (every rank) or, with ``state_dict_type="full"``, one file (rank 0);
+        either appears complete or not at all."""
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy does not take `storage_options`; its checkpoints are written with "
+                            "torch.distributed.checkpoint (sharded) or torch.save (full).")
+        if self.config.state_dict_type == "full":
+            if self.is_global_zero:
+                save_file(checkpoint, Path(filepath))
+            return
+        info = {"stage": self.config.stage, "world_size": self.world_size,
+                "precision": self.precision_plugin.precision,
+                "num_parameters": sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0}
+        objects, shards, meta = split_checkpoint(checkpoint, self.engines, info)
+        save_sharded(Path(filepath), objects, shards, meta)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)  # removes directories too
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A file is read whole (``ddp``'s form); a directory gives its ``meta.pt`` after every file was checked,
+        and the tensors are read later, straight into this rank's shards."""
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        meta = read_meta(Path(checkpoint_path))
+        check_files(Path(checkpoint_path), meta, collective=True)
+        meta[KEY]["path"] = str(checkpoint_path)
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        dest = model_shards(self.lightning_module, self.engines, full_copies=True)
+        if KEY in checkpoint and "state_dict" not in checkpoint:
+            path = Path(checkpoint[KEY]["path"])
+            load_model_from_dir(path, dict(checkpoint), dest, strict, collective=True)
+        else:
+            copy_full_state(checkpoint["state_dict"], dest, strict, source="the checkpoint file")
+        for engine in self.engines:
+            engine.refresh_working()
+        if self.runtime is not None:
+            self.runtime.refresh()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint.get("optimizer_states")
         if not states:
+            return
+        if KEY in checkpoint and "state_dict" not in checkpoint:
+            load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), self.engines, collective=True)
             return
         if len(states) != len(self.engines):
             raise ValueError(

@@ -90,21 +90,26 @@ def test_checkpoint_resume_is_exact(tmp_path, precision):
     second = _fit_losses(tmp_path, 6, ckpt_path=ckpt, precision=precision)
     assert len(first) == len(second) == 12 and first + second == full  # bit for bit: weights and optimizer state are restored exactly
 
-    checkpoint = torch.load(ckpt, weights_only=False)
+    assert ckpt.is_dir() and (ckpt / "meta.pt").is_file()  # sharded: a directory
+    checkpoint = lightning_zero.load_full_checkpoint(ckpt)
     assert all(v.dtype == torch.float32 for v in checkpoint["state_dict"].values())  # fp32 masters, not bf16
     assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(list(TinyLM().parameters()))))
-    restored = TinyLM.load_from_checkpoint(ckpt)  # a plain Lightning checkpoint
+    lightning_zero.consolidate(ckpt, tmp_path / "one.ckpt")
+    restored = TinyLM.load_from_checkpoint(tmp_path / "one.ckpt")  # a plain Lightning checkpoint
     assert isinstance(restored, TinyLM)
 
 
-def test_checkpoint_resumes_across_stages_and_under_ddp_format(tmp_path):
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_checkpoint_resumes_across_stages_and_under_ddp_format(tmp_path, state_dict_type):
     ckpt = tmp_path / "zero2.ckpt"
-    _fit_losses(tmp_path, 3, save_at=ckpt)
+    _fit_losses(tmp_path, 3, save_at=ckpt, strategy=ZeroStrategy(stage=2, state_dict_type=state_dict_type))
     full = _fit_losses(tmp_path, 6)
-    resumed = _fit_losses(tmp_path, 6, ckpt_path=ckpt, strategy="zero1")
-    assert len(resumed) == 12 and resumed == full[len(full) - len(resumed):]
+    for stage in (1, 3):
+        resumed = _fit_losses(tmp_path, 6, ckpt_path=ckpt, strategy=f"zero{stage}")
+        assert len(resumed) == 12 and resumed == full[len(full) - len(resumed):], stage
+    checkpoint = lightning_zero.load_full_checkpoint(ckpt) if ckpt.is_dir() else torch.load(ckpt, weights_only=False)
     plain = TinyLM().configure_optimizers()["optimizer"]  # what DDP would restore into
-    plain.load_state_dict(torch.load(ckpt, weights_only=False)["optimizer_states"][0])  # same form as DDP's
+    plain.load_state_dict(checkpoint["optimizer_states"][0])  # same form as DDP's
 
 
 def test_loss_scaler_state_is_saved(tmp_path):
@@ -113,13 +118,13 @@ def test_loss_scaler_state_is_saved(tmp_path):
     trainer = _trainer("zero2", plugins=[precision], max_steps=2)
     trainer.fit(TinyLM(scheduler=False))
     trainer.save_checkpoint(tmp_path / "fp16.ckpt")
-    saved = torch.load(tmp_path / "fp16.ckpt", weights_only=False)["ZeroPrecision"]
+    saved = lightning_zero.load_full_checkpoint(tmp_path / "fp16.ckpt")["ZeroPrecision"]
     assert saved["scale"] == precision.scaler.scale and saved["good_steps"] == 2
 
 
 def test_optimizer_state_of_another_model_is_refused(tmp_path):
     ckpt = tmp_path / "small.ckpt"
-    _fit_losses(tmp_path, 2, save_at=ckpt)
+    _fit_losses(tmp_path, 2, save_at=ckpt, strategy=ZeroStrategy(stage=2, state_dict_type="full"))
     checkpoint = torch.load(ckpt, weights_only=False)
     checkpoint["optimizer_states"][0]["param_groups"][0]["params"].append(999)
     torch.save(checkpoint, ckpt)

@@ -1,0 +1,305 @@
+"""Sharded checkpoint directories: written by every rank in parallel, complete or absent, read at any world size.
+
+[Note: the checkpoint directory]
+``trainer.save_checkpoint("run/step=100.ckpt")`` under a ZeRO stage makes a *directory* of that name::
+
+    run/step=100.ckpt/
+        __0_0.distcp, __1_0.distcp, ...   what each rank owns, written by that rank (torch.distributed.checkpoint)
+        .metadata                          torch.distributed.checkpoint's index of the pieces
+        meta.pt                            Lightning's state (loops, callbacks, schedulers, hyperparameters, precision)
+                                           and ours: stage, world size, tensor shapes, sizes and CRC-32 of every file
+
+The storage layer is ``torch.distributed.checkpoint`` (DCP): each rank writes its own file, the coordinator writes
+the index, and on load every rank reads only the overlaps of the saved pieces with what it owns now (see
+[Note: every tensor is flat in a sharded checkpoint] in ``shards.py``), so any world size and stage can load it.
+A small planner pair below teaches DCP about our 1-D pieces; the file format, threads and I/O are DCP's own.
+
+[Note: complete or absent]
+Everything is written into a hidden sibling ``.step=100.ckpt.tmp-<token>``; ``meta.pt`` is written last (after
+every rank's files and DCP's index exist, with their sizes and checksums), then rank 0 renames the directory into
+place. A kill at any moment leaves either the previous checkpoint under the name or, between the two renames of an
+overwrite, the previous one under ``.step=100.ckpt.old-<token>`` (the loader says so). A directory without
+``meta.pt`` is never taken for a checkpoint, and a missing, truncated or altered file is caught before loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from lightning_zero import collectives
+from lightning_zero.shards import Shard
+
+FORMAT = "lightning-zero/1"
+META_FILE = "meta.pt"
+#: The key of our own metadata in ``meta.pt`` (and in the dict ``ZeroStrategy.load_checkpoint`` returns).
+KEY = "lightning_zero"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: not ours, incomplete, damaged, or from a different model."""
+
+
+# ---------------------------------------------------------------------- DCP planners for 1-D pieces
+class _ShardSavePlanner(DefaultSavePlanner):
+    """Writes each :class:`Shard` piece as a chunk ``[start, start + n)`` of a 1-D tensor of the full size."""
+
+    def __init__(self, shards: dict[str, Shard]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [
+            WriteItem(
+                index=MetadataIndex(key, torch.Size([start])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([piece.numel()])),
+                    properties=TensorProperties.create_from_tensor(piece),
+                    size=torch.Size([shard.numel]),
+                ),
+            )
+            for key, shard in self.shards.items()
+            for start, piece in shard.pieces
+            if piece.numel()
+        ]
+        self.plan = dataclasses.replace(plan, items=plan.items + items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        shard = self.shards.get(write_item.index.fqn)
+        if shard is None:
+            return super().resolve_data(write_item)
+        assert write_item.index.offset is not None
+        start = write_item.index.offset[0]
+        return next(piece for s, piece in shard.pieces if s == start)
+
+
+class _ShardLoadPlanner(DefaultLoadPlanner):
+    """Reads, for every :class:`Shard` destination piece, its overlaps with the saved pieces."""
+
+    def __init__(self, shards: dict[str, Shard]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for key, shard in self.shards.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([p.numel()]))
+                      for s, p in shard.pieces]
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+        return dataclasses.replace(plan, items=plan.items + items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        shard = self.shards.get(read_item.dest_index.fqn)
+        if shard is None:
+            return super().resolve_tensor(read_item)
+        assert read_item.dest_index.index is not None
+        _, piece = shard.pieces[read_item.dest_index.index]
+        return piece.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+
+# ---------------------------------------------------------------------- save
+def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], meta: dict[str, Any]) -> None:
+    """Collective: write a checkpoint directory at ``path`` (see [Note: the checkpoint directory]).
+
+    ``objects`` are small non-tensor values (pickled, deduplicated across ranks), ``shards`` this rank's pieces,
+    ``meta`` what rank 0 writes to ``meta.pt``; ``meta[KEY]["files"]`` is filled in here.
+    """
+    path = Path(path)
+    token = collectives.broadcast_object(uuid.uuid4().hex[:12])
+    staging = path.parent / f".{path.name}.tmp-{token}"
+    if collectives.rank() == 0:
+        _remove_stale_siblings(path)
+        staging.mkdir(parents=True)
+    collectives.barrier()
+    failed: Optional[BaseException] = None
+    try:
+        dcp.save(objects, storage_writer=dcp.FileSystemWriter(staging, sync_files=True),
+                 planner=_ShardSavePlanner(shards))
+        own = {f.name: _describe(f) for f in staging.glob(f"__{collectives.rank()}_*.distcp")}
+        every = collectives.gather_objects(own)
+        if every is not None:
+            files = {name: info for part in every for name, info in part.items()}
+            files[".metadata"] = _describe(staging / ".metadata")
+            meta[KEY]["files"] = files
+            _save_file(meta, staging / META_FILE)
+            _replace(staging, path, token)
+    except BaseException as error:  # noqa: BLE001 - any failure must not leave a half-written directory behind
+        failed = error
+    ok = collectives.all_gather_objects(failed is None)
+    if not all(ok):
+        if collectives.rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        if failed is not None:
+            raise failed
+        raise RuntimeError(f"Saving the checkpoint {path} failed on another rank; see its log. Nothing was written.")
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """Write ``obj`` with ``torch.save`` to ``path``, atomically (a temporary sibling, then a rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:12]
+    staging = path.parent / f".{path.name}.tmp-{token}"
+    try:
+        _save_file(obj, staging)
+        _replace(staging, path, token)
+    finally:
+        if staging.exists():
+            staging.unlink()
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(staging: Path, path: Path, token: str) -> None:
+    """Put ``staging`` at ``path``; an existing checkpoint there is moved aside first and deleted last."""
+    old = None
+    if path.exists() or path.is_symlink():
+        old = path.parent / f".{path.name}.old-{token}"
+        os.rename(path, old)
+    os.rename(staging, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        _remove(old)
+
+
+def _remove_stale_siblings(path: Path) -> None:
+    """Delete what interrupted saves to ``path`` left behind (never the only copy of a checkpoint)."""
+    for stale in _siblings(path, "tmp"):
+        _remove(stale)
+    if path.exists():
+        for stale in _siblings(path, "old"):
+            _remove(stale)
+
+
+def _siblings(path: Path, kind: str) -> list[Path]:
+    """``.<name>.tmp-*`` / ``.<name>.old-*`` next to ``path`` (no glob: checkpoint names contain ``[`` and ``=``)."""
+    prefix = f".{path.name}.{kind}-"
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix)) if path.parent.is_dir() else []
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _describe(path: Path) -> tuple[int, int]:
+    """``(size in bytes, CRC-32)`` of a file."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return path.stat().st_size, crc
+
+
+# ---------------------------------------------------------------------- load
+def is_sharded_checkpoint(path: Any) -> bool:
+    """Whether ``path`` is a directory (a sharded checkpoint, complete or not) rather than a file."""
+    return Path(path).is_dir()
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``meta.pt`` of the checkpoint directory ``path``, after checking that the directory is ours and complete."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(_missing_message(path))
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a lightning-zero checkpoint directory.")
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        if (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"{path} has no {META_FILE}: it is a torch.distributed.checkpoint directory that lightning-zero did "
+                "not write (or whose save was interrupted). Load it with `torch.distributed.checkpoint` directly."
+            )
+        raise CheckpointError(f"{path} is not a checkpoint: it has no {META_FILE} (nor the shards that go with it).")
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise CheckpointError(f"{meta_file} cannot be read ({error}); the checkpoint is damaged.") from error
+    info = meta.get(KEY) if isinstance(meta, dict) else None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else None
+        raise CheckpointError(f"{meta_file} is not lightning-zero checkpoint metadata of format {FORMAT!r} "
+                              f"(found {found!r}).")
+    return meta
+
+
+def check_files(path: Path, meta: dict[str, Any], verify: bool = True, collective: bool = False) -> None:
+    """Raise if a file of the checkpoint is missing, truncated, or (with ``verify``) altered.
+
+    ``collective``: the ranks share the checksumming (each reads a part of the files) and all raise the same error.
+    """
+    names = sorted(meta[KEY]["files"])
+    rank, world = (collectives.rank(), collectives.world_size()) if collective else (0, 1)
+    problems = [p for i, name in enumerate(names) if i % world == rank
+                for p in [_file_problem(Path(path) / name, meta[KEY]["files"][name], verify)] if p]
+    if collective:
+        problems = [p for part in collectives.all_gather_objects(problems) for p in part]
+    if problems:
+        raise CheckpointError(f"The checkpoint {path} is damaged: " + "; ".join(problems) +
+                              ". Nothing was loaded. Use another checkpoint (e.g. an earlier one).")
+
+
+def _file_problem(file: Path, expected: tuple[int, int], verify: bool) -> Optional[str]:
+    size, crc = expected
+    if not file.is_file():
+        return f"{file.name} is missing"
+    actual = file.stat().st_size
+    if actual != size:
+        return f"{file.name} has {actual} bytes instead of {size} (truncated or overwritten)"
+    if verify and _describe(file)[1] != crc:
+        return f"{file.name} does not match its checksum (corrupted)"
+    return None
+
+
+def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[str, Any]] = None,
+                 collective: bool = True) -> None:
+    """Read the saved pieces overlapping ``shards`` into them, and the pickled ``objects`` into that dict.
+
+    ``collective``: every rank of the process group calls this (DCP coordinates the plans); otherwise this process
+    reads alone (a single process, or one rank of a job that needs a private full copy).
+    """
+    objects = {} if objects is None else objects
+    dcp.load(objects, storage_reader=dcp.FileSystemReader(path), planner=_ShardLoadPlanner(shards),
+             no_dist=not collective or not collectives.is_distributed())
+
+
+def _missing_message(path: Path) -> str:
+    message = f"No checkpoint at {path}."
+    backups = _siblings(path, "old")
+    if backups:
+        message += (f" A save that replaced it was interrupted; the previous checkpoint is intact at {backups[-1]}: "
+                    f"rename it to {path.name} to use it.")
+    return message

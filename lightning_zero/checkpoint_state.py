@@ -1,0 +1,194 @@
+"""Lightning's checkpoint dict to and from a sharded checkpoint directory: keys, checks, and where loads land.
+
+Keys in the directory: ``model/<state_dict key>`` (a tied weight once, under its first name; ``meta.pt`` maps every
+name to it) and ``optimizer/<k>/<canonical index>/<state key>`` for optimizer ``k``. Every check that can refuse a
+checkpoint (other model, other optimizers, shapes) runs before anything is written into the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero import collectives
+from lightning_zero.checkpoint import FORMAT, KEY, CheckpointError, load_sharded
+from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.shards import Shard, optimizer_destination
+
+# (shape, dtype name) of a saved tensor, or None for a pickled object
+TensorInfo = Optional[tuple[tuple[int, ...], str]]
+
+
+# ---------------------------------------------------------------------- save
+def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer], info: dict[str, Any],
+                     ) -> tuple[dict[str, Any], dict[str, Shard], dict[str, Any]]:
+    """Cut Lightning's checkpoint dict into DCP objects, this rank's shards, and ``meta.pt`` (complete on rank 0).
+
+    ``checkpoint["state_dict"]`` holds :class:`Shard` values (``ZeroStrategy.lightning_module_state_dict``) and each
+    of ``checkpoint["optimizer_states"]`` ``{"state": {index: {key: Shard or value}}, "param_groups": [...]}``.
+    """
+    objects: dict[str, Any] = {}
+    shards: dict[str, Shard] = {}
+    tensors: dict[str, TensorInfo] = {}
+    model: dict[str, str] = {}
+    stored: dict[int, str] = {}
+    for key, value in checkpoint["state_dict"].items():
+        shard = value if isinstance(value, Shard) else Shard.whole(value)
+        if id(value) not in stored:
+            stored[id(value)] = f"model/{key}"
+            _put(f"model/{key}", shard, objects, shards, tensors)
+        model[key] = stored[id(value)]
+    optimizers = []
+    for k, state in enumerate(checkpoint.get("optimizer_states", [])):
+        for index, entry in state["state"].items():
+            for name, value in entry.items():
+                _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors)
+        engine = engines[k]
+        optimizers.append({"class": type(engine.optimizer).__qualname__,
+                           "params": [tuple(p.shape) for p in engine.canonical], "group_sizes": engine.group_sizes})
+    every = collectives.gather_objects(tensors)
+    meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+    if "optimizer_states" in checkpoint:
+        meta["optimizer_states"] = [{"param_groups": s["param_groups"], "sharded": True}
+                                    for s in checkpoint["optimizer_states"]]
+    meta[KEY] = {**info, "format": FORMAT, "model": model, "optimizers": optimizers,
+                 "tensors": {k: v for part in (every or []) for k, v in part.items()}}
+    return objects, shards, meta
+
+
+def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard], tensors: dict[str, TensorInfo],
+         ) -> None:
+    if isinstance(value, Tensor):
+        value = Shard.whole(value)
+    if isinstance(value, Shard):
+        tensors[key] = (value.shape, str(value.dtype).removeprefix("torch."))
+        if value.numel:
+            shards[key] = value
+        else:  # DCP cannot index an empty tensor by pieces: store it as an object
+            objects[key] = torch.empty(value.shape, dtype=value.dtype)
+    else:
+        tensors[key] = None
+        objects[key] = value
+
+
+# ---------------------------------------------------------------------- model
+def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], strict: bool, source: str) -> None:
+    """Refuse a checkpoint of another model: shapes must match; with ``strict`` the keys too (as ``nn.Module``)."""
+    mismatched = [f"{k}: checkpoint {tuple(saved[k])}, model {d.shape}" for k, d in dest.items()
+                  if k in saved and tuple(saved[k]) != tuple(d.shape)]
+    missing = [k for k in dest if k not in saved]
+    unexpected = [k for k in saved if k not in dest]
+    problems = []
+    if mismatched:
+        problems.append("shape mismatch for " + _some(mismatched))
+    if strict and missing:
+        problems.append("missing keys " + _some(missing))
+    if strict and unexpected:
+        problems.append("unexpected keys " + _some(unexpected))
+    if problems:
+        raise CheckpointError(
+            f"The checkpoint {source} does not fit this model: " + "; ".join(problems) + ". It comes from a "
+            "different model (or another version of it); pass `strict=False` to skip missing and unexpected keys."
+        )
+
+
+def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool,
+                        collective: bool) -> None:
+    """Read the model's tensors from a checkpoint directory into ``dest`` (``model_shards`` of the module)."""
+    info = meta[KEY]
+    saved = {k: tuple(info["tensors"][stored][0]) for k, stored in info["model"].items()}
+    check_model_keys(saved, dest, strict, str(path))
+    rounds: list[dict[str, Shard]] = [{}]
+    for key, shard in dest.items():
+        if key not in saved:
+            continue
+        stored = info["model"][key]
+        round_ = next((r for r in rounds if stored not in r or r[stored] is shard), None)
+        if round_ is None:  # tied in the checkpoint, separate here: read the stored tensor once more
+            round_ = {}
+            rounds.append(round_)
+        round_[stored] = shard
+    for round_ in rounds:  # (empty tensors have nothing to read)
+        load_sharded(path, {k: s for k, s in round_.items() if s.numel}, None, collective)
+
+
+def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: bool, source: str) -> None:
+    """Load a full ``state_dict`` (one file, DDP's form) into ``dest``: each rank copies the pieces it owns."""
+    saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, Tensor)}
+    check_model_keys(saved, dest, strict, source)
+    with torch.no_grad():
+        for key, shard in dest.items():
+            if key in saved:
+                full = state_dict[key].reshape(-1)
+                for start, piece in shard.pieces:
+                    piece.copy_(full[start : start + piece.numel()])
+
+
+# ---------------------------------------------------------------------- optimizers
+def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[ShardedOptimizer],
+                             collective: bool) -> None:
+    """Read every optimizer's state from a checkpoint directory into the shards this rank owns."""
+    info = meta[KEY]
+    states = meta.get("optimizer_states", [])
+    if len(states) != len(engines):
+        raise CheckpointError(
+            f"The checkpoint {path} holds {len(states)} optimizer states but `configure_optimizers` returned "
+            f"{len(engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
+        )
+    for k, engine in enumerate(engines):
+        check_optimizer_fits(info["optimizers"][k], engine, str(path))
+    shards: dict[str, Shard] = {}
+    objects: dict[str, Any] = {}
+    dests = []
+    for k, engine in enumerate(engines):
+        prefix = f"optimizer/{k}/"
+        saved = {}
+        for key, tensor in info["tensors"].items():
+            if key.startswith(prefix):
+                index, name = key[len(prefix):].split("/", 1)
+                saved[(int(index), name)] = tensor
+        dest = optimizer_destination(engine, {i: (tuple(t[0]), getattr(torch, t[1])) for i, t in saved.items()
+                                              if t is not None})
+        shards.update({f"{prefix}{i}/{name}": s for (i, name), s in dest.shards.items() if s.numel})
+        wanted = {engine.managed[p] for slot in engine.slots for p, *_ in slot.pieces}
+        objects.update({f"{prefix}{i}/{name}": None for (i, name), t in saved.items()
+                        if (t is None or not _numel(t[0])) and i in wanted})
+        dests.append(dest)
+    load_sharded(path, shards, objects, collective)
+    for k, (engine, dest) in enumerate(zip(engines, dests)):
+        prefix = f"optimizer/{k}/"
+        for key, value in objects.items():
+            if key.startswith(prefix):
+                index, name = key[len(prefix):].split("/", 1)
+                dest.values[(int(index), name)] = value
+        dest.install(states[k]["param_groups"])
+
+
+def check_optimizer_fits(saved: dict[str, Any], engine: ShardedOptimizer, source: str) -> None:
+    """Refuse an optimizer state saved for other param groups or parameters."""
+    if list(saved["group_sizes"]) != engine.group_sizes:
+        raise CheckpointError(
+            f"The checkpoint {source} has an optimizer with param groups of sizes {list(saved['group_sizes'])}, but "
+            f"{saved['class']} here has {engine.group_sizes}. Resume with the same model and `configure_optimizers`."
+        )
+    shapes = [tuple(p.shape) for p in engine.canonical]
+    bad = [f"parameter {i}: checkpoint {tuple(a)}, model {b}" for i, (a, b) in enumerate(zip(saved["params"], shapes))
+           if tuple(a) != b]
+    if bad:
+        raise CheckpointError(f"The optimizer state in {source} is for parameters of other shapes ({_some(bad)}); "
+                              "it comes from a different model.")
+
+
+def _some(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(i) if " " not in i else i for i in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
