@@ -89,10 +89,9 @@ def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], 
     if strict and unexpected:
         problems.append("unexpected keys " + _some(unexpected))
     if problems:
-        raise CheckpointError(
-            f"The checkpoint {source} does not fit this model: " + "; ".join(problems) + ". It comes from a "
-            "different model (or another version of it); pass `strict=False` to skip missing and unexpected keys."
-        )
+        hint = "" if mismatched else "; pass `strict=False` to load the keys both have"
+        raise CheckpointError(f"The checkpoint {source} does not fit this model: " + "; ".join(problems) +
+                              f". It comes from a different model (or another version of it){hint}.")
 
 
 def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool,

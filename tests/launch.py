@@ -25,8 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), timeout: float = 300) -> list[Any]:
-    """Run ``tests/workers/<script>`` on ``world_size`` ranks; return what each rank saved to ``out_dir/rank{r}.pt``."""
+def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = ()) -> tuple[list[Any], list[Any]]:
+    """Start ``tests/workers/<script>`` on ``world_size`` ranks; returns the processes and their open log files."""
     port = str(free_port())
     procs = []
     logs = []
@@ -39,6 +39,12 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
         logs.append(log)
         cmd = [sys.executable, str(ROOT / "tests" / "workers" / script), str(out_dir), *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir))
+    return procs, logs
+
+
+def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), timeout: float = 300) -> list[Any]:
+    """Run ``tests/workers/<script>`` on ``world_size`` ranks; return what each rank saved to ``out_dir/rank{r}.pt``."""
+    procs, logs = start(script, world_size, out_dir, args)
     try:
         for p in procs:
             p.wait(timeout=timeout)

@@ -1,0 +1,201 @@
+"""Checkpoints are complete or absent, and bad ones are refused with an error that names the problem.
+
+Single-process cases use a world-size-1 Trainer (quick); the kill test kills two ranks in the middle of a save.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_zero
+from lightning_zero import CheckpointError, ZeroStrategy
+from lightning_zero.checkpoint import _replace, check_files, read_meta
+from lightning_zero.cli import main as cli
+from tests.launch import ROOT, _tail, start
+from tests.models import TinyGPT, TinyLM
+
+
+def _trainer(strategy="zero3", **kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(strategy=strategy, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A zero3 checkpoint directory of a TinyGPT after 2 steps."""
+    L.seed_everything(0)
+    trainer = _trainer(ZeroStrategy(stage=3, persistence_threshold=0))
+    trainer.fit(TinyGPT())
+    path = tmp_path_factory.mktemp("saved") / "gpt.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    """A private copy of ``saved`` that a test may damage."""
+    target = tmp_path / saved.name
+    target.mkdir()
+    for f in saved.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    procs, logs = start("kill_save.py", 2, tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"saving{r}.flag").exists() for r in range(2)):
+            assert all(p.poll() is None for p in procs), _tail(tmp_path)
+            assert time.monotonic() < deadline, "the second save never started:\n" + _tail(tmp_path)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    last = tmp_path / "last.ckpt"
+    meta = read_meta(last)
+    check_files(last, meta, verify=True)
+    assert meta["lightning_zero"]["files"] == torch.load(tmp_path / "first.pt")  # the first save, untouched
+    staging = [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]
+    assert len(staging) == 1 and any(staging[0].glob("__*.distcp"))  # the killed save had written its shards ...
+    with pytest.raises(CheckpointError, match="no meta.pt"):  # ... but is never taken for a checkpoint
+        read_meta(staging[0])
+    assert isinstance(lightning_zero.load_from_checkpoint(TinyGPT, last), TinyGPT)
+    trainer = _trainer("zero2", max_steps=1)
+    trainer.fit(TinyGPT())
+    trainer.save_checkpoint(last)  # the next save to that name clears the leftovers
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".last")) == []
+
+
+def test_interrupted_overwrite_points_to_the_kept_checkpoint(saved, tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    target.mkdir()
+    staging = tmp_path / ".last.ckpt.tmp-x"
+    staging.mkdir()
+    real_rename = os.rename
+
+    def crash_on_second(src, dst):
+        if Path(src) == staging:
+            raise KeyboardInterrupt("killed between the two renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        _replace(staging, target, "x")
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match=r"previous checkpoint is intact at .*\.last\.ckpt\.old-x"):
+        read_meta(target)
+
+
+def test_missing_truncated_and_corrupted_shards_are_named(copy):
+    shard = copy / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="__0_0.distcp has .* bytes instead of"):
+        lightning_zero.load_from_checkpoint(TinyGPT, copy)
+    shard.write_bytes(data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
+    with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
+        lightning_zero.load_full_checkpoint(copy)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="__0_0.distcp is missing"):
+        _trainer("zero2").fit(TinyGPT(), ckpt_path=copy)
+
+
+def test_paths_that_are_not_our_checkpoints(tmp_path, saved):
+    with pytest.raises(FileNotFoundError, match="No checkpoint at"):
+        lightning_zero.load_from_checkpoint(TinyGPT, tmp_path / "nothing.ckpt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="is not a checkpoint: it has no meta.pt"):
+        lightning_zero.load_full_checkpoint(tmp_path / "empty")
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="torch.distributed.checkpoint directory that lightning-zero did not"):
+        lightning_zero.inspect_checkpoint(tmp_path / "dcp")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "meta.pt").write_text("hello")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        lightning_zero.inspect_checkpoint(tmp_path / "text")
+    torch.save({"state_dict": {}}, tmp_path / "text" / "meta.pt")
+    with pytest.raises(CheckpointError, match="not lightning-zero checkpoint metadata"):
+        lightning_zero.inspect_checkpoint(tmp_path / "text")
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(saved):
+    with pytest.raises(CheckpointError, match=r"shape mismatch for .*wte.weight: checkpoint \(37, 32\), model \(37, 16\)"):
+        lightning_zero.load_from_checkpoint(TinyGPT, saved, width=16)
+    L.seed_everything(0)
+    model = TinyLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="missing keys 'embed.weight'.*unexpected keys 'pos', 'wte.weight'"):
+        _trainer("zero3").fit(model, ckpt_path=saved)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before a single tensor was written
+
+
+class _GPTWithExtra(TinyGPT):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__(width=width)
+        self.extra = torch.nn.Parameter(torch.ones(3))
+
+
+def test_strict_false_skips_missing_keys_like_lightning(saved):
+    with pytest.raises(CheckpointError, match="missing keys 'extra'"):
+        lightning_zero.load_from_checkpoint(_GPTWithExtra, saved)
+    model = lightning_zero.load_from_checkpoint(_GPTWithExtra, saved, strict=False)
+    reference = lightning_zero.load_from_checkpoint(TinyGPT, saved)
+    assert torch.equal(model.extra, torch.ones(3))
+    assert torch.equal(model.blocks[0].qkv.weight, reference.blocks[0].qkv.weight)
+
+
+def test_consolidated_file_loads_with_lightning_and_torch(saved, tmp_path):
+    out = tmp_path / "gpt.ckpt"
+    assert cli(["consolidate", str(saved), str(out)]) == 0
+    plain = torch.load(out, weights_only=False)
+    assert plain["global_step"] == 2 and plain["optimizer_states"][0]["state"]
+    restored = TinyGPT.load_from_checkpoint(out)
+    sharded = lightning_zero.load_from_checkpoint(TinyGPT, saved)
+    for (name, a), b in zip(restored.state_dict().items(), sharded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert restored.lm_head.weight is restored.wte.weight
+    small = tmp_path / "gpt-bf16.ckpt"
+    assert cli(["consolidate", str(saved), str(small), "--weights-only", "--dtype", "bf16"]) == 0
+    weights = torch.load(small, weights_only=False)
+    assert "optimizer_states" not in weights and weights["state_dict"]["wte.weight"].dtype == torch.bfloat16
+    assert small.stat().st_size < out.stat().st_size / 4
+
+
+def test_inspect_summarizes(saved, capsys):
+    assert cli(["inspect", str(saved), "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "zero3 on 1 rank" in text and "global step 2" in text and "checksums verified" in text
+    summary = lightning_zero.inspect_checkpoint(saved)
+    assert summary["num_parameters"] == sum(p.numel() for p in TinyGPT().parameters())
+    assert cli(["inspect", str(saved.parent / "absent")]) == 2
+    assert "No checkpoint at" in capsys.readouterr().err
+
+
+def test_console_command_and_python_m_share_the_entry_point(saved):
+    for cmd in (["lightning-zero"], [sys.executable, "-m", "lightning_zero"]):
+        result = subprocess.run([*cmd, "inspect", str(saved), "--json"], capture_output=True, text=True,
+                                cwd=ROOT, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert '"stage": 3' in result.stdout
+
+
+def test_ddp_resumes_a_sharded_checkpoint_through_zero_checkpoint_io(saved):
+    model = TinyGPT()
+    trainer = _trainer("auto", max_steps=3, plugins=[lightning_zero.ZeroCheckpointIO()])
+    trainer.fit(model, ckpt_path=saved)
+    assert trainer.global_step == 3 and len(model.losses) == 1
