@@ -28,6 +28,7 @@ import dataclasses
 import os
 import shutil
 import uuid
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Optional
@@ -292,8 +293,10 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
     reads alone (a single process, or one rank of a job that needs a private full copy).
     """
     objects = {} if objects is None else objects
-    dcp.load(objects, storage_reader=dcp.FileSystemReader(path), planner=_ShardLoadPlanner(shards),
-             no_dist=not collective or not collectives.is_distributed())
+    alone = not collective or not collectives.is_distributed()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(objects, storage_reader=dcp.FileSystemReader(path), planner=_ShardLoadPlanner(shards), no_dist=alone)
 
 
 def _missing_message(path: Path) -> str:

@@ -59,13 +59,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     per_rank = ", ".join(_bytes(b) for b in summary["bytes_per_rank"])
     lines = [
         f"checkpoint   {summary['path']}",
-        f"saved by     zero{summary['stage']} on {summary['world_size']} ranks, precision {summary['precision']}",
+        f"saved by     zero{summary['stage']} on {summary['world_size']} rank{'s' if summary['world_size'] != 1 else ''}"
+        f", precision {summary['precision']}",
         f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
         f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
         f"optimizers   {', '.join(summary['optimizers']) or 'none'}"
         + ("" if summary["has_optimizer_state"] else " (weights only: no optimizer state)"),
         f"bytes/rank   {per_rank}  (total {_bytes(summary['total_bytes'])} with metadata)",
-        f"files        complete" + (", checksums verified" if summary["verified"] else " (sizes checked; --verify "
+        "files        complete" + (", checksums verified" if summary["verified"] else " (sizes checked; --verify "
                                      "also checks the checksums)"),
     ]
     return "\n".join(lines)
