@@ -46,6 +46,13 @@ def warn_if_built_in_full(module: nn.Module) -> None:
         )
 
 
+def broadcast_module_states(module: torch.nn.Module) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DDP does."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            collectives.broadcast(tensor.data, src=0)
+
+
 def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
                    device: torch.device) -> None:
     """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model]).

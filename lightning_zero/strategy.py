@@ -4,9 +4,9 @@ and their ``_spawn`` variants, and wires the engine into Lightning's precision, 
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from pathlib import Path
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -40,11 +40,16 @@ from lightning_zero.checkpoint_state import (
     split_checkpoint,
 )
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
-from lightning_zero.materialize import move_materialized, shard_by_units, warn_if_built_in_full
-from lightning_zero.optimizer import ShardedOptimizer, check_optimizer
+from lightning_zero.materialize import (
+    broadcast_module_states,
+    move_materialized,
+    shard_by_units,
+    warn_if_built_in_full,
+)
+from lightning_zero.optimizer import ShardedOptimizer, check_disjoint
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.stages import policy_for
 from lightning_zero.shards import model_shards, optimizer_shards, param_groups
+from lightning_zero.stages import policy_for
 from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
 from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
 
@@ -207,7 +212,7 @@ class ZeroStrategy(ParallelStrategy):
             self._setup_sharded_params(trainer, fitting)
         else:
             self.model_to_device()
-            _broadcast_module_states(self.model)
+            broadcast_module_states(self.model)
             if fitting:
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -241,7 +246,7 @@ class ZeroStrategy(ParallelStrategy):
         self._uninstall_engines()
         self.engines = []
         super().setup_optimizers(trainer)
-        _check_disjoint(self.optimizers)
+        check_disjoint(self.optimizers)
         self.engines = [self._make_engine(opt) for opt in self.optimizers]
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
@@ -441,24 +446,3 @@ class ZeroStrategy(ParallelStrategy):
                     f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
                     override=True, stage=stage, start_method=start_method,
                 )
-
-
-def _broadcast_module_states(module: torch.nn.Module) -> None:
-    """Start every rank from rank 0's parameters and buffers, as DDP does."""
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            collectives.broadcast(tensor.data, src=0)
-
-
-def _check_disjoint(optimizers: list[Optimizer]) -> None:
-    seen: set[int] = set()
-    for optimizer in optimizers:
-        check_optimizer(optimizer)
-        for p in (p for group in optimizer.param_groups for p in group["params"]):
-            if id(p) in seen:
-                raise ValueError(
-                    "A parameter is in two optimizers. ZeroStrategy shards each parameter for one optimizer only; "
-                    "give every optimizer its own parameters."
-                )
-            seen.add(id(p))
-
