@@ -225,11 +225,6 @@ def _describe(path: Path) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- load
-def is_sharded_checkpoint(path: Any) -> bool:
-    """Whether ``path`` is a directory (a sharded checkpoint, complete or not) rather than a file."""
-    return Path(path).is_dir()
-
-
 def read_meta(path: Path) -> dict[str, Any]:
     """``meta.pt`` of the checkpoint directory ``path``, after checking that the directory is ours and complete."""
     path = Path(path)

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives
-from lightning_zero.checkpoint import KEY, check_files, is_sharded_checkpoint, read_meta, save_file, save_sharded
+from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoint_state import (
     copy_full_state,
     load_model_from_dir,
@@ -393,7 +393,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A file is read whole (``ddp``'s form); a directory gives its ``meta.pt`` after every file was checked,
         and the tensors are read later, straight into this rank's shards."""
-        if not is_sharded_checkpoint(checkpoint_path):
+        if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
         meta = read_meta(Path(checkpoint_path))
         check_files(Path(checkpoint_path), meta, collective=True)
@@ -404,7 +404,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         dest = model_shards(self.lightning_module, self.engines, full_copies=True)
-        if KEY in checkpoint and "state_dict" not in checkpoint:
+        if _from_directory(checkpoint):
             path = Path(checkpoint[KEY]["path"])
             load_model_from_dir(path, dict(checkpoint), dest, strict, collective=True)
         else:
@@ -419,7 +419,7 @@ class ZeroStrategy(ParallelStrategy):
         states = checkpoint.get("optimizer_states")
         if not states:
             return
-        if KEY in checkpoint and "state_dict" not in checkpoint:
+        if _from_directory(checkpoint):
             load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), self.engines, collective=True)
             return
         if len(states) != len(self.engines):
@@ -446,3 +446,8 @@ class ZeroStrategy(ParallelStrategy):
                     f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
                     override=True, stage=stage, start_method=start_method,
                 )
+
+
+def _from_directory(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether ``checkpoint`` is the metadata of a sharded directory (its tensors still to be read)."""
+    return KEY in checkpoint and "path" in checkpoint[KEY] and "state_dict" not in checkpoint
