@@ -18,7 +18,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.optimizer import ShardedOptimizer
 
-_MIXED = ("bf16-mixed", "16-mixed")
+#: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.
+BYTES_PER_PARAM = {"32-true": (4, 4, 8), "bf16-mixed": (2, 2, 12), "16-mixed": (2, 2, 12), "bf16-true": (2, 2, 4)}
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,10 @@ def expected_model_state_bytes(num_params: int, world_size: int, stage: int, pre
     """DESIGN.md's table for Adam: bytes of model states per rank (``stage=0`` is DDP).
 
     Mixed precision: 2Ψ params + 2Ψ grads + 12Ψ fp32 master/momentum/variance. ``32-true``: 4Ψ + 4Ψ + 8Ψ, the fp32
-    parameters doubling as the master weights.
+    parameters doubling as the master weights. ``bf16-true``: 2Ψ + 2Ψ + 4Ψ (bf16 momentum and variance).
     """
     psi, n = float(num_params), float(world_size)
-    mixed = precision in _MIXED
-    param_b, grad_b, opt_b = (2, 2, 12) if mixed else (4, 4, 8)
+    param_b, grad_b, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
     if stage == 0:
         return (param_b + grad_b + opt_b) * psi
     if stage == 1:

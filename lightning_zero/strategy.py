@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,12 +40,14 @@ from lightning_zero.checkpoint_state import (
     split_checkpoint,
 )
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
+from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
     broadcast_module_states,
     move_materialized,
     shard_by_units,
     warn_if_built_in_full,
 )
+from lightning_zero.memory import expected_model_state_bytes
 from lightning_zero.optimizer import ShardedOptimizer, check_disjoint
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.shards import model_shards, optimizer_shards, param_groups
@@ -216,6 +218,8 @@ class ZeroStrategy(ParallelStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if fitting:
+            rank_zero_info(self._summary())
 
     def _setup_sharded_params(self, trainer: "pl.Trainer", fitting: bool) -> None:
         """Stage 3: plan the units, make the optimizers' engines, then shard the model unit by unit."""
@@ -229,6 +233,16 @@ class ZeroStrategy(ParallelStrategy):
             self.engines = [self._evaluation_engine()]
         shard_by_units(self.model, self._unit_plan, self.engines, self.root_device)
         self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
+
+    def _summary(self) -> str:
+        """One line for the start of fit: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
+        psi = sum(p.numel() for engine in self.engines for p in engine.params)
+        precision = self.precision_plugin.precision
+        zero = expected_model_state_bytes(psi, self.world_size, self.config.stage, precision)
+        ddp = expected_model_state_bytes(psi, self.world_size, 0, precision)
+        return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
+                f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)} per rank "
+                f"(DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
 
     def _evaluation_engine(self) -> ShardedOptimizer:
         """validate/test/predict under zero3 shard the weights too; an internal SGD (never stepped) holds them."""

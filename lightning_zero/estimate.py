@@ -1,0 +1,99 @@
+"""Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
+
+The figures are :func:`~lightning_zero.memory.expected_model_state_bytes`, the same formula the tests hold the
+measured bytes (:func:`~lightning_zero.memory.measure_model_states`) to. Activations, module buffers, the constant
+bucket buffers and stage 3's gathered units come on top.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_zero.memory import BYTES_PER_PARAM, expected_model_state_bytes
+
+STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+PRECISIONS = tuple(BYTES_PER_PARAM)
+
+
+def count_parameters(class_path: str, init_args: Optional[dict[str, Any]] = None) -> int:
+    """Trainable parameters of ``class_path(**init_args)``, built on the meta device (no memory, no weights)."""
+    module_name, _, name = class_path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"`{class_path}` is not an importable class path; write it as `package.module.ClassName`.")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"Cannot import {class_path}: {error}") from error
+    with torch.device("meta"):
+        model = cls(**(init_args or {}))
+        if isinstance(model, torch.nn.Module) and is_overridden("configure_model", model):
+            model.configure_model()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{class_path} built a {type(model).__name__}, not a torch.nn.Module.")
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def model_state_table(num_params: int, world_size: int) -> dict[str, dict[str, float]]:
+    """``{precision: {strategy: bytes per rank}}``."""
+    return {precision: {name: expected_model_state_bytes(num_params, world_size, stage, precision)
+                        for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
+
+
+def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
+    """``{precision: {strategy: parameters}}`` whose model states fit in ``memory_bytes`` per rank."""
+    return {precision: {name: int(memory_bytes / expected_model_state_bytes(1, world_size, stage, precision))
+                        for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GiB"``, ``"16GB"``, ``"512MiB"`` or a plain number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "b": 1}
+    lowered = text.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if lowered.endswith(unit):
+            return float(lowered[: -len(unit)]) * units[unit]
+    return float(lowered)
+
+
+def parse_count(text: str) -> int:
+    """``"1.5e9"``, ``"1.5B"``, ``"350M"``, ``"125k"`` or a plain integer."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+    lowered = text.strip().lower().replace("_", "").replace(",", "")
+    if lowered[-1:] in scale:
+        return int(float(lowered[:-1]) * scale[lowered[-1]])
+    return int(float(lowered))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[float] = None) -> str:
+    """The markdown tables ``lightning-zero estimate`` prints."""
+    lines = [f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
+             f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top):", "",
+             "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
+    for precision, row in model_state_table(num_params, world_size).items():
+        lines.append(f"| {precision} | " + " | ".join(human_bytes(b) for b in row.values()) + " |")
+    if memory_bytes is not None:
+        lines += ["", f"Largest model whose model states fit in {human_bytes(memory_bytes)} per rank:", "",
+                  "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
+        for precision, row in largest_model(memory_bytes, world_size).items():
+            lines.append(f"| {precision} | " + " | ".join(human_count(n) for n in row.values()) + " |")
+    return "\n".join(lines)
