@@ -85,7 +85,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: Literal[1, 2, 3] = 2,
         reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
         overlap_comm: bool = True,
         bucket_buffers: int = 2,
