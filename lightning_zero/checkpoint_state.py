@@ -7,6 +7,7 @@ checkpoint (other model, other optimizers, shapes) runs before anything is writt
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -127,42 +128,54 @@ def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: 
 
 
 # ---------------------------------------------------------------------- optimizers
+def optimizer_keys(info: dict[str, Any], k: int) -> dict[tuple[int, str], tuple[str, TensorInfo]]:
+    """Optimizer ``k``'s saved entries: ``(canonical index, state key)`` to (directory key, tensor info)."""
+    prefix = f"optimizer/{k}/"
+    out = {}
+    for key, tensor in info["tensors"].items():
+        if key.startswith(prefix):
+            index, name = key[len(prefix):].split("/", 1)
+            out[(int(index), name)] = (key, tensor)
+    return out
+
+
+def is_stored_as_object(tensor: TensorInfo) -> bool:
+    """Pickled values and empty tensors are stored whole, as objects (see ``split_checkpoint``)."""
+    return tensor is None or math.prod(tensor[0]) == 0
+
+
+def check_optimizer_count(saved: int, engines: list[ShardedOptimizer], source: str) -> None:
+    if saved != len(engines):
+        raise CheckpointError(
+            f"The checkpoint {source} holds {saved} optimizer states but `configure_optimizers` returned "
+            f"{len(engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
+        )
+
+
 def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[ShardedOptimizer],
                              collective: bool) -> None:
     """Read every optimizer's state from a checkpoint directory into the shards this rank owns."""
     info = meta[KEY]
     states = meta.get("optimizer_states", [])
-    if len(states) != len(engines):
-        raise CheckpointError(
-            f"The checkpoint {path} holds {len(states)} optimizer states but `configure_optimizers` returned "
-            f"{len(engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
-        )
+    check_optimizer_count(len(states), engines, str(path))
     for k, engine in enumerate(engines):
         check_optimizer_fits(info["optimizers"][k], engine, str(path))
     shards: dict[str, Shard] = {}
     objects: dict[str, Any] = {}
-    dests = []
+    dests, object_keys = [], []
     for k, engine in enumerate(engines):
-        prefix = f"optimizer/{k}/"
-        saved = {}
-        for key, tensor in info["tensors"].items():
-            if key.startswith(prefix):
-                index, name = key[len(prefix):].split("/", 1)
-                saved[(int(index), name)] = tensor
-        dest = optimizer_destination(engine, {i: (tuple(t[0]), getattr(torch, t[1])) for i, t in saved.items()
-                                              if t is not None})
-        shards.update({f"{prefix}{i}/{name}": s for (i, name), s in dest.shards.items() if s.numel})
+        saved = optimizer_keys(info, k)
+        dest = optimizer_destination(engine, {i: (tuple(t[0]), getattr(torch, t[1])) for i, (_, t) in saved.items()
+                                              if not is_stored_as_object(t)})
+        shards.update({saved[i][0]: s for i, s in dest.shards.items()})
         wanted = {engine.managed[p] for slot in engine.slots for p, *_ in slot.pieces}
-        objects.update({f"{prefix}{i}/{name}": None for (i, name), t in saved.items()
-                        if (t is None or not _numel(t[0])) and i in wanted})
+        keys = {i: key for i, (key, t) in saved.items() if is_stored_as_object(t) and i[0] in wanted}
+        objects.update({key: None for key in keys.values()})
         dests.append(dest)
+        object_keys.append(keys)
     load_sharded(path, shards, objects, collective)
-    for k, (engine, dest) in enumerate(zip(engines, dests)):
-        prefix = f"optimizer/{k}/"
-        for key, value in objects.items():
-            if key.startswith(prefix):
-                index, name = key[len(prefix):].split("/", 1)
-                dest.values[(int(index), name)] = value
+    for k, (dest, keys) in enumerate(zip(dests, object_keys)):
+        dest.values = {i: objects[key] for i, key in keys.items()}
         dest.install(states[k]["param_groups"])
 
 
@@ -184,10 +197,3 @@ def check_optimizer_fits(saved: dict[str, Any], engine: ShardedOptimizer, source
 def _some(items: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(i) if " " not in i else i for i in items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

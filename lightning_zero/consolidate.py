@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_zero.checkpoint import KEY, META_FILE, check_files, load_sharded, read_meta, save_file
-from lightning_zero.checkpoint_state import load_model_from_dir
+from lightning_zero.checkpoint_state import is_stored_as_object, load_model_from_dir, optimizer_keys
 from lightning_zero.shards import Shard
 
 ModuleT = TypeVar("ModuleT", bound=pl.LightningModule)
@@ -47,16 +47,12 @@ def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optiona
     if not weights_only and "optimizer_states" in meta:
         for k, saved in enumerate(meta["optimizer_states"]):
             state: dict[int, dict[str, Any]] = {}
-            prefix = f"optimizer/{k}/"
-            for key, tensor in info["tensors"].items():
-                if not key.startswith(prefix):
-                    continue
-                index, name = key[len(prefix):].split("/", 1)
-                if tensor is None or not torch.Size(tensor[0]).numel():
+            for (index, name), (key, tensor) in optimizer_keys(info, k).items():
+                if is_stored_as_object(tensor):
                     objects[key] = None
                 else:
                     full[key] = torch.empty(tensor[0], dtype=getattr(torch, tensor[1]))
-                state.setdefault(int(index), {})[name] = key
+                state.setdefault(index, {})[name] = key
             optimizer_states.append((state, saved["param_groups"]))
     shards = {key: Shard.whole(t) for key, t in full.items() if t.numel()}
     load_sharded(path, shards, objects, collective=False)

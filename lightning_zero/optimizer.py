@@ -35,65 +35,9 @@ from lightning_zero import collectives
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import Bucket, FlatLayout, plan_layout
+from lightning_zero.optimizer_support import check_optimizer, is_elementwise, optimizer_name, zero_subclass
 from lightning_zero.params import ShardedParams
 from lightning_zero.stages import StagePolicy
-
-#: torch optimizers whose update of an element depends on that element's gradient and state only.
-ELEMENTWISE_OPTIMIZERS = frozenset(
-    f"torch.optim.{name}"
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
-)
-#: Optimizers that cannot work on any partition of the parameters.
-UNSUPPORTED_OPTIMIZERS = {
-    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times per step and needs every parameter at once",
-    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold",
-}
-
-
-def optimizer_name(optimizer: Optimizer) -> str:
-    """The public dotted name of the optimizer's class, e.g. ``torch.optim.AdamW``."""
-    cls = _user_class(optimizer)
-    module = cls.__module__
-    if module.startswith("torch.optim."):
-        module = "torch.optim"
-    return f"{module}.{cls.__qualname__}"
-
-
-def is_elementwise(optimizer: Optimizer, config: ZeroConfig) -> bool:
-    """Whether ``optimizer`` may be stepped on flat slices (see ``ZeroConfig.partition_whole_params``)."""
-    if config.partition_whole_params is not None:
-        return not config.partition_whole_params
-    name = optimizer_name(optimizer)
-    return name in ELEMENTWISE_OPTIMIZERS or any(
-        name == n or name.rsplit(".", 1)[-1] == n for n in config.elementwise_optimizers
-    )
-
-
-def check_optimizer(optimizer: Any) -> None:
-    """Raise a clear error for an object ZeRO cannot shard."""
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"ZeroStrategy needs `configure_optimizers` to return `torch.optim.Optimizer` instances, got "
-            f"{type(optimizer).__name__}. Wrap custom update rules in a `torch.optim.Optimizer` subclass."
-        )
-    reason = UNSUPPORTED_OPTIMIZERS.get(optimizer_name(optimizer))
-    if reason:
-        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}. Use another optimizer.")
-
-
-def check_disjoint(optimizers: list[Optimizer]) -> None:
-    """Check every optimizer, and that no parameter is in two of them."""
-    seen: set[int] = set()
-    for optimizer in optimizers:
-        check_optimizer(optimizer)
-        for p in (p for group in optimizer.param_groups for p in group["params"]):
-            if id(p) in seen:
-                raise ValueError(
-                    "A parameter is in two optimizers. ZeroStrategy shards each parameter for one optimizer only; "
-                    "give every optimizer its own parameters."
-                )
-            seen.add(id(p))
-
 
 @dataclass(frozen=True)
 class MasterSlot:
@@ -229,7 +173,7 @@ class ShardedOptimizer:
     def _install_into(self, optimizer: Optimizer) -> None:
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [m for m, s in zip(self.masters, self.slots) if s.group == g]
-        optimizer.__class__ = _zero_subclass(type(optimizer))
+        optimizer.__class__ = zero_subclass(type(optimizer))
         optimizer._zero_engine = self  # type: ignore[attr-defined]
 
     def _make_hook(self, index: int) -> Any:
@@ -386,31 +330,3 @@ def _check_params(params: list[Tensor], optimizer: Optimizer) -> None:
         seen.add(id(p))
         if p.is_sparse or not p.is_floating_point():
             raise TypeError(f"ZeroStrategy shards dense floating-point parameters only, got one of dtype {p.dtype}.")
-
-
-_SUBCLASSES: dict[type, type] = {}
-
-
-class _ZeroGradHook:
-    """Mixin that makes ``zero_grad`` also clear the gradients ZeRO keeps outside the optimizer's params."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - documented on torch.optim.Optimizer
-        super().zero_grad(set_to_none)  # type: ignore[misc]
-        self._zero_engine.zero_grad()  # type: ignore[attr-defined]
-
-
-def _zero_subclass(cls: type) -> type:
-    """``cls`` with :class:`_ZeroGradHook` mixed in, keeping its name (see [Note: gradients are consumed by the step])."""
-    if issubclass(cls, _ZeroGradHook):
-        return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (_ZeroGradHook, cls), {"__module__": cls.__module__,
-                                                                       "__qualname__": cls.__qualname__})
-    return _SUBCLASSES[cls]
-
-
-def _user_class(optimizer: Optimizer) -> type:
-    cls = type(optimizer)
-    while issubclass(cls, _ZeroGradHook) and cls.__bases__[0] is _ZeroGradHook:
-        cls = cls.__bases__[1]
-    return cls

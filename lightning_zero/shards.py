@@ -20,6 +20,7 @@ param groups. A state with one value per element (``exp_avg``) is cut like the p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ class Shard:
 
     @property
     def numel(self) -> int:
-        return _numel(self.shape)
+        return math.prod(self.shape)
 
     @classmethod
     def whole(cls, tensor: Tensor) -> "Shard":
@@ -90,7 +91,7 @@ def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:
             for p, p_start, length, offset in slot.pieces:
                 param = engine.params[p]
                 entry = out.setdefault(engine.managed[p], {})
-                if _per_element(value, slot, param):
+                if is_per_element(value, slot, param):
                     shard = entry.setdefault(key, Shard(tuple(param.shape), value.dtype))
                     shard.pieces.append((p_start, value.detach().reshape(-1)[offset : offset + length]))
                 elif p_start == 0:
@@ -117,69 +118,72 @@ class OptimizerDestination:
     """``(canonical index, state key)`` to the destination of a tensor value."""
     values: dict[tuple[int, str], Any] = field(default_factory=dict)
     """Non-tensor values, filled in by the reader."""
-    _slot_tensors: dict[tuple[int, str], Tensor] = field(default_factory=dict)
+    slot_states: list[dict[str, Tensor]] = field(default_factory=list)
+    """Per master slot, its per-element states (the shards' pieces are views of them)."""
+    whole: dict[int, dict[str, Shard]] = field(default_factory=dict)
+    """Per canonical index, the states read whole (``step``, factored statistics); also in :attr:`shards`."""
 
     def install(self, groups: list[dict[str, Any]]) -> None:
-        """Hand the read state to the user's optimizer (``Optimizer.load_state_dict``, so dtypes and devices fit)."""
-        optimizer, engine = self.engine.optimizer, self.engine
+        """Hand the read state to the user's optimizer (``Optimizer.load_state_dict``, so dtypes and devices fit).
+
+        A slot's per-element states come from its pieces; its other values (``step``, a factored statistic) from
+        the first parameter in it.
+        """
+        engine = self.engine
+        whole: dict[int, dict[str, Any]] = {canon: dict(states) for canon, states in self.whole.items()}
+        for (canon, key), value in self.values.items():
+            whole.setdefault(canon, {}).setdefault(key, value)
         internal: dict[str, Any] = {"state": {}, "param_groups": []}
-        index = 0
         slot_index = {id(m): s for s, m in enumerate(engine.masters)}
-        for g, group in enumerate(optimizer.param_groups):
+        index = 0
+        for g, group in enumerate(engine.optimizer.param_groups):
             ids = []
             for master in group["params"]:
-                entry = self._slot_state(slot_index[id(master)])
+                s = slot_index[id(master)]
+                entry: dict[str, Any] = dict(self.slot_states[s])
+                first = engine.managed[engine.slots[s].pieces[0][0]] if engine.slots[s].pieces else None
+                for key, value in whole.get(first, {}).items():
+                    entry.setdefault(key, _whole_value(value))
                 if entry:
                     internal["state"][index] = entry
                 ids.append(index)
                 index += 1
             internal["param_groups"].append({**{k: v for k, v in groups[g].items() if k != "params"}, "params": ids})
-        optimizer.load_state_dict(internal)
+        engine.optimizer.load_state_dict(internal)
 
-    def _slot_state(self, s: int) -> dict[str, Any]:
-        slot = self.engine.slots[s]
-        entry = {key: t for (i, key), t in self._slot_tensors.items() if i == s}
-        first = self.engine.managed[slot.pieces[0][0]] if slot.pieces else None
-        for (canon, key), shard in self.shards.items():
-            if canon == first and key not in entry:
-                entry[key] = shard.pieces[0][1].view(shard.shape).clone() if shard.pieces else torch.zeros(shard.shape)
-        for (canon, key), value in self.values.items():
-            if canon == first:
-                entry.setdefault(key, value)
-        return entry
+
+def _whole_value(value: Any) -> Any:
+    if not isinstance(value, Shard):
+        return value
+    return value.pieces[0][1].view(value.shape).clone() if value.pieces else torch.zeros(value.shape, dtype=value.dtype)
 
 
 def optimizer_destination(engine: ShardedOptimizer, saved: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]],
                           ) -> OptimizerDestination:
     """Destinations for the saved optimizer tensors this rank needs: ``saved`` maps ``(canonical index, key)`` to the
     saved shape and dtype. Per-element states are read into slot-shaped tensors, the rest whole."""
-    dest = OptimizerDestination(engine)
+    by_param: dict[int, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
+    for (i, key), (shape, dtype) in saved.items():
+        by_param.setdefault(i, []).append((key, tuple(shape), dtype))
+    dest = OptimizerDestination(engine, slot_states=[{} for _ in engine.slots])
     for s, slot in enumerate(engine.slots):
         for p, p_start, length, offset in slot.pieces:
             canon, param = engine.managed[p], engine.params[p]
-            for (i, key), (shape, dtype) in saved.items():
-                if i != canon:
-                    continue
-                if tuple(shape) == tuple(param.shape) and len(shape) > 0:
-                    slot_tensor = dest._slot_tensors.get((s, key))
-                    if slot_tensor is None:
-                        slot_tensor = dest._slot_tensors[(s, key)] = torch.zeros(slot.shape, dtype=dtype)
-                    shard = dest.shards.setdefault((i, key), Shard(tuple(shape), dtype))
-                    shard.pieces.append((p_start, slot_tensor.view(-1)[offset : offset + length]))
-                elif (i, key) not in dest.shards:
-                    dest.shards[(i, key)] = Shard.whole(torch.zeros(shape, dtype=dtype))
+            for key, shape, dtype in by_param.get(canon, []):
+                if shape == tuple(param.shape) and len(shape) > 0:
+                    state = dest.slot_states[s].get(key)
+                    if state is None:
+                        state = dest.slot_states[s][key] = torch.zeros(slot.shape, dtype=dtype)
+                    shard = dest.shards.setdefault((canon, key), Shard(shape, dtype))
+                    shard.pieces.append((p_start, state.view(-1)[offset : offset + length]))
+                elif (canon, key) not in dest.shards:
+                    shard = dest.shards[(canon, key)] = Shard.whole(torch.zeros(shape, dtype=dtype))
+                    dest.whole.setdefault(canon, {})[key] = shard
     return dest
 
 
-def _per_element(value: Any, slot: MasterSlot, param: Tensor) -> bool:
+def is_per_element(value: Any, slot: MasterSlot, param: Tensor) -> bool:
     """Whether an optimizer state has one entry per element of the master (``exp_avg``), not ``step`` or a factor."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == _numel(slot.shape) and (
+    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == math.prod(slot.shape) and (
         len(slot.shape) == 1 or tuple(value.shape) == tuple(param.shape)
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero import collectives
-from lightning_zero.optimizer import MasterSlot, ShardedOptimizer
+from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.shards import is_per_element, optimizer_destination, param_groups
 
 # (canonical parameter index, state key or None for the weight, start in the flattened parameter, value)
 _Piece = tuple[int, Optional[str], Optional[int], Any]
@@ -48,32 +49,23 @@ def optimizer_state(engine: ShardedOptimizer) -> dict[str, Any]:
     assembled = _assemble(engine, _collect(engine, include_weights=False, include_state=True))
     if assembled is None:
         return {}
-    groups, start = [], 0
-    for group, size in zip(engine.optimizer.param_groups, engine.group_sizes):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + size))})
-        start += size
-    return {"state": {i: entry for i, entry in sorted(assembled.items()) if entry}, "param_groups": groups}
+    return {"state": {i: entry for i, entry in sorted(assembled.items()) if entry}, "param_groups": param_groups(engine)}
 
 
 def load_optimizer_state(engine: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load a canonical optimizer state dict into the shard this rank owns."""
+    """Load a canonical optimizer state dict into the shard this rank owns: the pieces of its parameters are copied
+    into the same destinations a sharded checkpoint is read into (``shards.optimizer_destination``)."""
     _check_canonical(engine, state_dict)
-    optimizer = engine.optimizer
-    slot_of = {id(m): s for m, s in zip(engine.masters, engine.slots)}
-    internal: dict[str, Any] = {"state": {}, "param_groups": []}
-    index = 0
-    for g, group in enumerate(optimizer.param_groups):
-        saved = state_dict["param_groups"][g]
-        ids = []
-        for master in group["params"]:
-            entry = _slice_state(engine, slot_of[id(master)], state_dict["state"])
-            if entry:
-                internal["state"][index] = entry
-            ids.append(index)
-            index += 1
-        internal["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    optimizer.load_state_dict(internal)
+    entries = {(int(i), key): value for i, entry in state_dict["state"].items() for key, value in entry.items()}
+    dest = optimizer_destination(engine, {k: (tuple(v.shape), v.dtype) for k, v in entries.items()
+                                          if isinstance(v, Tensor)})
+    with torch.no_grad():
+        for k, shard in dest.shards.items():
+            full = entries[k].reshape(-1)
+            for start, piece in shard.pieces:
+                piece.copy_(full[start : start + piece.numel()])
+    dest.values = {k: v for k, v in entries.items() if not isinstance(v, Tensor)}
+    dest.install(state_dict["param_groups"])
 
 
 # ---------------------------------------------------------------------- pieces
@@ -92,7 +84,7 @@ def _collect(engine: ShardedOptimizer, include_weights: bool, include_state: boo
             value = value.detach().cpu() if isinstance(value, Tensor) else value
             for p, p_start, length, offset in slot.pieces:
                 canon = engine.managed[p]
-                if engine.layout.whole_params or not _per_element(value, master.numel()):
+                if not is_per_element(value, slot, engine.params[p]):
                     pieces.append((canon, key, None, value))
                 else:
                     pieces.append((canon, key, p_start, value.reshape(-1)[offset : offset + length]))
@@ -118,31 +110,6 @@ def _assemble(engine: ShardedOptimizer, local: list[_Piece]) -> Optional[dict[in
             entry[key] = torch.zeros(param.shape, dtype=value.dtype)
         entry[key].view(-1)[start : start + value.numel()] = value
     return out
-
-
-def _slice_state(engine: ShardedOptimizer, slot: MasterSlot, canonical: dict[Any, Any]) -> dict[str, Any]:
-    """The state of one master tensor, cut out of the canonical per-parameter states."""
-    entry: dict[str, Any] = {}
-    for p, p_start, length, offset in slot.pieces:
-        saved = _saved_state(canonical, engine.managed[p])
-        for key, value in saved.items():
-            if engine.layout.whole_params or not _per_element(value, engine.params[p].numel()):
-                entry[key] = value.clone() if isinstance(value, Tensor) else value
-                continue
-            if key not in entry:
-                entry[key] = torch.zeros(slot.shape, dtype=value.dtype)
-            entry[key].view(-1)[offset : offset + length] = value.reshape(-1)[p_start : p_start + length]
-    return entry
-
-
-def _saved_state(canonical: dict[Any, Any], index: int) -> dict[str, Any]:
-    # torch.load keeps int keys; a checkpoint that went through JSON-like storage may have str keys.
-    return canonical.get(index) or canonical.get(str(index)) or {}
-
-
-def _per_element(value: Any, numel: int) -> bool:
-    """Whether ``value`` is a state with one entry per element (``exp_avg``), not a scalar (``step``)."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == numel
 
 
 def _check_canonical(engine: ShardedOptimizer, state_dict: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_zero import collectives
 from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoint_state import (
+    check_optimizer_count,
     copy_full_state,
     load_model_from_dir,
     load_optimizers_from_dir,
@@ -48,7 +49,8 @@ from lightning_zero.materialize import (
     warn_if_built_in_full,
 )
 from lightning_zero.memory import expected_model_state_bytes
-from lightning_zero.optimizer import ShardedOptimizer, check_disjoint
+from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.optimizer_support import check_disjoint
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.shards import model_shards, optimizer_shards, param_groups
 from lightning_zero.stages import policy_for
@@ -436,11 +438,7 @@ class ZeroStrategy(ParallelStrategy):
         if _from_directory(checkpoint):
             load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), self.engines, collective=True)
             return
-        if len(states) != len(self.engines):
-            raise ValueError(
-                f"The checkpoint holds {len(states)} optimizer states but `configure_optimizers` returned "
-                f"{len(self.engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
-            )
+        check_optimizer_count(len(states), self.engines, "file")
         for engine, state in zip(self.engines, states):
             load_optimizer_state(engine, state)
 

@@ -1,0 +1,95 @@
+"""Which optimizers ZeRO can shard and how (flat slices or whole tensors), and the subclass it swaps in for
+``zero_grad`` (see [Note: gradients are consumed by the step] in ``optimizer.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.optim import Optimizer
+
+from lightning_zero.config import ZeroConfig
+
+#: torch optimizers whose update of an element depends on that element's gradient and state only.
+ELEMENTWISE_OPTIMIZERS = frozenset(
+    f"torch.optim.{name}"
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
+)
+#: Optimizers that cannot work on any partition of the parameters.
+UNSUPPORTED_OPTIMIZERS = {
+    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times per step and needs every parameter at once",
+    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold",
+}
+
+
+def optimizer_name(optimizer: Optimizer) -> str:
+    """The public dotted name of the optimizer's class, e.g. ``torch.optim.AdamW``."""
+    cls = user_class(optimizer)
+    module = cls.__module__
+    if module.startswith("torch.optim."):
+        module = "torch.optim"
+    return f"{module}.{cls.__qualname__}"
+
+
+def is_elementwise(optimizer: Optimizer, config: ZeroConfig) -> bool:
+    """Whether ``optimizer`` may be stepped on flat slices (see ``ZeroConfig.partition_whole_params``)."""
+    if config.partition_whole_params is not None:
+        return not config.partition_whole_params
+    name = optimizer_name(optimizer)
+    return name in ELEMENTWISE_OPTIMIZERS or any(
+        name == n or name.rsplit(".", 1)[-1] == n for n in config.elementwise_optimizers
+    )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raise a clear error for an object ZeRO cannot shard."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"ZeroStrategy needs `configure_optimizers` to return `torch.optim.Optimizer` instances, got "
+            f"{type(optimizer).__name__}. Wrap custom update rules in a `torch.optim.Optimizer` subclass."
+        )
+    reason = UNSUPPORTED_OPTIMIZERS.get(optimizer_name(optimizer))
+    if reason:
+        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}. Use another optimizer.")
+
+
+def check_disjoint(optimizers: list[Optimizer]) -> None:
+    """Check every optimizer, and that no parameter is in two of them."""
+    seen: set[int] = set()
+    for optimizer in optimizers:
+        check_optimizer(optimizer)
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            if id(p) in seen:
+                raise ValueError(
+                    "A parameter is in two optimizers. ZeroStrategy shards each parameter for one optimizer only; "
+                    "give every optimizer its own parameters."
+                )
+            seen.add(id(p))
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+class _ZeroGradHook:
+    """Mixin that makes ``zero_grad`` also clear the gradients ZeRO keeps outside the optimizer's params."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - documented on torch.optim.Optimizer
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        self._zero_engine.zero_grad()  # type: ignore[attr-defined]
+
+
+def zero_subclass(cls: type) -> type:
+    """``cls`` with :class:`_ZeroGradHook` mixed in, keeping its name (see the module docstring)."""
+    if issubclass(cls, _ZeroGradHook):
+        return cls
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(cls.__name__, (_ZeroGradHook, cls), {"__module__": cls.__module__,
+                                                                       "__qualname__": cls.__qualname__})
+    return _SUBCLASSES[cls]
+
+
+def user_class(optimizer: Optimizer) -> type:
+    """The user's optimizer class behind ZeRO's subclass."""
+    cls = type(optimizer)
+    while issubclass(cls, _ZeroGradHook) and cls.__bases__[0] is _ZeroGradHook:
+        cls = cls.__bases__[1]
+    return cls
