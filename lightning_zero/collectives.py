@@ -162,3 +162,16 @@ def all_gather_objects(obj: Any, group: Optional[Any] = None) -> list[Any]:
     out: list[Any] = [None] * world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
+    """Make one process group per list of global ranks (every rank must call this with the same lists) and return
+    the one this rank belongs to, ``None`` if none."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        group = dist.new_group(sorted(ranks))
+        if me in ranks:
+            mine = group
+    return mine

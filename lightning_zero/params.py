@@ -30,10 +30,11 @@ class ShardedParams:
         self.group = group
         self.working_shard = working_shard
         self.buffers: dict[int, Tensor] = {}
+        self._live_bytes = 0
         for unit in sorted({b.unit for b in layout.buckets}):
             start, end = layout.unit_range(unit)
             self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=working_shard.device)
-            self._free(unit)
+            self.buffers[unit].untyped_storage().resize_(0)
 
     def unit_numel(self, unit: int) -> int:
         """Elements of ``unit`` gathered by this optimizer (0 if it has no parameter there)."""
@@ -69,13 +70,18 @@ class ShardedParams:
 
     def _allocate(self, unit: int) -> Tensor:
         buffer = self.buffers[unit]
-        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        storage = buffer.untyped_storage()
+        if storage.nbytes() == 0:
+            self._live_bytes += buffer.numel() * buffer.element_size()
+            storage.resize_(buffer.numel() * buffer.element_size())
         return buffer
 
     def _free(self, unit: int) -> None:
-        self.buffers[unit].untyped_storage().resize_(0)
+        storage = self.buffers[unit].untyped_storage()
+        self._live_bytes -= storage.nbytes()
+        storage.resize_(0)
 
     @property
     def gathered_bytes(self) -> int:
         """Bytes of unit buffers gathered right now."""
-        return sum(b.untyped_storage().nbytes() for b in self.buffers.values())
+        return self._live_bytes

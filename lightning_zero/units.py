@@ -15,7 +15,9 @@ and gathering resizes it back and all-gathers into it. The tensor objects never 
 saved in forward (the weights, and views of them such as ``W.t()``) read the re-gathered values in backward. A hook
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
 parameters have their gradient. Inside backward (activation checkpointing recomputes a forward) the post-forward
-hook does not free: the backward that follows needs the parameters.
+hook does not free: the backward that follows needs the parameters, and the pre-forward hook prefetches in backward
+order. A block checkpointed by the strategy (:mod:`lightning_zero.activations`) recomputes its original ``forward``
+without its hooks; the unit is gathered once in backward, by the hook on its output, before the recomputation.
 
 [Note: lockstep and prefetch]
 Every rank must issue the same all-gathers in the same order. The order of units in the first forward is recorded;
@@ -52,13 +54,10 @@ class UnitPlan:
         return self.unit_of.get(id(param), ROOT)
 
 
-def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
-               persistence_threshold: int = 0) -> UnitPlan:
-    """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names."""
+def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of ``module``, outermost first: modules of ``unit_classes`` (classes or class names) if
+    given, else the children of ``nn.ModuleList`` / ``nn.Sequential``; only those with parameters."""
     chosen: list[tuple[str, nn.Module]] = []
-
-    def has_params(m: nn.Module) -> bool:
-        return any(True for _ in m.parameters())
 
     def is_unit_class(m: nn.Module) -> bool:
         cls = type(m)
@@ -67,7 +66,7 @@ def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
 
     def visit(name: str, mod: nn.Module, in_container: bool) -> None:
         is_block = is_unit_class(mod) if unit_classes else in_container
-        if name and is_block and has_params(mod):
+        if name and is_block and _has_params(mod):
             chosen.append((name, mod))
             return
         container = isinstance(mod, (nn.ModuleList, nn.Sequential))
@@ -75,6 +74,13 @@ def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
             visit(f"{name}.{child_name}" if name else child_name, child, container)
 
     visit("", module, False)
+    return chosen
+
+
+def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
+               persistence_threshold: int = 0) -> UnitPlan:
+    """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names."""
+    chosen = find_blocks(module, unit_classes)
     blocks = {id(m) for _, m in chosen}
 
     def contains_block(mod: nn.Module) -> bool:
@@ -87,11 +93,15 @@ def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
                 continue
             if contains_block(child):
                 leftovers(full, child)
-            elif has_params(child):
+            elif _has_params(child):
                 chosen.append((full, child))
 
     leftovers("", module)
     return _assign(chosen, persistence_threshold)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
 
 
 def _assign(chosen: list[tuple[str, nn.Module]], persistence_threshold: int) -> UnitPlan:
@@ -134,6 +144,8 @@ class UnitRuntime:
         self.states = [_UnitState() for _ in plan.names]
         self.forward_order: list[int] = []
         self._recorded = False
+        self.peak_gathered_bytes = 0
+        """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
         self._handles: list[Any] = []
         for engine in engines:
             for j, p in enumerate(engine.params):
@@ -152,6 +164,8 @@ class UnitRuntime:
         if not state.gathered:
             state.pending = [w for engine in self.engines for w in engine.gather_unit(unit)]
             state.gathered = True
+            live = sum(engine.sharded.gathered_bytes for engine in self.engines if engine.sharded is not None)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         if wait and state.pending:
             for work in state.pending:
                 collectives.wait(work, f"gather stage 3 unit '{self.plan.names[unit]}'")
@@ -204,10 +218,13 @@ class UnitRuntime:
     # ------------------------------------------------------------------ hooks
     def _pre_forward_hook(self, unit: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled() and not self._recorded and unit not in self.forward_order:
+            recompute = _in_backward()
+            if torch.is_grad_enabled() and not recompute and not self._recorded and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self.gather(unit)
-            self._prefetch(unit, step=1)
+            # a recomputed forward (activation checkpointing) runs inside backward: prefetch the units backward
+            # needs next, not the ones after this unit, which backward has already finished with
+            self._prefetch(unit, step=-1 if recompute else 1)
 
         return hook
 
