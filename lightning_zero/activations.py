@@ -318,6 +318,16 @@ def checkpoint_blocks(module: nn.Module, blocks: Union[bool, Sequence[Union[type
     return ActivationCheckpointing(found, ActivationStore(offload, partition_group, contiguous))
 
 
+def activations_from_config(module: nn.Module, config: Any) -> Optional[ActivationCheckpointing]:
+    """What :class:`~lightning_zero.config.ZeroConfig` asks for (``None`` without ``activation_checkpointing``);
+    collective when a partition group is named (every rank must call it)."""
+    if not config.activation_checkpointing:
+        return None
+    group = resolve_partition_group(config.activation_partition_group)
+    return checkpoint_blocks(module, config.activation_checkpointing, config.activation_offload, group,
+                             config.contiguous_checkpoints, config.unit_classes)
+
+
 def resolve_partition_group(spec: PartitionGroup) -> Optional[Any]:
     """This rank's group for Pa: ``None``; a callable returning a process group; a list of global ranks (one
     group); or a list of such lists (one group each; every rank must belong to one or none)."""

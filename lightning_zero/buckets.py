@@ -8,8 +8,8 @@ filling at the same moment, if that is larger) times the bucket size, whatever t
 
 [Note: lockstep]
 Collectives are matched across ranks by the order in which they are issued, so every rank must launch the same
-buckets in the same order. Buckets are launched strictly by index (a bucket that fills early waits for its
-predecessors, as in DDP's reducer), and a round ends with a flush that launches every remaining bucket, zeros where
+buckets in the same order. Buckets are launched strictly in the layout's launch order (a bucket that fills early
+waits for its predecessors, as in DDP's reducer; see [Note: launch order] in ``layout.py``), and a round ends with a flush that launches every remaining bucket, zeros where
 this rank received no gradient. Rounds end at call sites every rank passes together: the end of each backward
 (stage 2) and the start of the optimizer step (stage 1).
 
@@ -73,7 +73,8 @@ class GradientReducer:
         self._written = [False] * len(layout.buckets)  # shard slice holds gradients since the last clear
         self._expected = [sum(length for _, _, length, _ in layout.bucket_pieces(b)) for b in layout.buckets]
         self._received = [0] * len(layout.buckets)
-        self._next = 0  # the next bucket to launch in this round
+        self._order = layout.reduce_order  # launch order (see [Note: launch order] in layout.py)
+        self._next = 0  # position in that order of the next bucket to launch in this round
         self._pending = False  # gradients arrived since the last flush
         self._open: dict[int, _Slot] = {}
         self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
@@ -95,8 +96,8 @@ class GradientReducer:
             view[offset : offset + length].copy_(flat[start : start + length])
             self._received[bucket.index] += length
             # launch before filling the next part: a parameter spanning many buckets needs no more buffers
-            while self._next < len(self.layout.buckets) and self._received[self._next] == self._expected[self._next]:
-                self._launch(self.layout.buckets[self._next])
+            while self._next < len(self._order) and self._complete(self._order[self._next]):
+                self._launch(self.layout.buckets[self._order[self._next]])
 
     def flush(self, force: bool = True) -> None:
         """End the round: launch every bucket not launched yet, in order, parts that got no gradient as zeros.
@@ -104,7 +105,8 @@ class GradientReducer:
         See [Note: lockstep]. ``force=False`` only flushes if this rank received gradients since the last flush.
         """
         if force or self._pending:
-            for bucket in self.layout.buckets[self._next :]:
+            for index in self._order[self._next :]:
+                bucket = self.layout.buckets[index]
                 self._slot_for(bucket)
                 self._launch(bucket)
         self._next = 0
@@ -174,9 +176,12 @@ class GradientReducer:
     def _busy(self) -> int:
         return len(self._open) + len(self._in_flight)
 
+    def _complete(self, index: int) -> bool:
+        return self._received[index] == self._expected[index]
+
     def _launch(self, bucket: Bucket) -> None:
         slot = self._open.pop(bucket.index)
-        self._next = bucket.index + 1
+        self._next += 1
         self._received[bucket.index] = 0
         data = slot.input(bucket, self.layout.world_size).div_(self.layout.world_size)
         accumulate = self._written[bucket.index]

@@ -6,7 +6,7 @@ Every option is checked when the strategy is constructed, so a bad value fails b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 #: Stages this version implements.
 SUPPORTED_STAGES = (1, 2, 3)
@@ -43,6 +43,14 @@ class ZeroConfig:
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
     in the form ``ddp`` writes."""
+    activation_checkpointing: Union[bool, tuple[Union[type, str], ...]] = False
+    """Recompute blocks in backward: ``True`` for the repeated blocks (``unit_classes`` if set), or block classes."""
+    activation_offload: bool = False
+    """Pa+cpu: keep the checkpointed block inputs in (pinned) host memory until their recomputation."""
+    activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...], Callable[[], Any]]] = None
+    """Pa: global ranks (or lists of them, or a callable returning a process group) holding identical activations."""
+    contiguous_checkpoints: bool = False
+    """MD: copy the checkpointed block inputs into one preallocated buffer, sized after the first step."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
@@ -66,6 +74,24 @@ class ZeroConfig:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
+        self._check_activations()
+
+    def _check_activations(self) -> None:
+        blocks = self.activation_checkpointing
+        if not isinstance(blocks, bool):
+            if isinstance(blocks, (str, type)) or not all(isinstance(c, (str, type)) for c in blocks):
+                raise TypeError("`activation_checkpointing` must be True/False or a list of block classes or class "
+                                f"names, got {blocks!r}.")
+            object.__setattr__(self, "activation_checkpointing", tuple(blocks))
+        for name in ("activation_offload", "contiguous_checkpoints"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        object.__setattr__(self, "activation_partition_group", _check_group(self.activation_partition_group))
+        needs = [n for n in ("activation_offload", "activation_partition_group", "contiguous_checkpoints")
+                 if getattr(self, n) not in (None, False)]
+        if needs and not self.activation_checkpointing:
+            raise ValueError(f"`{needs[0]}` acts on checkpointed activations: also set `activation_checkpointing=True` "
+                             "(or a list of block classes).")
 
 
 def _check_stage(stage: object) -> None:
@@ -83,3 +109,24 @@ def _check_positive_int(name: str, value: object) -> None:
         raise TypeError(f"`{name}` must be a positive int (a number of elements), got {value!r}.")
     if value <= 0:
         raise ValueError(f"`{name}` must be a positive number of elements, got {value}.")
+
+
+def _check_group(spec: object) -> Any:
+    """``None``, a callable, a list of distinct global ranks, or a list of disjoint such lists (as tuples)."""
+    if spec is None or callable(spec):
+        return spec
+    error = TypeError("`activation_partition_group` must be a list of global ranks (e.g. [0, 1]), a list of such "
+                      f"lists (e.g. [[0, 1], [2, 3]]) or a callable returning a process group, got {spec!r}.")
+    if isinstance(spec, (str, bytes)) or not hasattr(spec, "__iter__"):
+        raise error
+    items = list(spec)
+    flat = all(isinstance(r, int) and not isinstance(r, bool) for r in items)
+    lists = [items] if flat else [list(r) if hasattr(r, "__iter__") and not isinstance(r, str) else None for r in items]
+    if not lists or any(r is None or not r or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                      for x in r) for r in lists):
+        raise error
+    ranks = [x for r in lists for x in r]
+    if len(ranks) != len(set(ranks)):
+        raise ValueError(f"`activation_partition_group`: a rank appears twice in {spec!r}; the groups must be disjoint.")
+    return tuple(lists[0]) if flat else tuple(tuple(r) for r in lists)
+

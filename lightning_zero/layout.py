@@ -12,6 +12,13 @@ With ``whole_params=True`` (optimizers whose update is not elementwise) a chunk 
 parameters of a bucket are dealt to the chunks largest first (longest-processing-time rule) and the chunk size is the
 largest load, so some padding is the price of never splitting a tensor.
 
+[Note: launch order]
+Buckets are reduce-scattered in one order every rank derives from the layout alone (lockstep), each bucket by when it
+is expected complete: the latest of its parameters in the order below. That is not always buffer order: a parameter
+spanning two buckets forces them to be adjacent in the buffer, so with flat buckets a whole param group is one run
+of buckets, and two groups (decay / no-decay) would otherwise make every bucket of one group wait, open, for the
+other group's last bucket; peak bucket memory would grow with the model instead of staying ``bucket_buffers`` buckets.
+
 Within a param group, parameters are laid out in the order backward is expected to produce their gradients: the
 reverse of the module's registration order (not of the optimizer's list, which users often sort by kind). Buckets are reduced strictly in index order (see ``buckets.py``), so buckets of
 all groups are ordered by when they should be complete: the latest of their parameters in that order. Buckets linked by a parameter that spans them stay adjacent. Then the buckets fill and launch one after the
@@ -73,6 +80,14 @@ class FlatLayout:
     whole_params: bool
     param_units: tuple[int, ...] = ()
     """Stage 3: the unit of each parameter."""
+    launch_order: tuple[int, ...] = ()
+    """Bucket indices in the order their gradients are expected complete in backward (see [Note: launch order]);
+    empty means index order."""
+
+    @property
+    def reduce_order(self) -> tuple[int, ...]:
+        """The order in which the buckets are reduce-scattered, the same on every rank."""
+        return self.launch_order or tuple(range(len(self.buckets)))
 
     @property
     def total(self) -> int:
@@ -173,8 +188,8 @@ def plan_layout(
                     chains[-1].append((unit, group, bucket_plan))  # same unit, or a parameter spans both
                 else:
                     chains.append([(unit, group, bucket_plan)])
-    # Launch order is bucket order: sort by when a bucket is expected to be complete in backward, i.e. by the
-    # latest of its parameters in reverse registration order (see [Note: the flat layout]).
+    # Buffer order: chains sorted by when they are expected to be complete in backward, i.e. by the latest of their
+    # parameters in reverse registration order (see [Note: the flat layout]).
     chains.sort(key=lambda chain: max((ready[p] for _, _, (params, _, _) in chain for p in params), default=0))
     offsets = [0] * len(numels)
     buckets: list[Bucket] = []
@@ -186,8 +201,10 @@ def plan_layout(
         buckets.append(Bucket(len(buckets), group, cursor, chunk_size, shard_cursor, ordered, unit))
         cursor += chunk_size * world_size
         shard_cursor += chunk_size
+    complete = [max((ready[p] for p in b.params), default=0) for b in buckets]
+    launch = tuple(sorted(range(len(buckets)), key=lambda b: (complete[b], b)))
     return FlatLayout(world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params,
-                      tuple(unit_of))
+                      tuple(unit_of), launch)
 
 
 # (parameters overlapping the bucket, chunk size, {parameter: offset from the bucket start} for those starting in it)

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import collectives
+from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoint_state import (
     check_optimizer_count,
@@ -78,6 +79,12 @@ class ZeroStrategy(ParallelStrategy):
         prefetch_size: stage 3: elements of upcoming units all-gathered ahead of their use.
         state_dict_type: ``"sharded"`` (default): checkpoints are directories, every rank writes its own pieces and
             any world size or stage loads them; ``"full"``: one file gathered on rank 0, in ``ddp``'s form.
+        activation_checkpointing: recompute blocks in backward (non-reentrant, RNG preserved): ``True`` for the
+            repeated blocks (``unit_classes`` if set), or a list of block classes / names. The module is unchanged.
+        activation_offload: Pa+cpu: checkpointed block inputs wait in pinned host memory (no effect on CPU).
+        activation_partition_group: Pa: ranks holding identical activations (a module's own tensor-parallel group;
+            ZeRO's data-parallel ranks never do): a list of ranks, a list of such lists, or a callable giving a group.
+        contiguous_checkpoints: MD: checkpointed block inputs live in one buffer preallocated after the first step.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -97,6 +104,10 @@ class ZeroStrategy(ParallelStrategy):
         persistence_threshold: int = 100_000,
         prefetch_size: int = 5_000_000,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        activation_checkpointing: Union[bool, tuple[Union[type, str], ...]] = False,
+        activation_offload: bool = False,
+        activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...]]] = None,
+        contiguous_checkpoints: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -110,7 +121,10 @@ class ZeroStrategy(ParallelStrategy):
                                  bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
                                  elementwise_optimizers=elementwise_optimizers, unit_classes=unit_classes,
                                  persistence_threshold=persistence_threshold, prefetch_size=prefetch_size,
-                                 state_dict_type=state_dict_type)
+                                 state_dict_type=state_dict_type, activation_checkpointing=activation_checkpointing,
+                                 activation_offload=activation_offload,
+                                 activation_partition_group=activation_partition_group,
+                                 contiguous_checkpoints=contiguous_checkpoints)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -123,6 +137,7 @@ class ZeroStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.engines: list[ShardedOptimizer] = []
         self.runtime: Optional[UnitRuntime] = None
+        self.activations: Optional[ActivationCheckpointing] = None
         self._unit_plan = UnitPlan()
 
     # ------------------------------------------------------------------ properties
@@ -210,6 +225,8 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        assert self.lightning_module is not None
+        self.activations = activations_from_config(self.lightning_module, self.config)
         if not fitting:
             self.engines = []  # those of an earlier fit were uninstalled at its teardown
         if self.policy.shards_params:
@@ -333,6 +350,8 @@ class ZeroStrategy(ParallelStrategy):
             self.runtime.release_all(include_root=True)
             self.runtime.remove()
             self.runtime = None
+        if self.activations is not None:
+            self.activations.remove()
         self._uninstall_engines()
         super().teardown()
 

@@ -134,9 +134,10 @@ class TinyGAN(L.LightningModule):
 class Block(nn.Module):
     """A pre-norm transformer block: causal self-attention and an MLP."""
 
-    def __init__(self, width: int, heads: int = 2) -> None:
+    def __init__(self, width: int, heads: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
+        self.drop = nn.Dropout(dropout)  # no parameters: the state-dict keys do not depend on it
         self.ln1 = nn.LayerNorm(width)
         # No qkv bias: the key bias has an exactly zero gradient (softmax ignores a constant added to every score),
         # so Adam would turn pure rounding noise into lr-sized steps, under DDP and ZeRO alike.
@@ -150,18 +151,20 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.proj(attn)
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.proj(attn))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class TinyGPT(L.LightningModule):
     """GPT-style: token embedding tied to the head, a position table owned by the LightningModule itself, blocks.
 
-    ``meta_init`` builds the network in ``configure_model`` (the way to train models larger than one rank).
+    ``meta_init`` builds the network in ``configure_model`` (the way to train models larger than one rank);
+    ``dropout`` adds dropout in every block; ``frozen`` freezes the first block's attention norm.
     """
 
     def __init__(self, width: int = 32, depth: int = 3, context: int = 8, lr: float = 3e-3,
-                 meta_init: bool = False, checkpointing: bool = False) -> None:
+                 meta_init: bool = False, checkpointing: bool = False, dropout: float = 0.0,
+                 frozen: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.losses: list[float] = []
@@ -176,7 +179,9 @@ class TinyGPT(L.LightningModule):
         hp = self.hparams
         self.wte = nn.Embedding(VOCAB, hp.width)
         self.pos = nn.Parameter(torch.zeros(hp.context, hp.width))
-        self.blocks = nn.ModuleList(Block(hp.width) for _ in range(hp.depth))
+        self.blocks = nn.ModuleList(Block(hp.width, dropout=hp.get("dropout", 0.0)) for _ in range(hp.depth))
+        if hp.get("frozen", False):
+            self.blocks[0].ln1.requires_grad_(False)
         self.ln_f = nn.LayerNorm(hp.width)
         self.lm_head = nn.Linear(hp.width, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight
