@@ -88,8 +88,11 @@ def worker(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     tokens = tokens.to(device)
     cuda = device.type == "cuda"
 
+    forward_cpu = [0.0]
+
     def step() -> int:
         saved, seen = [0], set()
+        start = time.process_time()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
@@ -102,6 +105,7 @@ def worker(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         held = saved[0] + (store.stats.live_bytes if store is not None else 0)
+        forward_cpu[0] = time.process_time() - start
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -114,7 +118,7 @@ def worker(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     base_cuda = torch.cuda.memory_allocated() if cuda else 0
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident size to the current one
     base_rss = _status("VmRSS")
-    times, cpu_times, held = [], [], 0
+    times, cpu_times, forward_times, held = [], [], [], 0
     for _ in range(args.steps):
         start, cpu_start = time.perf_counter(), time.process_time()
         held = step()
@@ -122,8 +126,10 @@ def worker(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
+        forward_times.append(forward_cpu[0])
     # the fastest step: on a shared machine the others are slowed by other people's work, not by checkpointing
     result = {"held": held, "rss_growth": _status("VmHWM") - base_rss, "time": min(times), "cpu": min(cpu_times),
+              "forward": min(forward_times),
               "checkpoint_bytes": store.stats.peak_bytes if store is not None else 0}
     if cuda:
         result["cuda_peak"] = torch.cuda.max_memory_allocated() - base_cuda
@@ -167,14 +173,15 @@ def _print_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> N
           f"{args.threads} thread(s), fastest of {args.steps} steps\n")
     head = "| configuration | activations held after forward (MiB) | of which checkpoints | peak RSS growth (MiB) |"
     head += " peak CUDA allocated (MiB) | reserved - allocated (MiB) |" if cuda else ""
-    print(head + " step time (s) | CPU time / step (s) | CPU time vs none |")
-    print("|---" * (head.count("|") + 1) + "|")
+    head += " step time (s) | CPU time / step (s) | of which forward (s) | CPU time vs none |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
     for name, row in rows.items():
         line = (f"| {name} | {row['held'] / mib:.1f} | {row['checkpoint_bytes'] / mib:.1f} | "
                 f"{row['rss_growth'] / mib:.0f} |")
         if cuda:
             line += f" {row['cuda_peak'] / mib:.0f} | {row['fragmentation'] / mib:.0f} |"
-        print(line + f" {row['time']:.3f} | {row['cpu']:.3f} | {row['cpu'] / none['cpu']:.2f}x |")
+        print(line + f" {row['time']:.3f} | {row['cpu']:.3f} | {row['forward']:.3f} | {row['cpu'] / none['cpu']:.2f}x |")
     ckpt = rows["checkpointing"]
     per_layer = (none["held"] - (ckpt["held"] - ckpt["checkpoint_bytes"])) / args.depth
     print(f"\nOne layer's activations: {per_layer / mib:.1f} MiB; expected checkpointed peak ~ checkpoints + one "
