@@ -13,8 +13,8 @@ and reports:
 - peak RSS growth: the process's peak resident memory during the measured steps above its level after a warm-up step
   (weights, gradients and Adam states already allocated), with glibc returning freed blocks to the OS;
 - on CUDA, ``torch.cuda.max_memory_allocated`` above the same baseline, and reserved minus allocated at that peak;
-- the fastest step, wall-clock and CPU time of the process (on CPU with one thread, CPU time is the cost of the
-  computation even when other processes share the cores; wall-clock time is not).
+- step time: one more process runs every configuration one step at a time in turn and keeps the fastest step of
+  each, wall-clock and CPU time (on a shared machine, other processes slow every configuration alike).
 """
 
 from __future__ import annotations
@@ -71,70 +71,94 @@ def _model(args: argparse.Namespace) -> Any:
     return GPT()
 
 
-def worker(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
-    """One configuration: warm up, then measure ``args.steps`` steps."""
-    import torch
-    import torch.nn.functional as F
+class _Run:
+    """The model, optimizer and data of one measurement, and one training step that reports what forward held."""
 
-    from lightning_zero.activations import checkpoint_blocks
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
 
-    torch.manual_seed(0)
-    device = torch.device(args.device)
-    model = _model(args).to(device)
-    store = checkpoint_blocks(model, **options).store if options else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
-    tokens = tokens.to(device)
-    cuda = device.type == "cuda"
+        torch.manual_seed(0)
+        self.args = args
+        self.device = torch.device(args.device)
+        self.model = _model(args).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
+        self.tokens = tokens.to(self.device)
 
-    forward_cpu = [0.0]
+    def step(self, store: Any) -> tuple[int, float]:
+        """One step; returns the bytes held at the end of forward and the forward's CPU time."""
+        import torch
+        import torch.nn.functional as F
 
-    def step() -> int:
         saved, seen = [0], set()
-        start = time.process_time()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in seen:
+            if ptr not in self.params and ptr not in seen:
                 seen.add(ptr)
                 saved[0] += t.untyped_storage().nbytes()
             return t
 
+        start = time.process_time()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+            logits = self.model(self.tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, self.args.vocab), self.tokens[:, 1:].reshape(-1))
         held = saved[0] + (store.stats.live_bytes if store is not None else 0)
-        forward_cpu[0] = time.process_time() - start
+        forward = time.process_time() - start
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        return held
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return held, forward
 
-    step()  # warm-up: gradients and optimizer states exist from now on
+
+def memory(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    """One configuration in its own process: warm up, then the memory of ``args.steps`` steps."""
+    import torch
+
+    from lightning_zero.activations import checkpoint_blocks
+
+    run = _Run(args)
+    store = checkpoint_blocks(run.model, **options).store if options else None
+    cuda = run.device.type == "cuda"
+    run.step(store)  # warm-up: gradients and optimizer states exist from now on
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base_cuda = torch.cuda.memory_allocated() if cuda else 0
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident size to the current one
     base_rss = _status("VmRSS")
-    times, cpu_times, forward_times, held = [], [], [], 0
-    for _ in range(args.steps):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        held = step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        forward_times.append(forward_cpu[0])
-    # the fastest step: on a shared machine the others are slowed by other people's work, not by checkpointing
-    result = {"held": held, "rss_growth": _status("VmHWM") - base_rss, "time": min(times), "cpu": min(cpu_times),
-              "forward": min(forward_times),
+    held = max(run.step(store)[0] for _ in range(args.steps))
+    result = {"held": held, "rss_growth": _status("VmHWM") - base_rss,
               "checkpoint_bytes": store.stats.peak_bytes if store is not None else 0}
     if cuda:
         result["cuda_peak"] = torch.cuda.max_memory_allocated() - base_cuda
         result["fragmentation"] = torch.cuda.max_memory_reserved() - torch.cuda.max_memory_allocated()
     return result
+
+
+def timing(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Every configuration in one process, one step each in turn, ``args.rounds`` times: whatever else runs on the
+    machine slows all of them alike. The fastest step of each, wall-clock and CPU time, and its forward's CPU time."""
+    from lightning_zero.activations import ActivationCheckpointing, ActivationStore
+    from lightning_zero.units import find_blocks
+
+    run = _Run(args)
+    stores = {name: ActivationStore(o.get("offload", False), None, o.get("contiguous", False)) if o else None
+              for name, o in CONFIGS.items()}
+    best: dict[str, dict[str, float]] = {name: {"time": 1e9, "cpu": 1e9, "forward": 1e9} for name in CONFIGS}
+    for round_ in range(args.rounds + 1):
+        for name, store in stores.items():
+            wrapped = ActivationCheckpointing(find_blocks(run.model), store) if store is not None else None
+            start, cpu = time.perf_counter(), time.process_time()
+            _, forward = run.step(store)
+            times = {"time": time.perf_counter() - start, "cpu": time.process_time() - cpu, "forward": forward}
+            if wrapped is not None:
+                wrapped.remove()
+            if round_:  # the first round warms up (optimizer states, the contiguous buffer)
+                best[name] = {k: min(v, times[k]) for k, v in best[name].items()}
+    return best
 
 
 def main() -> None:
@@ -145,7 +169,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="steps measured for memory")
+    parser.add_argument("--rounds", type=int, default=6, help="steps of each configuration timed")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -154,14 +179,15 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(worker(args, CONFIGS[args.worker])))
+        print(json.dumps(timing(args) if args.worker == "timing" else memory(args, CONFIGS[args.worker])))
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT))
-    rows = {}
-    for name in CONFIGS:
-        cmd = [sys.executable, __file__, "--worker", name] + [a for a in sys.argv[1:]]
+    results = {}
+    for name in list(CONFIGS) + ["timing"]:
+        cmd = [sys.executable, __file__, "--worker", name] + sys.argv[1:]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
-        rows[name] = json.loads(out.strip().splitlines()[-1])
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    rows = {name: {**results[name], **results["timing"][name]} for name in CONFIGS}
     _print_table(args, rows)
 
 
@@ -170,7 +196,8 @@ def _print_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> N
     none = rows["none"]
     cuda = "cuda_peak" in none
     print(f"{args.depth} layers, width {args.width}, batch {args.batch} x {args.seq} tokens, {args.device}, "
-          f"{args.threads} thread(s), fastest of {args.steps} steps\n")
+          f"{args.threads} thread(s); memory: {args.steps} steps after a warm-up, time: fastest of {args.rounds} "
+          "interleaved steps\n")
     head = "| configuration | activations held after forward (MiB) | of which checkpoints | peak RSS growth (MiB) |"
     head += " peak CUDA allocated (MiB) | reserved - allocated (MiB) |" if cuda else ""
     head += " step time (s) | CPU time / step (s) | of which forward (s) | CPU time vs none |"
