@@ -212,8 +212,9 @@ def _print_table(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> N
     ckpt = rows["checkpointing"]
     per_layer = (none["held"] - (ckpt["held"] - ckpt["checkpoint_bytes"])) / args.depth
     print(f"\nOne layer's activations: {per_layer / mib:.1f} MiB; expected checkpointed peak ~ checkpoints + one "
-          f"layer = {(ckpt['checkpoint_bytes'] + per_layer) / mib:.1f} MiB (+ what lives outside the blocks); "
-          f"expected step time ~ 1.33x.")
+          f"layer = {(ckpt['checkpoint_bytes'] + per_layer) / mib:.1f} MiB (+ what lives outside the blocks). "
+          f"Expected CPU time: none + one more forward = {(none['cpu'] + none['forward']) / none['cpu']:.2f}x "
+          "(1.33x if backward took exactly twice the forward and nothing ran outside forward and backward).")
 
 
 if __name__ == "__main__":
