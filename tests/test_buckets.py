@@ -58,3 +58,19 @@ def test_a_parameter_spanning_many_buckets_needs_no_more_buffers():
     reducer.add_grad(0, grads[0])
     torch.testing.assert_close(reducer.finalize(force=True), _expected_shard(layout, grads))
     assert len(layout.buckets) == 16 and reducer.buffers_allocated <= 2
+
+
+def test_two_interleaved_param_groups_keep_the_buffers_constant():
+    # A transformer's decay (matrices) and no-decay (norms, biases) groups: each group's buckets are one run in the
+    # buffer, but they are reduced in the order they complete in backward, so neither group waits for the other.
+    for blocks in (4, 16):
+        numels = [n for _ in range(blocks) for n in (8, 8, 96, 12, 96, 8)]
+        groups = [0 if n > 8 else 1 for n in numels]
+        layout = plan_layout(numels, groups, world_size=1, bucket_size=24)
+        reducer = GradientReducer(layout, 0, torch.float32, torch.device("cpu"), 2, overlap=True)
+        grads = [torch.randn(n) for n in numels]
+        for j in reversed(range(len(numels))):  # backward order
+            reducer.add_grad(j, grads[j])
+        reducer.finalize(force=True)
+        assert sorted(layout.reduce_order) == list(range(len(layout.buckets)))
+        assert reducer.buffers_allocated <= 3, (blocks, reducer.buffers_allocated)
