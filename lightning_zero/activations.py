@@ -335,5 +335,11 @@ def resolve_partition_group(spec: PartitionGroup) -> Optional[Any]:
         return None
     if callable(spec):
         return spec()
-    lists = [list(spec)] if all(isinstance(r, int) for r in spec) else [list(ranks) for ranks in spec]
-    return collectives.new_group(lists)
+    key = tuple(tuple(r) if not isinstance(r, int) else r for r in spec)
+    if key not in _GROUPS:  # made once per process: a second fit reuses the groups of the first
+        lists = [list(spec)] if all(isinstance(r, int) for r in spec) else [list(ranks) for ranks in spec]
+        _GROUPS[key] = collectives.new_group(lists)
+    return _GROUPS[key]
+
+
+_GROUPS: dict[tuple, Any] = {}

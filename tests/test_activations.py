@@ -76,6 +76,11 @@ def test_collective_buffers_do_not_grow_when_the_model_doubles(lightning_runs):
         assert all(rank[c]["temporary"]["grad_shards"] == [True] for c in ("zero2", "zero3"))  # one flat shard
 
 
+def test_data_parallel_ranks_cannot_be_named_as_a_partition_group(lightning_runs):
+    for rank in lightning_runs:
+        assert "hold different checkpointed activations" in rank["zero2_partition_refused"]["error"]
+
+
 # ---------------------------------------------------------------------------------------------------- Pa, 2 ranks
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):

@@ -104,7 +104,17 @@ CASES = {
     "zero3_bf16_plain": lambda: run("zero3", precision="bf16-mixed", activation_checkpointing=False),
     "zero3_deep": lambda: run("zero3", depth=6),
     "zero2_wide": lambda: run("zero2", width=64),
+    "zero2_partition_refused": lambda: refused(),
 }
+
+
+def refused() -> dict:
+    """Data-parallel ranks see different data: naming them as a Pa group must fail with a clear error."""
+    try:
+        run("zero2", activation_partition_group=[0, 1])
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": ""}
 
 
 def main() -> None:
