@@ -16,7 +16,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -68,16 +68,16 @@ def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str,
     return measure_model_states(pl_module, trainer.optimizers).as_dict()
 
 
-def _strategy(name: str, world_size: int, accelerator: str, bucket: int) -> Any:
+def _strategy(name: str, world_size: int, bucket: Optional[int]) -> Any:
+    """The strategy object; ``bucket`` (elements) overrides ddp's and ZeRO's bucket size, else their defaults."""
     if name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return DDPStrategy(ddp_comm_hook=probes.ddp_counting_hook(), bucket_cap_mb=bucket * 4 / 2**20)
+        extra = {} if bucket is None else {"bucket_cap_mb": bucket * 4 / 2**20}
+        return probes.counted_ddp_strategy(**extra)
     if name == "fsdp2":
         return peers.fsdp2_strategy(world_size)
     from lightning_zero import ZeroStrategy
 
-    return ZeroStrategy(stage=int(name[-1]), reduce_bucket_size=bucket)
+    return ZeroStrategy(stage=int(name[-1]), **({} if bucket is None else {"reduce_bucket_size": bucket}))
 
 
 def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path) -> dict[str, Any]:
@@ -89,9 +89,7 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples)
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
-    from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS
-
-    trainer = L.Trainer(strategy=_strategy(name, world_size, accelerator, cfg.get("bucket", DEFAULT_BUCKET_ELEMENTS)),
+    trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket")),
                         accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
                         max_steps=cfg["steps"], callbacks=[probe], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -132,17 +130,19 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     L.seed_everything(0, verbose=False)
     rank = int(os.environ["RANK"])
+    baseline = 0 if cfg.get("gpu") else probes.peak_memory(torch.device("cpu"))  # imports, interpreter
     try:
         if cfg["strategy"].startswith("deepspeed"):
             dist.init_process_group("gloo")
             samples = size.batch * world_size * cfg["steps"]
-            result = peers.run_deepspeed(int(cfg["strategy"][-1]), size, cfg["steps"], cfg["warmup"], samples)
+            result = peers.run_deepspeed(int(cfg["strategy"][-1]), size, cfg["steps"], cfg["warmup"], samples,
+                                         cfg.get("bucket"))
         else:
             result = run_lightning(cfg, size, world_size, out)
     except Exception as error:  # the launcher reports the reason; the other configurations still run
         traceback.print_exc()
         result = {"error": f"{type(error).__name__}: {error}"[:2000]}
-    result.update(strategy=cfg["strategy"], rank=rank, world_size=world_size, size=size.as_dict(),
+    result.update(strategy=cfg["strategy"], rank=rank, baseline_memory=baseline, world_size=world_size, size=size.as_dict(),
                   threads=torch.get_num_threads(), torch=torch.__version__)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

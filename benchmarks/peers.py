@@ -57,13 +57,11 @@ def fsdp2_model_states(module: torch.nn.Module, optimizers: list[Any]) -> dict[s
     return {"params": params, "grads": grads, "optimizer_states": states, "model_states": params + grads + states}
 
 
-def deepspeed_config(stage: int, size: GPTSize, world_size: int) -> dict[str, Any]:
-    """fp32, ZeRO ``stage``, buckets of the size ``lightning_zero`` uses by default, overlap on."""
-    from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS
-
-    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": DEFAULT_BUCKET_ELEMENTS,
-                            "allgather_bucket_size": DEFAULT_BUCKET_ELEMENTS}
+def deepspeed_config(stage: int, size: GPTSize, world_size: int, bucket: Optional[int] = None) -> dict[str, Any]:
+    """fp32, ZeRO ``stage``, overlap on; DeepSpeed's own bucket sizes unless ``bucket`` (elements) is given."""
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if bucket is not None:
+        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=5_000_000, stage3_param_persistence_threshold=100_000)
     return {"train_micro_batch_size_per_gpu": size.batch, "gradient_accumulation_steps": 1,
@@ -71,7 +69,8 @@ def deepspeed_config(stage: int, size: GPTSize, world_size: int) -> dict[str, An
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def run_deepspeed(stage: int, size: GPTSize, steps: int, warmup: int, samples: int) -> dict[str, Any]:
+def run_deepspeed(stage: int, size: GPTSize, steps: int, warmup: int, samples: int,
+                  bucket: Optional[int] = None) -> dict[str, Any]:
     """Train :class:`GPT` with DeepSpeed's engine for ``steps`` steps; the same figures as the Lightning runs."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -79,7 +78,8 @@ def run_deepspeed(stage: int, size: GPTSize, steps: int, warmup: int, samples: i
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    config = deepspeed_config(stage, size, world_size)
+    config = deepspeed_config(stage, size, world_size, bucket)
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)  # DeepSpeed's view of the group
     torch.manual_seed(0)
     init = deepspeed.zero.Init(config_dict_or_path=config) if stage == 3 else nullcontext()
     with init:

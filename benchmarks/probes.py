@@ -6,8 +6,8 @@ and model-state bytes per rank.
 reduce-scatters under their old and new names, the list forms, ``broadcast``) *before* any strategy imports them,
 and counts the logical payload with ``lightning_zero.collectives``' rule: the input of a reduce-scatter, the output
 of an all-gather, the tensor of an all-reduce or broadcast. DDP's C++ reducer does not go through Python, so the
-``ddp`` run installs the stock ``allreduce_hook`` as its communication hook (``DDPStrategy(ddp_comm_hook=...)``),
-which calls ``dist.all_reduce`` once per gradient bucket; FSDP2 and DeepSpeed call the Python functions
+``ddp`` run installs the stock ``allreduce_hook`` as its communication hook (:func:`counted_ddp_strategy`),
+which calls ``dist.all_reduce`` once per gradient bucket (registered by hand: Lightning does it on CUDA only); FSDP2 and DeepSpeed call the Python functions
 themselves. The counter runs only between the start and the end of a measured step.
 """
 
@@ -87,11 +87,17 @@ def traffic_stop() -> dict[str, dict[str, int]]:
     return {"bytes": dict(_COUNTS), "calls": dict(_CALLS)}
 
 
-def ddp_counting_hook() -> Callable[..., Any]:
-    """DDP's stock all-reduce communication hook: the same collective as the C++ default, visible to the counter."""
+def counted_ddp_strategy(**kwargs: Any) -> Any:
+    """Lightning's ``DDPStrategy`` with DDP's stock all-reduce communication hook, on CPU too (Lightning registers
+    hooks on CUDA only): the same collective as the C++ default, but issued through the counted ``dist.all_reduce``."""
+    from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    return allreduce_hook
+    class CountedDDPStrategy(DDPStrategy):
+        def _register_ddp_hooks(self) -> None:
+            self.model.register_comm_hook(state=None, hook=allreduce_hook)  # type: ignore[union-attr]
+
+    return CountedDDPStrategy(**kwargs)
 
 
 # ---------------------------------------------------------------------- memory
