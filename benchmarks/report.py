@@ -40,7 +40,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    peak_memory=max(r["peak_memory"] for r in ok),
                    peak_growth=max(r["peak_growth"] for r in ok),
                    model_states=ok[-1].get("model_states"), comm_bytes=ok[-1]["comm_bytes"],
-                   comm_calls=ok[-1]["comm_calls"], loss=ok[-1].get("loss"))
+                   comm_calls=ok[-1]["comm_calls"], comm_total=sum(ok[-1]["comm_bytes"].values()),
+                   loss=ok[-1].get("loss"))
         rows.append(row)
     _add_ratios(rows)
     return rows
@@ -52,7 +53,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         ddp = base.get((row["world_size"], row["size"]))
         if ddp is None or "error" in row:
             continue
-        for key in ("step_median", "peak_memory", "peak_growth", "model_states", "comm_bytes"):
+        for key in ("step_median", "peak_memory", "peak_growth", "model_states", "comm_total"):
             if row.get(key) is not None and ddp.get(key):
                 row[f"{key}_vs_ddp"] = row[key] / ddp[key]
 
@@ -80,7 +81,7 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
             if "error" in r:
                 out.append(f"| {r['strategy']} | skipped: {str(r['error'])[:150]} |" + " |" * 10)
                 continue
-            comm = sum(r["comm_bytes"].values())
+            comm = r["comm_total"]
             calls = sum(r["comm_calls"].values())
             out.append(
                 f"| {r['strategy']} | {_fmt(r['step_median'], 1e-3)} | {_fmt(r['step_min'], 1e-3)}–"
