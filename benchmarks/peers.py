@@ -29,11 +29,11 @@ def missing(strategy: str) -> Optional[str]:
     """Why ``strategy`` cannot run on this machine, or ``None``."""
     if strategy == "fsdp2":
         try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-            from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: F401
+            from lightning.pytorch.strategies import ModelParallelStrategy
+            from torch.distributed.fsdp import fully_shard
         except ImportError as error:
             return f"FSDP2 needs torch >= 2.4 and lightning >= 2.4 ({error})"
-        return None
+        return None if fully_shard and ModelParallelStrategy else "FSDP2 is not available"
     if strategy.startswith("deepspeed"):
         if importlib.util.find_spec("deepspeed") is None:
             return "DeepSpeed is not installed (pip install -c <(echo torch==$TORCH) deepspeed)"
