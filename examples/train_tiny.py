@@ -85,7 +85,7 @@ def char_dataset(context: int) -> tuple[TensorDataset, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero2", help="zero1, zero2 or ddp")
+    parser.add_argument("--strategy", default="zero2", help="zero1, zero2, zero3 or ddp")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--max-steps", type=int, default=30)

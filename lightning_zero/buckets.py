@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -66,8 +66,11 @@ class GradientReducer:
         max_buffers: int,
         overlap: bool,
         group: Optional[Any] = None,
+        unit_names: Sequence[str] = (),
     ) -> None:
         self.layout = layout
+        self.unit_names = unit_names
+        """Stage 3: the name of each unit, for error messages."""
         self.rank = rank
         self.dtype = dtype
         self.device = device
@@ -209,10 +212,15 @@ class GradientReducer:
 
     def _finish_oldest(self) -> None:
         bucket, work, slot, accumulate = self._in_flight.popleft()
-        collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index} (stage 3 unit {bucket.unit})")
+        collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index}{self._unit_label(bucket)}")
         if accumulate:
             self._shard_slice(bucket).add_(slot.output(bucket, self.layout.world_size))
         self._free.append(slot)
+
+    def _unit_label(self, bucket: Bucket) -> str:
+        if not self.unit_names:
+            return ""
+        return f" of stage 3 unit '{self.unit_names[bucket.unit]}'"
 
     def _shard_slice(self, bucket: Bucket) -> torch.Tensor:
         return self._shard()[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]

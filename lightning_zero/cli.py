@@ -1,5 +1,6 @@
-"""The ``lightning-zero`` command (also ``python -m lightning_zero``): memory estimates and sharded checkpoints.
+"""The ``lightning-zero`` command (also ``python -m lightning_zero``): training, memory estimates, checkpoints.
 
+    lightning-zero fit|validate|test|predict --config cfg.yaml [--model pkg.Module] [--data pkg.DataModule] ...
     lightning-zero estimate (--params 1.5B | --model pkg.MyModule [--init-args '{"width": 512}']) -n 8 [--memory 80GiB]
     lightning-zero inspect DIR [--verify] [--json]
     lightning-zero consolidate DIR OUT.ckpt [--weights-only] [--dtype fp32|bf16|fp16]
@@ -21,9 +22,12 @@ from lightning_zero.estimate import count_parameters, format_estimate, human_byt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-zero", description="ZeRO for PyTorch Lightning: memory "
+    parser = argparse.ArgumentParser(prog="lightning-zero", description="ZeRO for PyTorch Lightning: training, memory "
                                      "estimates and checkpoint tools.")
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in LIGHTNING_COMMANDS:  # listed for --help; main() hands them to LightningCLI before parsing
+        commands.add_parser(name, help=f"LightningCLI's `{name}` with the zero1/zero2/zero3 strategy names "
+                            f"(`lightning-zero {name} --help`)", add_help=False)
 
     estimate = commands.add_parser("estimate", help="model-state bytes per rank under ddp/zero1/zero2/zero3, and "
                                    "the largest model each fits in a given memory")
@@ -53,8 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Subcommands handed to Lightning's own ``LightningCLI``.
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the exit status (2 for a bad checkpoint, path or model, with the reason on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHTNING_COMMANDS:
+        run_lightning_cli(argv)
+        return 0
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
@@ -64,13 +76,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def run_lightning_cli(argv: Sequence[str]) -> None:
+    """``LightningCLI`` with the ZeRO strategy names registered, for any ``LightningModule`` and data module.
+
+    [Note: no script to edit]
+    This is the ``main.py`` of Lightning's CLI documentation, ``LightningCLI()`` with the model and the data given by
+    ``class_path`` (``--model pkg.GPT`` or ``model: {class_path: ...}`` in the YAML file), plus ``import
+    lightning_zero``, so ``trainer.strategy: zero3`` works without touching the user's code. The launcher starts the
+    other ranks by running the same command line again, so they import the strategy names too. The current directory
+    is importable, as under ``python -m``.
+    """
+    from lightning.pytorch.cli import LightningCLI
+
+    _import_from_cwd()
+    LightningCLI(args=list(argv), subclass_mode_model=True, subclass_mode_data=True)
+
+
+def _import_from_cwd() -> None:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: classes of the project the command runs in
+
+
 def _estimate(args: argparse.Namespace) -> None:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}.")
     if not isinstance(args.init_args, dict):
         raise ValueError(f"--init-args must be a mapping such as '{{width: 512}}', got {args.init_args!r}.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does: classes of the project the command runs in
+    _import_from_cwd()
     params = args.params if args.params is not None else count_parameters(args.model, args.init_args)
     print(format_estimate(params, args.world_size, args.memory))
 

@@ -25,7 +25,7 @@ on the class: the optimizer's class is swapped for a subclass that adds it (``is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -66,6 +66,7 @@ class ShardedOptimizer:
         module: Optional[torch.nn.Module] = None,
         unit_of: Optional[Callable[[Tensor], int]] = None,
         group: Optional[Any] = None,
+        unit_names: Sequence[str] = (),
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer = optimizer
@@ -105,7 +106,8 @@ class ShardedOptimizer:
             self._fill_from_params()
         self.masters = [self._master_view(s) for s in self.slots]
         self.reducer = GradientReducer(
-            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group
+            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group,
+            unit_names if policy.shards_params else (),
         )
         self._hooks: list[Any] = []
         self._prepared = False
@@ -292,10 +294,12 @@ class ShardedOptimizer:
             collectives.all_gather(full[b0:b1], full[c0 : c0 + bucket.chunk_size], group=self.group)
         return full
 
-    def uninstall(self) -> None:
-        """Remove the hooks and give the parameters their own full-precision storage back.
+    def uninstall(self, gather: bool = True) -> None:
+        """Remove the hooks and, with ``gather`` (a collective), give the parameters their full fp32 storage back.
 
         The master shard and the optimizer state stay, so a checkpoint can still be saved after ``fit`` returns.
+        Without ``gather`` (after an exception, see [Note: teardown after an exception]) nothing waits on or talks to
+        the other ranks.
         """
         if self.uninstalled:
             return
@@ -303,6 +307,8 @@ class ShardedOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if not gather:
+            return
         self.zero_grad()
         self.reducer.release_buffers()
         if any(p.is_meta for p in self.params):

@@ -124,6 +124,7 @@ class ZeroStrategy(ParallelStrategy):
         self.engines: list[ShardedOptimizer] = []
         self.runtime: Optional[UnitRuntime] = None
         self._unit_plan = UnitPlan()
+        self._interrupted = False
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -210,6 +211,7 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._interrupted = False
         if not fitting:
             self.engines = []  # those of an earlier fit were uninstalled at its teardown
         if self.policy.shards_params:
@@ -255,7 +257,8 @@ class ZeroStrategy(ParallelStrategy):
         precision = self.precision_plugin
         unit_of = self._unit_plan.unit if self.policy.shards_params else None
         return ShardedOptimizer(optimizer, self.policy, self.config, precision.working_dtype, precision.master_dtype,
-                                self.root_device, module=self.lightning_module, unit_of=unit_of)
+                                self.root_device, module=self.lightning_module, unit_of=unit_of,
+                                unit_names=self._unit_plan.names)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -328,18 +331,30 @@ class ZeroStrategy(ParallelStrategy):
         return output
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this when a run stops on an exception or Ctrl-C, just before :meth:`teardown`."""
+        self._interrupted = True
+
+    @override
     def teardown(self) -> None:
+        # [Note: teardown after an exception]
+        # A normal teardown gathers the full weights back into the module, which takes every rank. After an
+        # exception or Ctrl-C the ranks stopped at different points (a peer may be gone), so a collective would be
+        # matched against a different one or hang: teardown then only removes the hooks and leaves the parameters as
+        # they were (under stage 3, empty). The last checkpoint is the state to resume or load from.
+        gather = not self._interrupted
         if self.runtime is not None:
-            self.runtime.release_all(include_root=True)
+            if gather:
+                self.runtime.release_all(include_root=True)
             self.runtime.remove()
             self.runtime = None
-        self._uninstall_engines()
+        self._uninstall_engines(gather)
         super().teardown()
 
-    def _uninstall_engines(self) -> None:
+    def _uninstall_engines(self, gather: bool = True) -> None:
         # The engines stay reachable after teardown: `trainer.save_checkpoint` after `fit` still needs their shards.
         for engine in self.engines:
-            engine.uninstall()
+            engine.uninstall(gather)
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

@@ -1,5 +1,5 @@
-"""One rank: rank 1 skips a block at step 2 (data-dependent control flow). zero3 must fail, not hang, and say which
-unit it was gathering. Saves the error message."""
+"""One rank: rank 1 skips a block at step 2 (data-dependent control flow). zero3 must fail, not hang, and name the unit
+whose collective failed. Saves the error message."""
 
 from __future__ import annotations
 

@@ -1,0 +1,182 @@
+"""A small GPT trained from scratch on Shakespeare with ZeRO, through LightningCLI and a YAML config.
+
+    python examples/gpt.py fit --config examples/configs/zero3.yaml                   # 2 CPU processes, zero3
+    python examples/gpt.py fit --config examples/configs/zero3.yaml --trainer.devices 3 \\
+        --trainer.max_steps 400 --ckpt_path checkpoints/gpt-zero3/last.ckpt            # resume on 3 processes
+    python examples/generate.py checkpoints/gpt-zero3/last.ckpt --prompt "ROMEO:"     # sample from it
+
+The model and the data module are ordinary Lightning code: nothing in them knows about ZeRO. The only line that does
+is ``import lightning_zero``, which registers ``strategy: zero1 | zero2 | zero3`` for the YAML file. (Without it,
+``lightning-zero fit --model examples.gpt.GPT --data examples.gpt.ShakespeareData ...`` runs the same.)
+
+Tokens are the text's UTF-8 bytes, so the model needs no vocabulary file and any text file can be the corpus.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_zero  # noqa: F401  (registers the strategy names used in examples/configs/*.yaml)
+
+CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+VOCAB_SIZE = 256  # byte-level tokens
+
+
+def encode(text: str) -> torch.Tensor:
+    """Text to a 1-D tensor of byte tokens."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    """Byte tokens back to text (a cut multi-byte character becomes U+FFFD)."""
+    return bytes(tokens.tolist()).decode("utf-8", errors="replace")
+
+
+class Windows(Dataset):
+    """Every ``context + 1``-token window of a token stream, starting each ``stride`` tokens: (inputs, targets)."""
+
+    def __init__(self, tokens: torch.Tensor, context: int, stride: int) -> None:
+        self.tokens, self.context, self.stride = tokens, context, stride
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.context - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.tokens[index * self.stride: index * self.stride + self.context + 1]
+        return window[:-1], window[1:]
+
+
+class ShakespeareData(L.LightningDataModule):
+    """A text file (by default the Shakespeare shipped in ``examples/data``), 90% to train on and 10% to validate."""
+
+    def __init__(self, path: str = str(CORPUS), context: int = 64, batch_size: int = 16, stride: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        text = Path(self.hparams.path).read_text(encoding="utf-8")
+        tokens = encode(text)
+        split = int(0.9 * len(tokens))
+        context, stride = self.hparams.context, self.hparams.stride
+        self.train_set = Windows(tokens[:split], context, stride)
+        self.val_set = Windows(tokens[split:], context, context)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(batch, time, 3, self.n_head, width // self.n_head).transpose(1, 3).unbind(2)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, time, width))
+        return x + self.mlp(self.ln2(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialization: small normal weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+class GPT(L.LightningModule):
+    """A GPT: token and position embeddings, ``n_layer`` blocks, a head tied to the token embedding."""
+
+    def __init__(self, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, context: int = 64, dropout: float = 0.1,
+                 lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, n_embd)
+        self.pos_emb = nn.Embedding(context, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(_init_weights)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(self(inputs).float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
+        warmup, total = self.hparams.warmup_steps, max(self.trainer.max_steps, self.hparams.warmup_steps + 1)
+
+        def lr_factor(step: int) -> float:
+            """Linear warm-up, then cosine decay to a tenth of the peak at the trainer's ``max_steps``."""
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / (total - warmup))
+            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @torch.no_grad()
+    def generate(self, prompt: str, new_tokens: int, temperature: float = 0.8, top_k: Optional[int] = 40,
+                 generator: Optional[torch.Generator] = None) -> str:
+        """Sample ``new_tokens`` bytes after ``prompt`` and return the whole text."""
+        tokens = encode(prompt).to(self.device)[None]
+        for _ in range(new_tokens):
+            logits = self(tokens[:, -self.hparams.context:])[0, -1].float() / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            probs = torch.softmax(logits, dim=-1).cpu()
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator).to(tokens.device)[None]], 1)
+        return decode(tokens[0].cpu())
+
+
+def main() -> None:
+    LightningCLI(GPT, ShakespeareData)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Every example runs, briefly, the way the README tells a user to run it, so none of them can rot.
+
+Each command starts like a user's (Lightning's launcher starts the other processes), in a scratch directory, with a
+hard timeout. The GPT walk-through is the README's: train with zero3 from the shipped YAML config, resume on a
+different number of processes after a Ctrl-C, inspect the checkpoint, generate text from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TIMEOUT = 240
+
+# Small and short: the shipped config's model is 4 layers of width 128 and trains 300 steps.
+TINY = {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1, "enable_progress_bar": False}
+TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2}
+
+
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell: no launcher variables of the test run; one thread per process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def run(*cmd: str, cwd: Path) -> str:
+    """Run a user's command; fail with its output if it fails or hangs."""
+    try:
+        done = subprocess.run(list(cmd), cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as error:
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {TIMEOUT}s:\n{error.stdout}\n{error.stderr}")
+    assert done.returncode == 0, f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def tiny_config(stage: int, tmp_path: Path, **trainer: object) -> Path:
+    """The shipped ``examples/configs/zero<stage>.yaml`` with a tiny model and a few steps."""
+    config = yaml.safe_load((EXAMPLES / "configs" / f"zero{stage}.yaml").read_text())
+    config["trainer"].update(TINY, **trainer)
+    config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
+    config["model"].update(TINY_MODEL)
+    path = tmp_path / f"zero{stage}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_gpt_walkthrough_stop_resume_on_other_world_size_generate(tmp_path):
+    """Train zero3 from the YAML config, stop it with Ctrl-C, resume on 3 processes, inspect, generate."""
+    config = tiny_config(3, tmp_path, max_steps=10_000)
+    last = tmp_path / "checkpoints" / "gpt-zero3" / "last.ckpt"
+    stopped = interrupt_after_checkpoint([sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config)],
+                                         last, cwd=tmp_path)
+    assert stopped.returncode == 1 and "Detected KeyboardInterrupt" in stopped.stdout, stopped.stdout[-3000:]
+    assert "mismatch" not in stopped.stdout and "Traceback" not in stopped.stdout, stopped.stdout[-3000:]
+    saved = json.loads(run(sys.executable, "-m", "lightning_zero", "inspect", str(last), "--json", cwd=tmp_path))
+    assert saved["global_step"] >= 2 and saved["world_size"] == 2
+
+    resume_to = saved["global_step"] + 2
+    run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), "--trainer.devices", "3",
+        "--trainer.max_steps", str(resume_to), "--ckpt_path", str(last), cwd=tmp_path)
+    summary = json.loads(run(sys.executable, "-m", "lightning_zero", "inspect", str(last), "--json", cwd=tmp_path))
+    assert (summary["world_size"], summary["stage"], summary["global_step"]) == (3, 3, resume_to)
+
+    text = run(sys.executable, str(EXAMPLES / "generate.py"), str(last), "--prompt", "ROMEO:", "--tokens", "16",
+               cwd=tmp_path)
+    assert text.startswith("ROMEO:") and len(text.encode()) >= len("ROMEO:") + 16
+
+
+def interrupt_after_checkpoint(cmd: list[str], checkpoint: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """Start ``cmd`` in its own process group, and press Ctrl-C (SIGINT to the group) once ``checkpoint`` exists."""
+    log = cwd / "interrupted.log"
+    with open(log, "w") as out:
+        # SIGINT back to its default: a job started in the background of a non-interactive shell ignores it.
+        proc = subprocess.Popen(cmd, cwd=cwd, env=user_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while not (checkpoint / "meta.pt").exists():
+                assert proc.poll() is None, f"training ended before its first checkpoint:\n{log.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"no checkpoint after {TIMEOUT}s:\n{log.read_text()[-3000:]}"
+                time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, code, log.read_text(), "")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gpt_configs_with_the_script_and_with_the_lightning_zero_command(tmp_path, stage):
+    config = tiny_config(stage, tmp_path, max_steps=2)
+    if stage == 1:
+        run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), cwd=tmp_path)
+    else:  # no script: the classes by import path, the strategy names from `lightning-zero fit`
+        (tmp_path / "my_gpt.py").write_text(f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import *\n")
+        run(sys.executable, "-m", "lightning_zero", "fit", "--model", "my_gpt.GPT", "--data",
+            "my_gpt.ShakespeareData", "--config", str(config), cwd=tmp_path)
+    assert (tmp_path / "checkpoints" / f"gpt-zero{stage}" / "last.ckpt" / "meta.pt").is_file()
+
+
+def test_manual_optimization_with_two_optimizers(tmp_path):
+    out = run(sys.executable, str(EXAMPLES / "manual_optimization.py"), "--stage", "3", "--max-steps", "20",
+              cwd=tmp_path)
+    assert "distance of generated points to the circle" in out and "(zero3, 2 processes)" in out
+
+
+def test_quick_start_demo(tmp_path):
+    out = run(sys.executable, str(EXAMPLES / "train_tiny.py"), "--strategy", "zero2", "--devices", "2",
+              "--max-steps", "4", cwd=tmp_path)
+    assert "model states" in out
