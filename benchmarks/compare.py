@@ -89,7 +89,8 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_growth": top["peak_memory"] - top["baseline_memory"],
             "model_states": zero["states"].get("model_states"), "states": zero["states"],
             "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
-            "params": zero["size"]["params"], "threads": zero["threads"]}
+            "params": zero["size"]["params"], "threads": zero["threads"],
+            "cpu_seconds": [r.get("cpu_seconds") for r in ranks]}
 
 
 def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[str, Any]]:

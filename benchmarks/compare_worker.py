@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -68,8 +69,9 @@ def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str,
     return measure_model_states(pl_module, trainer.optimizers).as_dict()
 
 
-def _strategy(name: str, world_size: int, bucket: Optional[int]) -> Any:
-    """The strategy object; ``bucket`` (elements) overrides ddp's and ZeRO's bucket size, else their defaults."""
+def _strategy(name: str, world_size: int, bucket: Optional[int], options: Optional[dict[str, Any]] = None) -> Any:
+    """The strategy object; ``bucket`` (elements) overrides ddp's and ZeRO's bucket size, else their defaults;
+    ``options`` are extra ``ZeroStrategy`` arguments (A/B runs of ``zero3_ab.py``)."""
     if name == "ddp":
         extra = {} if bucket is None else {"bucket_cap_mb": bucket * 4 / 2**20}
         return probes.counted_ddp_strategy(**extra)
@@ -77,7 +79,8 @@ def _strategy(name: str, world_size: int, bucket: Optional[int]) -> Any:
         return peers.fsdp2_strategy(world_size)
     from lightning_zero import ZeroStrategy
 
-    return ZeroStrategy(stage=int(name[-1]), **({} if bucket is None else {"reduce_bucket_size": bucket}))
+    extra = {} if bucket is None else {"reduce_bucket_size": bucket}
+    return ZeroStrategy(stage=int(name[-1]), **extra, **(options or {}))
 
 
 def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path) -> dict[str, Any]:
@@ -89,17 +92,20 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples)
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
-    trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket")),
+    trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket"), cfg.get("options")),
                         accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
                         max_steps=cfg["steps"], callbacks=[probe], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     if profiler is not None:
         profiler.__enter__()
+    cpu0 = time.process_time()
     trainer.fit(model)
+    cpu_seconds = time.process_time() - cpu0
     if profiler is not None:
         profiler.__exit__(None, None, None)
         _write_profile(profiler, cfg, out)
-    return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss}
+    return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
+            "cpu_seconds": cpu_seconds}
 
 
 def _profiler(cfg: dict[str, Any], out: Path) -> Any:
