@@ -32,8 +32,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["lm", "gpt"], default="lm")
     parser.add_argument("--depth", type=int, default=6, help="blocks of the gpt model")
     args = parser.parse_args()
-    print(f"| N | strategy | Ψ | model states / rank (MiB) | table (MiB) | measured / table | vs DDP | "
-          f"reduce-scatter / Ψ | all-gather / Ψ | all-reduce elems | bucket buffers (MiB) | peak RSS growth (MiB) |")
+    print("| N | strategy | Ψ | model states / rank (MiB) | table (MiB) | measured / table | vs DDP | "
+          "reduce-scatter / Ψ | all-gather / Ψ | all-reduce elems | bucket buffers (MiB) | peak RSS growth (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for world_size in args.world_sizes:
         runs = {}

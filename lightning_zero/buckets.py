@@ -13,6 +13,11 @@ waits for its predecessors, as in DDP's reducer; see [Note: launch order] in ``l
 this rank received no gradient. Rounds end at call sites every rank passes together: the end of each backward
 (stage 2) and the start of the optimizer step (stage 1).
 
+[Note: filling without extra passes]
+A bucket buffer is not cleared when it is taken from the pool: each gradient is divided by the world size on its
+way in (one pass, ``torch.div(..., out=)``), and only what no gradient wrote, the padding and the parts of
+parameters that got no gradient this round, is zeroed at launch. The values are those of "zero, copy, divide".
+
 [Note: averaging and accumulation]
 Each bucket is divided by the world size before the reduce-scatter, so the sum is DDP's mean gradient. The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
@@ -88,6 +93,8 @@ class GradientReducer:
         for bucket in layout.buckets:
             for p, start, length, offset in layout.bucket_pieces(bucket):
                 self._param_parts[p].append((bucket, start, length, offset))
+        self._got: list[set[int]] = [set() for _ in layout.buckets]  # params written into each open bucket
+        self._gaps = [_gaps(layout, b) for b in layout.buckets]
 
     # ------------------------------------------------------------------ filling
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
@@ -96,7 +103,8 @@ class GradientReducer:
         self._pending = True
         for bucket, start, length, offset in self._param_parts[param_index]:
             view = self._slot_for(bucket).input(bucket, self.layout.world_size)
-            view[offset : offset + length].copy_(flat[start : start + length])
+            _scaled_copy(view[offset : offset + length], flat[start : start + length], self.layout.world_size)
+            self._got[bucket.index].add(param_index)
             self._received[bucket.index] += length
             # launch before filling the next part: a parameter spanning many buckets needs no more buffers
             while self._next < len(self._order) and self._complete(self._order[self._next]):
@@ -136,6 +144,7 @@ class GradientReducer:
         self.wait()
         self._free.extend(self._open.values())
         self._open.clear()
+        self._got = [set() for _ in self.layout.buckets]
         self._received = [0] * len(self.layout.buckets)
         self._next, self._pending = 0, False
         self._written = [False] * len(self.layout.buckets)
@@ -163,8 +172,7 @@ class GradientReducer:
     def _slot_for(self, bucket: Bucket) -> _Slot:
         slot = self._open.get(bucket.index)
         if slot is None:
-            slot = self._acquire()
-            slot.input(bucket, self.layout.world_size).zero_()
+            slot = self._acquire()  # not cleared: see [Note: filling without extra passes]
             self._open[bucket.index] = slot
         return slot
 
@@ -185,15 +193,27 @@ class GradientReducer:
     def _launch(self, bucket: Bucket) -> None:
         slot = self._open.pop(bucket.index)
         self._next += 1
-        self._received[bucket.index] = 0
-        data = slot.input(bucket, self.layout.world_size).div_(self.layout.world_size)
+        data = slot.input(bucket, self.layout.world_size)
+        self._zero_unwritten(bucket, data)
         accumulate = self._written[bucket.index]
         target = slot.output(bucket, self.layout.world_size) if accumulate else self._shard_slice(bucket)
         work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
+        self._received[bucket.index] = 0
         self._in_flight.append((bucket, work, slot, accumulate))
         if not self.overlap:
             self._finish_oldest()
+
+    def _zero_unwritten(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """Zero the padding and the parts of parameters that wrote nothing into ``bucket`` this round."""
+        got = self._got[bucket.index]
+        for begin, end in self._gaps[bucket.index]:
+            data[begin:end].zero_()
+        if self._received[bucket.index] != self._expected[bucket.index]:
+            for p, _, length, offset in self.layout.bucket_pieces(bucket):
+                if p not in got:
+                    data[offset : offset + length].zero_()
+        got.clear()
 
     def _finish_oldest(self) -> None:
         bucket, work, slot, accumulate = self._in_flight.popleft()
@@ -209,3 +229,25 @@ class GradientReducer:
 
     def _shard_slice(self, bucket: Bucket) -> torch.Tensor:
         return self._shard()[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
+
+
+def _scaled_copy(target: torch.Tensor, source: torch.Tensor, world_size: int) -> None:
+    """``target = source / world_size`` in one pass (two when the dtypes differ: cast, then divide as before)."""
+    if target.dtype == source.dtype:
+        torch.div(source, world_size, out=target)
+    else:
+        target.copy_(source).div_(world_size)
+
+
+def _gaps(layout: FlatLayout, bucket: Bucket) -> list[tuple[int, int]]:
+    """Ranges of ``bucket``'s input buffer that no parameter piece covers (padding)."""
+    spans = sorted((offset, offset + length) for _, _, length, offset in layout.bucket_pieces(bucket))
+    gaps, at = [], 0
+    for begin, end in spans:
+        if begin > at:
+            gaps.append((at, begin))
+        at = max(at, end)
+    total = bucket.chunk_size * layout.world_size
+    if at < total:
+        gaps.append((at, total))
+    return gaps

@@ -6,10 +6,24 @@ of an all-gather, the tensor of an all-reduce or broadcast. That is the unit of 
 stage 1 or 2 step moves Ψ elements by reduce-scatter and Ψ by all-gather (2Ψ, the same as DDP's one all-reduce of
 Ψ), stage 3 adds a second all-gather. Bytes on the wire depend on the algorithm (a ring moves about twice the payload
 times ``(N - 1) / N``) and are not what is compared. A process group of one rank moves nothing and counts nothing.
+
+[Note: reduce-scatter and all-gather on gloo]
+gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are much slower than its all-reduce of the same
+buffer (2 CPU ranks, 23M fp32 elements: all-reduce 111 ms, reduce-scatter 272 ms, all-gather 220 ms; see
+benchmarks/RESULTS.md), so on gloo both are carried out as one all-reduce each. A reduce-scatter all-reduces its
+input in place (the caller's bucket is scratch) and copies this rank's chunk out when the work is waited for; an
+all-gather zeros the other ranks' chunks of the output and all-reduces it. ``x + 0 == x`` exactly, so the gathered
+values are bit-identical (only a ``-0.0`` comes back as ``+0.0``); the reduced sums are DDP's own all-reduce. The
+memory is the same (in place), the counters still count the logical payload above, and the bytes on the wire of an
+all-gather double, which gloo's own algorithm costs in time anyway. Stage 3's unit gathers stay native: their order
+follows the model's control flow, and two ranks out of step must fail (an all-reduce would silently sum two units
+of the same size). Bucket reduce-scatters and the after-step gathers are issued in a fixed order by every rank. NCCL keeps its native collectives, and
+``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -88,24 +102,66 @@ def rank(group: Optional[Any] = None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
+class _CopyAfter:
+    """A work handle whose ``wait`` also copies ``source`` into ``target`` (the chunk of a reduce-scatter on gloo)."""
+
+    def __init__(self, work: Any, target: torch.Tensor, source: torch.Tensor) -> None:
+        self.work, self.target, self.source = work, target, source
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.target.copy_(self.source)
+            self.work = None
+        return True
+
+
+def _via_all_reduce(group: Optional[Any]) -> bool:
+    """Whether reduce-scatter and all-gather run as all-reduces (see [Note: reduce-scatter and all-gather on gloo])."""
+    return dist.get_backend(group) == "gloo" and os.environ.get("LIGHTNING_ZERO_GLOO_NATIVE", "0") != "1"
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
-    """Sum ``input`` (``world_size`` equal chunks) over ranks; this rank's chunk of the sum lands in ``output``."""
+    """Sum ``input`` (``world_size`` equal chunks) over ranks; this rank's chunk of the sum lands in ``output``.
+
+    ``input`` is scratch: on gloo it is overwritten with the full sum.
+    """
     if not is_distributed(group):
         output.copy_(input)
         return _DoneWork()
     TRAFFIC.add("reduce_scatter", input)
-    work = _reduce_scatter_single(output, input, group=group, async_op=async_op)
-    return work if async_op else _DoneWork()
+    if not _via_all_reduce(group):
+        work = _reduce_scatter_single(output, input, group=group, async_op=async_op)
+        return work if async_op else _DoneWork()
+    n, r = output.numel(), rank(group)
+    work = _CopyAfter(dist.all_reduce(input, group=group, async_op=True), output, input[r * n : (r + 1) * n])
+    if not async_op:
+        work.wait()
+    return work
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
-    """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's slice of ``output``."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False,
+               allow_all_reduce: bool = True) -> Any:
+    """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's slice of ``output``.
+
+    ``allow_all_reduce=False`` keeps gloo's own all-gather: for gathers whose order follows the model's control flow
+    (stage 3 units), where two ranks out of step must fail, not sum two different units of the same size.
+    """
     if not is_distributed(group):
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DoneWork()
     TRAFFIC.add("all_gather", output)
-    work = _all_gather_single(output, input, group=group, async_op=async_op)
+    if allow_all_reduce and _via_all_reduce(group):
+        n, r = input.numel(), rank(group)
+        mine = output[r * n : (r + 1) * n]
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        output[: r * n].zero_()
+        output[(r + 1) * n :].zero_()
+        work = dist.all_reduce(output, group=group, async_op=async_op)
+    else:
+        work = _all_gather_single(output, input, group=group, async_op=async_op)
     return work if async_op else _DoneWork()
 
 

@@ -60,7 +60,9 @@ class ShardedParams:
         for bucket in self.layout.unit_buckets(unit):
             b0, b1 = self.layout.bucket_range(bucket)
             source = self.working_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
-            works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group, async_op=True))
+            # gloo's own all-gather: ranks whose control flow diverges must fail, not sum units (collectives.py)
+            works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group,
+                                                async_op=True, allow_all_reduce=False))
         return works
 
     def release(self, unit: int) -> None:

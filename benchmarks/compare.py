@@ -1,0 +1,211 @@
+"""ddp, zero1-3, FSDP2 and DeepSpeed side by side: the same GPT, data, seed, optimizer (AdamW) and process count.
+
+    python benchmarks/compare.py --world-sizes 1 2 4 --sizes small medium --steps 10 --repeats 3 \\
+        --out benchmarks/results/                          # tables, JSON and plot
+    python benchmarks/compare.py --fit-budget 2GiB --world-sizes 2   # largest model each strategy fits
+    python benchmarks/compare.py --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
+
+Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``compare_worker.py``, one process
+per rank with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, ``OMP_NUM_THREADS`` = cores // N), so each peak memory is
+its own. The strategies of one repeat run back to back and the repeats rotate their order, so slow phases of a
+shared machine spread over all strategies and show as the range of the repeats. FSDP2 and DeepSpeed are optional:
+a peer that cannot run here is skipped with the reason. Outputs in ``--out``: ``compare.md``, ``compare.json``,
+``compare.png`` (with matplotlib), ``profiles/`` (with ``--profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.gpt import SIZES, GPTSize  # noqa: E402
+from benchmarks.peers import missing  # noqa: E402
+from benchmarks.probes import threads_per_rank  # noqa: E402
+
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed1", "deepspeed2", "deepspeed3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optional[Path] = None) -> dict[str, Any]:
+    """Launch one configuration on ``world_size`` ranks; one record (slowest rank's step times, highest peak)."""
+    reason = missing(cfg["strategy"])
+    if reason:
+        return {"skipped": reason}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        port, threads = str(_free_port()), str(threads_per_rank(world_size))
+        procs, logs = [], []
+        for rank in range(world_size):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
+                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS=threads,
+                       PYTHONPATH=str(ROOT), PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072",
+                       DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if cfg.get("gpu") else "cpu"))
+            logs.append(open(out / f"rank{rank}.log", "w"))
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_worker.py"), str(out), json.dumps(cfg)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
+        try:
+            for p in procs:
+                p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+        for log in logs:
+            log.close()
+        ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+        if keep is not None and (out / "profile.txt").exists():
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{cfg['strategy']}_n{world_size}.txt").write_text((out / "profile.txt").read_text())
+        if len(ranks) < world_size or any("error" in r for r in ranks):
+            errors = [r["error"] for r in ranks if "error" in r]
+            tail = (out / "rank0.log").read_text().splitlines()[-15:]
+            return {"error": errors[0] if errors else "a rank died or timed out: " + " / ".join(tail)}
+    return _merge(ranks)
+
+
+def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [max(times) for times in zip(*(r["step_times"] for r in ranks))]
+    top = max(ranks, key=lambda r: r["peak_memory"] - r["baseline_memory"])
+    zero = ranks[0]
+    return {"step_times": steps, "peak_memory": max(r["peak_memory"] for r in ranks),
+            "peak_growth": top["peak_memory"] - top["baseline_memory"],
+            "model_states": zero["states"].get("model_states"), "states": zero["states"],
+            "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
+            "params": zero["size"]["params"], "threads": zero["threads"],
+            "cpu_seconds": [r.get("cpu_seconds") for r in ranks]}
+
+
+def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[str, Any]]:
+    """Every (repeat, world size, size, strategy); strategies rotate their order from one repeat to the next."""
+    records = []
+    keep = Path(args.out) / "profiles" if args.profile else None
+    for repeat in range(args.repeats):
+        for world_size in args.world_sizes:
+            for size_name, size in sizes.items():
+                shift = repeat % len(args.strategies)
+                for strategy in args.strategies[shift:] + args.strategies[:shift]:
+                    cfg = {"strategy": strategy, "size": size.__dict__, "steps": args.steps, "warmup": args.warmup,
+                           "bucket": args.bucket, "gpu": args.gpu, "precision": args.precision,
+                           "profile": args.profile}
+                    t0 = time.perf_counter()
+                    rec = run_config(cfg, world_size, args.timeout, keep)
+                    rec.update(strategy=strategy, world_size=world_size, size_name=size_name, repeat=repeat,
+                               params=size.num_params())
+                    status = rec.get("skipped") or rec.get("error") or (
+                        f"median step {sorted(rec['step_times'])[len(rec['step_times']) // 2] * 1e3:.0f} ms")
+                    print(f"[{repeat}] N={world_size} {size_name} {strategy}: {status} "
+                          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+                    records.append(rec)
+    return records
+
+
+def fit(args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
+    """Bisection on the width (multiples of 64, depth fixed): the largest GPT that trains one step in ``budget``."""
+    world_size = args.world_sizes[0]
+    results = []
+    for strategy in args.strategies:
+        reason = missing(strategy)
+        if reason:
+            results.append({"strategy": strategy, "error": reason})
+            continue
+        probes: dict[int, Optional[int]] = {}
+
+        def fits(width: int) -> bool:
+            size = GPTSize(width=width, depth=args.fit_depth, seq=args.fit_seq, batch=1)
+            cfg = {"strategy": strategy, "size": size.__dict__, "steps": 1, "warmup": 0, "bucket": args.bucket,
+                   "gpu": args.gpu, "precision": args.precision}
+            rec = run_config(cfg, world_size, args.timeout)
+            probes[width] = None if "error" in rec else rec["peak_growth"]
+            ok = probes[width] is not None and probes[width] <= budget
+            print(f"fit {strategy} N={world_size} width {width}: {probes[width]} bytes -> {ok}", flush=True)
+            return ok
+
+        lo, hi = 0, 64
+        while fits(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 64:
+            mid = (lo + hi) // 128 * 64
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        size = GPTSize(width=lo, depth=args.fit_depth, seq=args.fit_seq, batch=1)
+        results.append({"strategy": strategy, "width": lo, "params": size.num_params() if lo else 0,
+                        "growth": probes.get(lo), "probes": len(probes)})
+    return results
+
+
+def parse_bytes(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB or 512MiB)")
+    power = "_KMGT".index(match.group(2).upper() or "_")
+    return int(float(match.group(1)) * (1024 if match.group(3) or power == 0 else 1000) ** power)
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return (f"{platform.node()}, {os.cpu_count()} CPU cores, {gpu or 'no GPU'}, torch {torch.__version__}, "
+            f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    parser.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="launches of every configuration (interleaved)")
+    parser.add_argument("--batch", type=int, help="sequences per rank per step (default: the size's)")
+    parser.add_argument("--bucket", type=int, help="bucket elements for every strategy (default: each one's own)")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--gpu", action="store_true", help="one CUDA device per rank (nccl)")
+    parser.add_argument("--profile", action="store_true", help="write rank 0's torch.profiler tables")
+    parser.add_argument("--fit-budget", type=parse_bytes, help="bisection mode: bytes per rank, e.g. 2GiB")
+    parser.add_argument("--fit-depth", type=int, default=4)
+    parser.add_argument("--fit-seq", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.fit_budget:
+        fits = fit(args, args.fit_budget)
+        text = report.fit_markdown(fits, args.fit_budget, args.world_sizes[0], args.fit_depth)
+        (out / "fit.md").write_text(f"Machine: {machine()}\n\n{text}\n")
+        report.write_json(out / "fit.json", {"machine": machine(), "budget": args.fit_budget, "fits": fits})
+        print(text)
+        return
+    sizes = {name: SIZES[name] if args.batch is None else GPTSize(**{**SIZES[name].__dict__, "batch": args.batch})
+             for name in args.sizes}
+    records = compare(args, sizes)
+    rows = report.summarize(records)
+    text = report.markdown(rows, machine()) + "\n\nScaling:\n\n" + report.scaling_markdown(rows) + "\n"
+    (out / "compare.md").write_text(text)
+    report.write_json(out / "compare.json", {"machine": machine(), "args": vars(args), "rows": rows,
+                                             "records": records})
+    why_not = report.plot(rows, out / "compare.png")
+    print(text + (f"\n{why_not}" if why_not else f"\nplot: {out / 'compare.png'}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""One rank of one ``compare.py`` configuration: train :class:`benchmarks.gpt.BenchGPT` under one strategy and
+write what was measured to ``OUT/rank{r}.json``.
+
+    python benchmarks/compare_worker.py OUT '{"strategy": "zero2", "size": {...}, "steps": 8, "warmup": 3}'
+
+Started by ``compare.py`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank, as torchrun would),
+so Lightning sees an externally launched job. Strategies: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp2``,
+``deepspeed1``, ``deepspeed2``, ``deepspeed3``. ``"profile": true`` also writes rank 0's ``torch.profiler`` table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import probes  # noqa: E402
+
+probes.count_collectives()  # before lightning_zero, Lightning or DeepSpeed bind the collectives (see probes.py)
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks import peers  # noqa: E402
+from benchmarks.gpt import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+class Probe(L.Callback):
+    """Times every step, counts its collectives, measures model states after the third backward."""
+
+    def __init__(self, timer: probes.StepTimer, measure_at: int, profiler: Any = None) -> None:
+        self.timer = timer
+        self.measure_at = measure_at
+        self.profiler = profiler
+        self.states: dict[str, int] = {}
+        self.peak = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.timer.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.timer.stop()
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.measure_at and not self.states:
+            self.states = _model_states(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peak = probes.peak_memory(pl_module.device)  # before teardown hands the full weights back
+
+
+def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int]:
+    if isinstance(pl_module, FSDP2GPT):
+        return peers.fsdp2_model_states(pl_module, trainer.optimizers)
+    from lightning_zero import measure_model_states
+
+    return measure_model_states(pl_module, trainer.optimizers).as_dict()
+
+
+def _strategy(name: str, world_size: int, bucket: Optional[int], options: Optional[dict[str, Any]] = None) -> Any:
+    """The strategy object; ``bucket`` (elements) overrides ddp's and ZeRO's bucket size, else their defaults;
+    ``options`` are extra ``ZeroStrategy`` arguments (A/B runs of ``zero3_ab.py``)."""
+    if name == "ddp":
+        extra = {} if bucket is None else {"bucket_cap_mb": bucket * 4 / 2**20}
+        return probes.counted_ddp_strategy(**extra)
+    if name == "fsdp2":
+        return peers.fsdp2_strategy(world_size)
+    from lightning_zero import ZeroStrategy
+
+    extra = {} if bucket is None else {"reduce_bucket_size": bucket}
+    return ZeroStrategy(stage=int(name[-1]), **extra, **(options or {}))
+
+
+def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path) -> dict[str, Any]:
+    """``ddp``, ``zero1``-``zero3`` or ``fsdp2`` through a Lightning ``Trainer``."""
+    name = cfg["strategy"]
+    accelerator = "gpu" if cfg.get("gpu") else "cpu"
+    device = torch.device("cuda", 0) if cfg.get("gpu") else torch.device("cpu")
+    samples = size.batch * world_size * cfg["steps"]
+    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples)
+    profiler = _profiler(cfg, out)
+    probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
+    trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket"), cfg.get("options")),
+                        accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
+                        max_steps=cfg["steps"], callbacks=[probe], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    if profiler is not None:
+        profiler.__enter__()
+    cpu0 = time.process_time()
+    trainer.fit(model)
+    cpu_seconds = time.process_time() - cpu0
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        _write_profile(profiler, cfg, out)
+    return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
+            "cpu_seconds": cpu_seconds}
+
+
+def _profiler(cfg: dict[str, Any], out: Path) -> Any:
+    if not cfg.get("profile"):
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    wait = cfg["warmup"]
+    return profile(activities=[ProfilerActivity.CPU], with_stack=False, record_shapes=False,
+                   schedule=schedule(wait=wait, warmup=1, active=max(1, cfg["steps"] - wait - 1), repeat=1))
+
+
+def _write_profile(profiler: Any, cfg: dict[str, Any], out: Path) -> None:
+    if dist.get_rank() != 0:
+        return
+    averages = profiler.key_averages()
+    text = [f"# {cfg['strategy']}, size {cfg['size']}, world size {dist.get_world_size()}",
+            averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+            averages.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60)]
+    (out / "profile.txt").write_text("\n\n".join(text))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = json.loads(sys.argv[2])
+    size = GPTSize(**cfg["size"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    L.seed_everything(0, verbose=False)
+    rank = int(os.environ["RANK"])
+    baseline = 0 if cfg.get("gpu") else probes.peak_memory(torch.device("cpu"))  # imports, interpreter
+    try:
+        if cfg["strategy"].startswith("deepspeed"):
+            dist.init_process_group("gloo")
+            samples = size.batch * world_size * cfg["steps"]
+            result = peers.run_deepspeed(int(cfg["strategy"][-1]), size, cfg["steps"], cfg["warmup"], samples,
+                                         cfg.get("bucket"))
+        else:
+            result = run_lightning(cfg, size, world_size, out)
+    except Exception as error:  # the launcher reports the reason; the other configurations still run
+        traceback.print_exc()
+        result = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    result.update(strategy=cfg["strategy"], rank=rank, baseline_memory=baseline, world_size=world_size, size=size.as_dict(),
+                  threads=torch.get_num_threads(), torch=torch.__version__)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""gloo's collectives on one buffer: why ``lightning_zero.collectives`` runs reduce-scatter and all-gather as
+all-reduces on CPU (see its [Note: reduce-scatter and all-gather on gloo]).
+
+    python benchmarks/gloo_collectives.py --elements 23000000 --world-size 2 --repeats 5
+
+Prints the median and the lowest time of each operation on rank 0, interleaved over the repeats: the all-reduce,
+reduce-scatter and all-gather of gloo, the same two done as all-reduces, and the memory passes a bucket costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _ops(n: int, world_size: int, rank: int) -> dict[str, object]:
+    x, full = torch.randn(n), torch.empty(n)
+    chunk = torch.empty(n // world_size)
+    mine = slice(rank * (n // world_size), (rank + 1) * (n // world_size))
+
+    def gather_as_all_reduce() -> None:
+        full[: mine.start].zero_()
+        full[mine.stop :].zero_()
+        dist.all_reduce(full)
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(chunk, x),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, chunk),
+        "reduce-scatter as all-reduce + copy": lambda: (dist.all_reduce(x), chunk.copy_(x[mine])),
+        "all-gather as zero + all-reduce": gather_as_all_reduce,
+        "copy (one pass)": lambda: full.copy_(x),
+        "zero_": lambda: full.zero_(),
+        "div_": lambda: full.div_(world_size),
+        "torch.div(out=)": lambda: torch.div(x, world_size, out=full),
+    }
+
+
+def _worker(rank: int, world_size: int, n: int, repeats: int, port: int) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ops = _ops(n, world_size, rank)
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, op in ops.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()  # type: ignore[operator]
+            times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        print(f"| operation ({n:,} fp32 elements, {world_size} gloo ranks, 1 thread each) | median (ms) | min (ms) |")
+        print("|---|---|---|")
+        for name, values in times.items():
+            print(f"| {name} | {statistics.median(values) * 1e3:.0f} | {min(values) * 1e3:.0f} |")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elements", type=int, default=23_000_000)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    from tests.launch import free_port  # noqa: PLC0415
+
+    mp.spawn(_worker, args=(args.world_size, args.elements, args.repeats, free_port()), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
