@@ -308,6 +308,9 @@ class ShardedOptimizer:
             handle.remove()
         self._hooks = []
         if not gather:
+            if self.sharded is not None:  # stage 3: never leave a view of freed storage behind (reading it crashes)
+                for p in self.params:
+                    p.data = p.new_empty(0)
             return
         self.zero_grad()
         self.reducer.release_buffers()

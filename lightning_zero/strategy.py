@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_zero import collectives
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
+from lightning_zero.checkpoint import KEY, CheckpointError, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoint_state import (
     check_optimizer_count,
     copy_full_state,
@@ -139,7 +139,7 @@ class ZeroStrategy(ParallelStrategy):
         self.runtime: Optional[UnitRuntime] = None
         self.activations: Optional[ActivationCheckpointing] = None
         self._unit_plan = UnitPlan()
-        self._interrupted = False
+        self._ranks_in_step = True
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -226,7 +226,7 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._interrupted = False
+        self._ranks_in_step = True
         assert self.lightning_module is not None
         self.activations = activations_from_config(self.lightning_module, self.config)
         if not fitting:
@@ -350,16 +350,18 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Lightning calls this when a run stops on an exception or Ctrl-C, just before :meth:`teardown`."""
-        self._interrupted = True
+        # a refused checkpoint is refused by every rank at the same point (its checks are agreed across ranks)
+        self._ranks_in_step = self.world_size == 1 or isinstance(exception, CheckpointError)
 
     @override
     def teardown(self) -> None:
         # [Note: teardown after an exception]
         # A normal teardown gathers the full weights back into the module, which takes every rank. After an
         # exception or Ctrl-C the ranks stopped at different points (a peer may be gone), so a collective would be
-        # matched against a different one or hang: teardown then only removes the hooks and leaves the parameters as
-        # they were (under stage 3, empty). The last checkpoint is the state to resume or load from.
-        gather = not self._interrupted
+        # matched against a different one or hang: teardown then only removes the hooks, and stage 3's parameters
+        # become empty tensors (their gathered storage is gone). The last checkpoint is the state to resume or load
+        # from. A single rank, and a checkpoint every rank refused, still gather.
+        gather = self._ranks_in_step
         if self.runtime is not None:
             if gather:
                 self.runtime.release_all(include_root=True)

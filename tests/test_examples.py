@@ -60,6 +60,9 @@ def tiny_config(stage: int, tmp_path: Path, **trainer: object) -> Path:
 def test_gpt_walkthrough_stop_resume_on_other_world_size_generate(tmp_path):
     """Train zero3 from the YAML config, stop it with Ctrl-C, resume on 3 processes, inspect, generate."""
     config = tiny_config(3, tmp_path, max_steps=10_000)
+    with_checkpointing = yaml.safe_load(config.read_text())  # ZeRO-R on too: recompute each block in backward
+    with_checkpointing["trainer"]["strategy"]["init_args"]["activation_checkpointing"] = True
+    config.write_text(yaml.safe_dump(with_checkpointing))
     last = tmp_path / "checkpoints" / "gpt-zero3" / "last.ckpt"
     stopped = interrupt_after_checkpoint([sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config)],
                                          last, cwd=tmp_path)

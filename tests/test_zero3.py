@@ -28,6 +28,8 @@ def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
     assert all(errors), errors  # every rank stopped with an error
     # the unit named is the one whose collective failed (the mismatch shows there, not where rank 1 skipped)
     assert any("stage 3 unit '" in e and "different collectives" in e for e in errors), errors
+    # teardown after the error: no collective, and stage 3's parameters are empty tensors, not views of freed memory
+    assert all(rank["elements_left"] == 0 and math.isfinite(rank["state_sum"]) for rank in ranks), ranks
 
 
 def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
