@@ -21,6 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 240
+SHUTDOWN = 120  # seconds from Ctrl-C to exit (about 5 s on an idle machine)
 
 # Small and short: the shipped config's model is 4 layers of width 128 and trains 300 steps.
 TINY = {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1, "enable_progress_bar": False}
@@ -87,7 +88,8 @@ def interrupt_after_checkpoint(cmd: list[str], checkpoint: Path, cwd: Path) -> s
     log = cwd / "interrupted.log"
     with open(log, "w") as out:
         # SIGINT back to its default: a job started in the background of a non-interactive shell ignores it.
-        proc = subprocess.Popen(cmd, cwd=cwd, env=user_env(), stdout=out, stderr=subprocess.STDOUT,
+        env = dict(user_env(), PYTHONFAULTHANDLER="1")  # a hang below is dumped (SIGABRT) into the log
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + TIMEOUT
@@ -96,7 +98,12 @@ def interrupt_after_checkpoint(cmd: list[str], checkpoint: Path, cwd: Path) -> s
                 assert time.monotonic() < deadline, f"no checkpoint after {TIMEOUT}s:\n{log.read_text()[-3000:]}"
                 time.sleep(0.5)
             os.killpg(proc.pid, signal.SIGINT)
-            code = proc.wait(timeout=60)
+            try:
+                code = proc.wait(timeout=SHUTDOWN)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGABRT)  # every process prints where it is stuck
+                time.sleep(5)
+                raise AssertionError(f"Ctrl-C did not stop training in {SHUTDOWN}s:\n{log.read_text()[-8000:]}")
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
