@@ -64,9 +64,14 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     on each of them, children before parents, siblings in definition order.
     """
     pending = [m for m in _post_order(module) if _has_meta_device_parameters_or_buffers(m, recurse=False)]
-    for m in pending:
-        if _has_meta_device_parameters_or_buffers(m, recurse=False):  # a tied weight may have come with a sibling
-            m.to_empty(device=device, recurse=False)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # same parameter objects: ties and optimizers hold
+    try:
+        for m in pending:
+            if _has_meta_device_parameters_or_buffers(m, recurse=False):  # a tied weight may have come with a sibling
+                m.to_empty(device=device, recurse=False)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
     for m in pending:
         if not hasattr(m, "reset_parameters"):  # Lightning's own rule and message
             raise TypeError(
