@@ -2,11 +2,12 @@
 
 [Note: never the whole model]
 A model built in ``configure_model`` under zero3 is created on the meta device (shapes, no memory). Setup then
-walks the units: it materializes one unit on the device (``reset_parameters`` of each of its modules, Lightning's own
-helper), broadcasts it from rank 0 so every rank starts from the same weights, copies this rank's pieces into the
-master and working shards, and frees the unit again. The peak per rank is the shards plus one unit. The root unit
-(parameters owned by the LightningModule itself, tied weights, small units) comes last and is materialized in full.
-A model built in ``__init__`` is already full on every rank; it is sharded the same way, but the full copy existed.
+walks the units: it materializes one unit on the device (``reset_parameters`` of each of its modules, children first:
+see [Note: children before parents]), broadcasts it from rank 0 so every rank starts from the same weights, copies
+this rank's pieces into the master and working shards, and frees the unit again. The peak per rank is the shards
+plus one unit. The root unit (parameters owned by the LightningModule itself, tied weights, small units) comes last
+and is materialized in full. A model built in ``__init__`` is already full on every rank; it is sharded the same
+way, but the full copy existed.
 
 [Note: children before parents]
 Materializing a module calls its ``reset_parameters``, and the order matters when a parent initializes a child's
