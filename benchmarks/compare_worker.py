@@ -134,6 +134,8 @@ def main() -> None:
     size = GPTSize(**cfg["size"])
     world_size = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if os.environ.get("BENCH_FLUSH_DENORMAL") == "1":  # diagnosis: are slow matmuls computing on subnormal floats?
+        torch.set_flush_denormal(True)
     L.seed_everything(0, verbose=False)
     rank = int(os.environ["RANK"])
     baseline = 0 if cfg.get("gpu") else probes.peak_memory(torch.device("cpu"))  # imports, interpreter

@@ -72,7 +72,7 @@ def main() -> None:
             medians[variant].append(med)
             cpu = ", ".join(f"{c:.1f}" for c in rec["cpu_seconds"] if c is not None)
             print(f"[{r}] {variant}: median step {med:.0f} ms, steps {[round(t * 1e3) for t in rec['step_times']]}, "
-                  f"calls {rec['comm_calls']}, rank cpu s [{cpu}] ({time.perf_counter() - t0:.0f}s)", flush=True)
+                  f"loss {rec['loss']:.6f}, calls {rec['comm_calls']}, rank cpu s [{cpu}] ({time.perf_counter() - t0:.0f}s)", flush=True)
     base = statistics.median(medians[args.variants[0]]) if medians[args.variants[0]] else float("nan")
     print(f"\n| variant | median of launch medians (ms) | range (ms) | vs {args.variants[0]} | launches |")
     print("|---|---|---|---|---|")

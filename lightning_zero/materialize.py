@@ -2,11 +2,23 @@
 
 [Note: never the whole model]
 A model built in ``configure_model`` under zero3 is created on the meta device (shapes, no memory). Setup then
-walks the units: it materializes one unit on the device (``reset_parameters`` of each of its modules, Lightning's own
-helper), broadcasts it from rank 0 so every rank starts from the same weights, copies this rank's pieces into the
-master and working shards, and frees the unit again. The peak per rank is the shards plus one unit. The root unit
-(parameters owned by the LightningModule itself, tied weights, small units) comes last and is materialized in full.
-A model built in ``__init__`` is already full on every rank; it is sharded the same way, but the full copy existed.
+walks the units: it materializes one unit on the device (``reset_parameters`` of each of its modules, children first:
+see [Note: children before parents]), broadcasts it from rank 0 so every rank starts from the same weights, copies
+this rank's pieces into the master and working shards, and frees the unit again. The peak per rank is the shards
+plus one unit. The root unit (parameters owned by the LightningModule itself, tied weights, small units) comes last
+and is materialized in full. A model built in ``__init__`` is already full on every rank; it is sharded the same
+way, but the full copy existed.
+
+[Note: children before parents]
+Materializing a module calls its ``reset_parameters``, and the order matters when a parent initializes a child's
+parameters (GPT-2's ``normal_(std=0.02)`` on its token embedding, tied to the head). Built eagerly, a child runs its
+own initialization in its constructor and the parent's code runs afterwards, so the parent's wins. Lightning's
+``_materialize_meta_tensors`` walks ``module.modules()`` parents first: the parent's ``reset_parameters`` sees the
+child still on the meta device (or initializes it, then the child's default initialization overwrites it). The
+GPT of ``benchmarks/gpt.py`` then started zero3 with ``N(0, 1)`` embeddings instead of ``N(0, 0.02)`` (loss 62
+instead of 6.2 before the first update; the subnormal gradients that followed made every matmul several times
+slower). :func:`materialize` gives every meta tensor its memory first and then calls ``reset_parameters``
+children first, parents last, as eager construction does.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import warnings
 from typing import Sequence
 
 import torch
-from lightning.fabric.utilities.init import _materialize_meta_tensors
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch import nn
 
 from lightning_zero import collectives
@@ -44,6 +56,47 @@ def warn_if_built_in_full(module: nn.Module) -> None:
             "and one unit.",
             stacklevel=2,
         )
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Give every meta tensor of ``module`` memory on ``device`` and initialize it (see [Note: children before parents]).
+
+    Every module that owns a meta parameter or buffer is emptied onto ``device`` first; then ``reset_parameters`` runs
+    on each of them, children before parents, siblings in definition order.
+    """
+    pending = [m for m in _post_order(module) if _has_meta_device_parameters_or_buffers(m, recurse=False)]
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # same parameter objects: ties and optimizers hold
+    try:
+        for m in pending:
+            if _has_meta_device_parameters_or_buffers(m, recurse=False):  # a tied weight may have come with a sibling
+                m.to_empty(device=device, recurse=False)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    for m in pending:
+        if not hasattr(m, "reset_parameters"):  # Lightning's own rule and message
+            raise TypeError(
+                f"Materialization requires that the `{type(m).__name__}.reset_parameters` method is implemented."
+                " This method is used to initialize any children parameters or buffers in this module."
+            )
+        if callable(m.reset_parameters):
+            m.reset_parameters()
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """Every submodule once (shared ones at their first place), each after all of its children."""
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        seen.add(id(m))
+        for child in m.children():
+            if id(child) not in seen:
+                visit(child)
+        order.append(m)
+
+    visit(module)
+    return order
 
 
 def broadcast_module_states(module: torch.nn.Module) -> None:
@@ -76,12 +129,12 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Sharded
     for unit in range(1, len(plan.names)):
         unit_module = plan.modules[unit]
         assert unit_module is not None
-        _materialize_meta_tensors(unit_module, device)
+        materialize(unit_module, device)
         params = [p for p in unit_module.parameters() if plan.unit(p) == unit and id(p) in managed]
         _broadcast(params)
         _fill(engines, unit)
     # the root: parameters of no unit, plus everything not managed by an optimizer and the buffers, in full
-    _materialize_meta_tensors(module, device)
+    materialize(module, device)
     unit_params = {id(p) for p in module.parameters() if plan.unit(p) != ROOT and id(p) in managed}
     _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()))
     _fill(engines, ROOT)

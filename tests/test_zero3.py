@@ -64,3 +64,36 @@ def test_a_large_model_built_in_init_gets_a_warning(monkeypatch):
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("error")
         materialize.warn_if_built_in_full(torch.nn.Linear(100, 100))  # on meta: nothing was materialized
+
+
+def test_materialization_runs_children_before_parents_as_eager_construction_does():
+    # A parent whose reset_parameters initializes a child's (tied) weight, as GPT-2 does with its token embedding: the
+    # parent's initialization must win, as it does when the module is built eagerly. One process, no collective.
+    import torch
+    from torch import nn
+
+    from lightning_zero.materialize import materialize
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(4096, 64)
+            self.pos = nn.Parameter(torch.empty(8, 64))
+            self.head = nn.Linear(64, 4096, bias=False)
+            self.head.weight = self.wte.weight
+            self.reset_parameters()
+
+        def reset_parameters(self) -> None:
+            if not self.pos.is_meta:
+                nn.init.normal_(self.pos, std=0.02)
+                nn.init.normal_(self.wte.weight, std=0.02)
+
+    eager = Net()
+    with torch.device("meta"):
+        net = Net()
+    materialize(net, torch.device("cpu"))
+    assert not any(t.is_meta for t in net.parameters())
+    assert net.head.weight is net.wte.weight
+    for model in (eager, net):
+        assert 0.015 < model.wte.weight.std().item() < 0.025  # not nn.Embedding's N(0, 1)
+        assert 0.015 < model.pos.std().item() < 0.025
