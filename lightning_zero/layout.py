@@ -20,9 +20,10 @@ of buckets, and two groups (decay / no-decay) would otherwise make every bucket 
 other group's last bucket; peak bucket memory would grow with the model instead of staying ``bucket_buffers`` buckets.
 
 Within a param group, parameters are laid out in the order backward is expected to produce their gradients: the
-reverse of the module's registration order (not of the optimizer's list, which users often sort by kind). Buckets are reduced strictly in index order (see ``buckets.py``), so buckets of
-all groups are ordered by when they should be complete: the latest of their parameters in that order. Buckets linked by a parameter that spans them stay adjacent. Then the buckets fill and launch one after the
-other even when groups interleave (decay / no-decay groups, layer-wise learning rates).
+reverse of the module's registration order (not of the optimizer's list, which users often sort by kind). In the
+buffer, runs of buckets linked by a parameter that spans them stay adjacent and are sorted by when they should be
+complete; ``launch_order`` then orders the buckets themselves that way (see [Note: launch order]), so they fill and
+launch one after the other even when groups interleave (decay / no-decay groups, layer-wise learning rates).
 """
 
 from __future__ import annotations
