@@ -209,7 +209,7 @@ class GradientReducer:
         got = self._got[bucket.index]
         for begin, end in self._gaps[bucket.index]:
             data[begin:end].zero_()
-        if self._received[bucket.index] != self._expected[bucket.index]:
+        if not self._complete(bucket.index):
             for p, _, length, offset in self.layout.bucket_pieces(bucket):
                 if p not in got:
                     data[offset : offset + length].zero_()
