@@ -42,6 +42,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from lightning_zero import collectives
 from lightning_zero.shards import Shard
+from lightning_zero.faults import fault_point
+from lightning_zero.shutdown import GUARD
 
 FORMAT = "lightning-zero/1"
 META_FILE = "meta.pt"
@@ -131,16 +133,8 @@ def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], 
     collectives.barrier()
     failed: Optional[BaseException] = None
     try:
-        dcp.save(objects, storage_writer=dcp.FileSystemWriter(staging, sync_files=True),
-                 planner=_ShardSavePlanner(shards))
-        own = {f.name: _describe(f) for f in staging.glob(f"__{collectives.rank()}_*.distcp")}
-        every = collectives.gather_objects(own)
-        if every is not None:
-            files = {name: info for part in every for name, info in part.items()}
-            files[".metadata"] = _describe(staging / ".metadata")
-            meta[KEY]["files"] = files
-            _save_file(meta, staging / META_FILE)
-            _replace(staging, path, token)
+        with GUARD:  # a signal waits for the write to end (see [Note: signals act at agreed step boundaries])
+            _write_sharded(path, staging, token, objects, shards, meta)
     except BaseException as error:  # noqa: BLE001 - any failure must not leave a half-written directory behind
         failed = error
     ok = collectives.all_gather_objects(failed is None)
@@ -152,6 +146,20 @@ def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], 
         raise RuntimeError(f"Saving the checkpoint {path} failed on another rank; see its log. Nothing was written.")
 
 
+def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any], shards: dict[str, Shard],
+                   meta: dict[str, Any]) -> None:
+    dcp.save(objects, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), planner=_ShardSavePlanner(shards))
+    fault_point("save.written")
+    own = {f.name: _describe(f) for f in staging.glob(f"__{collectives.rank()}_*.distcp")}
+    every = collectives.gather_objects(own)
+    if every is not None:
+        files = {name: info for part in every for name, info in part.items()}
+        files[".metadata"] = _describe(staging / ".metadata")
+        meta[KEY]["files"] = files
+        _save_file(meta, staging / META_FILE)
+        _replace(staging, path, token)
+
+
 def save_file(obj: Any, path: Path) -> None:
     """Write ``obj`` with ``torch.save`` to ``path``, atomically (a temporary sibling, then a rename)."""
     path = Path(path)
@@ -159,8 +167,10 @@ def save_file(obj: Any, path: Path) -> None:
     token = uuid.uuid4().hex[:12]
     staging = path.parent / f".{path.name}.tmp-{token}"
     try:
-        _save_file(obj, staging)
-        _replace(staging, path, token)
+        with GUARD:  # a signal waits for the write to end (see [Note: signals act at agreed step boundaries])
+            _save_file(obj, staging)
+            fault_point("save.full")
+            _replace(staging, path, token)
     finally:
         if staging.exists():
             staging.unlink()

@@ -31,6 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_zero.faults import fault_point
+
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -129,6 +131,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[An
     if not is_distributed(group):
         output.copy_(input)
         return _DoneWork()
+    fault_point("collective.reduce_scatter")
     TRAFFIC.add("reduce_scatter", input)
     if not _via_all_reduce(group):
         work = _reduce_scatter_single(output, input, group=group, async_op=async_op)
@@ -231,3 +234,23 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
         if me in ranks:
             mine = group
     return mine
+
+
+_CONTROL_GROUP: Optional[Any] = None
+
+
+def agree_max(values: list[int]) -> list[int]:
+    """The element-wise maximum of small integer flags over all ranks (collective), on the CPU.
+
+    Under NCCL a gloo group made for this once keeps the device stream out of it (no device synchronization per
+    step). Counted as ``control``.
+    """
+    global _CONTROL_GROUP
+    if not is_distributed():
+        return list(values)
+    if dist.get_backend() != "gloo" and _CONTROL_GROUP is None:
+        _CONTROL_GROUP = dist.new_group(backend="gloo")
+    tensor = torch.tensor(values, dtype=torch.int32)
+    TRAFFIC.add("control", tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
+    return tensor.tolist()

@@ -32,6 +32,8 @@ from torch import nn
 
 from lightning_zero import collectives
 from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.faults import fault_point
+from lightning_zero.shutdown import GUARD
 from lightning_zero.units import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.
@@ -44,6 +46,19 @@ def move_materialized(module: nn.Module, device: torch.device) -> None:
         for tensor in list(module.parameters()) + list(module.buffers()):
             if not tensor.is_meta and tensor.device != device:
                 tensor.data = tensor.data.to(device)
+
+
+def drop_meta(module: nn.Module, device: torch.device) -> None:
+    """Make the tensors still on the meta device (a construction stopped part-way) empty tensors on ``device``, so
+    that Lightning's teardown can move the module."""
+    for m in module.modules():
+        for name, param in m._parameters.items():
+            if param is not None and param.is_meta:
+                m._parameters[name] = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device),
+                                                   requires_grad=param.requires_grad)
+        for name, buffer in m._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                m._buffers[name] = torch.empty(0, dtype=buffer.dtype, device=device)
 
 
 def warn_if_built_in_full(module: nn.Module) -> None:
@@ -127,6 +142,8 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Sharded
                     device: torch.device) -> None:
     managed = {id(p) for engine in engines for p in engine.params}
     for unit in range(1, len(plan.names)):
+        GUARD.safe_point()  # Ctrl-C between two units stops every rank here
+        fault_point("materialize.unit")
         unit_module = plan.modules[unit]
         assert unit_module is not None
         materialize(unit_module, device)

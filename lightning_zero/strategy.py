@@ -36,6 +36,7 @@ from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
 from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
     broadcast_module_states,
+    drop_meta,
     move_materialized,
     shard_by_units,
     warn_if_built_in_full,
@@ -44,6 +45,8 @@ from lightning_zero.memory import expected_model_state_bytes
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.optimizer_support import check_disjoint
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.faults import fault_point
+from lightning_zero.shutdown import GUARD
 from lightning_zero.stages import policy_for
 from lightning_zero.strategy_checkpoints import CheckpointHooks
 from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
@@ -192,6 +195,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        GUARD.install()  # see [Note: signals act at agreed step boundaries] in shutdown.py
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -292,6 +296,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        GUARD.safe_point()
         if self.runtime is not None:
             self.runtime.gather(ROOT)
         output = super().training_step(*args, **kwargs)
@@ -313,6 +318,8 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         return self._evaluation_step(super().predict_step, *args, **kwargs)
 
     def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        GUARD.safe_point()
+        fault_point("evaluation.step")
         if self.runtime is None:
             return step(*args, **kwargs)
         self.runtime.gather(ROOT)
@@ -360,7 +367,11 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         if self.activations is not None:
             self.activations.remove()
         self._uninstall_engines(gather)
+        if not gather and self.model is not None:
+            drop_meta(self.model, self.root_device)
         super().teardown()
+        GUARD.remove()
+        GUARD.raise_pending()  # a Ctrl-C during the last checkpoint write still stops the script
 
     def _uninstall_engines(self, gather: bool = True) -> None:
         # The engines stay reachable after teardown: `trainer.save_checkpoint` after `fit` still needs their shards.

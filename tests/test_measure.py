@@ -36,7 +36,8 @@ def test_traffic_per_step_matches_the_table(measured, stage):
         padding = world_size * buckets
         for step in run["traffic"][1:]:
             elements = step["elements"]
-            assert set(elements) <= {"reduce_scatter", "all_gather", "all_reduce"}, elements
+            assert set(elements) <= {"reduce_scatter", "all_gather", "all_reduce", "control"}, elements
+            assert elements.get("control", 0) <= 3  # one agreement on signals per step: 3 int32 flags
             assert psi <= elements["reduce_scatter"] <= psi + padding
             assert gathers * psi <= elements["all_gather"] <= gathers * (psi + padding)
             assert elements.get("all_reduce", 0) <= 1  # the clipping norm; gradients are never all-reduced

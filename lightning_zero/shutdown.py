@@ -1,0 +1,172 @@
+"""Clean shutdown on Ctrl-C and SIGTERM, wherever the signal lands, and fault points that tests drive signals to.
+
+[Note: signals act at agreed step boundaries]
+Python runs a signal handler between two bytecodes of the main thread, wherever that is. The default SIGINT handler
+raises ``KeyboardInterrupt`` there: inside a write callback that C++ called (``torch.save`` under a DCP checkpoint
+write: "write to closed file", then ``terminate`` and SIGABRT), or on one rank between two collectives that the
+other ranks then wait for. Lightning's own SIGTERM handler even issues a broadcast from inside the handler, matched
+against whatever collective the other ranks are in.
+
+While a ZeRO run is set up or trains, :class:`SignalGuard` replaces those handlers with one that only *records* the
+signal. At every safe point (the start of each training, validation, test and predict step, and between two units of
+stage-3 construction) every rank calls :meth:`SignalGuard.safe_point`: one tiny all-reduce tells every rank what any
+rank received, and all of them act on it at the same place: SLURM's requeue signal runs Lightning's requeue handler
+(which saves a checkpoint: a collective, now issued by every rank at the same point), SIGINT and SIGTERM raise
+:class:`Stopped` on every rank. A checkpoint write is never interrupted: it completes, or fails as a whole, before the
+next safe point. ``Stopped`` is a ``KeyboardInterrupt``, so Lightning's own graceful-shutdown path runs (callbacks'
+``on_exception``, teardown, exit code 1).
+
+A second Ctrl-C while one is pending raises ``KeyboardInterrupt`` at once (outside a checkpoint write): the way out
+when a rank is stuck where no safe point comes (a hung data loader, a peer that died). A signal still pending when
+the run ends is raised at teardown, once the run's last checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any, Callable, Optional, Union
+
+from lightning_zero import collectives
+
+Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
+#: The signals the guard records, in the order of the agreement vector.
+GUARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(KeyboardInterrupt):
+    """Every rank stops at the same step boundary because a rank received SIGINT or SIGTERM."""
+
+
+class SignalGuard:
+    """Records SIGINT, SIGTERM and SLURM's requeue signal, and acts on them at agreed safe points.
+
+    See [Note: signals act at agreed step boundaries].
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[int, int] = {}
+        """Signal number to how many times it arrived since the last safe point acted on it."""
+        self.previous: dict[int, Handler] = {}
+        """The handler each guarded signal had before the guard took it."""
+        self.active = False
+        self.critical = 0
+        """Nesting depth of sections that must not be interrupted (checkpoint writes)."""
+
+    # ------------------------------------------------------------------ installing
+    def install(self) -> None:
+        """Take over the guarded signals (main thread only; a no-op elsewhere)."""
+        if not _main_thread():
+            return
+        self.active = True
+        for signum in GUARDED:
+            if _worth_taking(signum):
+                self._take(signum)
+
+    def retake(self) -> None:
+        """Take back signals whose handler was replaced since :meth:`install` (Lightning registers its own after
+        the strategy's setup); the replacing handler becomes the one the guard delegates to."""
+        if self.active and _main_thread():
+            for signum in GUARDED:
+                if signal.getsignal(signum) is not self._record and _worth_taking(signum):
+                    self._take(signum)
+
+    def _take(self, signum: int) -> None:
+        current = signal.getsignal(signum)
+        if current is not self._record:
+            self.previous[signum] = current
+            signal.signal(signum, self._record)
+
+    def remove(self) -> None:
+        """Give the signals back to the handlers they had. A handler copy that Lightning restores later still
+        delegates to them (the guard is inactive)."""
+        self.active = False
+        if not _main_thread():
+            return
+        for signum, handler in self.previous.items():
+            if signal.getsignal(signum) is self._record:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    # ------------------------------------------------------------------ receiving
+    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
+        if not self.active:
+            self._delegate(signum, frame)
+            return
+        self.pending[signum] = self.pending.get(signum, 0) + 1
+        if signum == signal.SIGINT and self.pending[signum] > 1 and not self.critical:
+            raise KeyboardInterrupt("second Ctrl-C: stopping at once, not at the next step boundary")
+
+    def _delegate(self, signum: int, frame: Optional[FrameType]) -> None:
+        """What the signal would have done without the guard."""
+        handler = self.previous.get(signum, signal.SIG_DFL)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # ------------------------------------------------------------------ acting
+    def safe_point(self) -> None:
+        """Collective: every rank calls this at the same place. Acts on what any rank received."""
+        if not self.active:
+            return
+        self.retake()
+        mine = [min(self.pending.get(s, 0), 1) for s in GUARDED]
+        agreed = collectives.agree_max(mine)
+        if not any(agreed):
+            return
+        self.pending.clear()
+        self._act(dict(zip(GUARDED, agreed)), mine)
+
+    def _act(self, agreed: dict[int, int], mine: list[int]) -> None:
+        if agreed[signal.SIGUSR1]:
+            handler = self.previous.get(signal.SIGUSR1)
+            if callable(handler):  # Lightning's SLURM requeue: saves a checkpoint (every rank, here), requeues
+                handler(signal.SIGUSR1, None)
+        name = "SIGTERM" if agreed[signal.SIGTERM] else "SIGINT" if agreed[signal.SIGINT] else None
+        if name is not None:
+            self.active = False
+            raise Stopped(_reason(name))
+
+    def raise_pending(self) -> None:
+        """At the end of a run: a SIGINT or SIGTERM that arrived after the last safe point still stops the script."""
+        signums = [s for s in (signal.SIGTERM, signal.SIGINT) if self.pending.get(s)]
+        self.pending.clear()
+        if signums:
+            self.active = False
+            raise Stopped(_reason(signal.Signals(signums[0]).name))
+
+    def __enter__(self) -> "SignalGuard":
+        """A section no signal interrupts (a checkpoint write); the signal is acted on at the next safe point."""
+        self.critical += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.critical -= 1
+
+
+def _reason(name: str) -> str:
+    message = (f"lightning-zero: {name} received; every rank stopped at the same step boundary. The last complete "
+               "checkpoint is the state to resume from.")
+    if collectives.rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    return message
+
+
+def _worth_taking(signum: int) -> bool:
+    """SIGUSR1 only where somebody handles it (Lightning's SLURM requeue); its default is to end the process."""
+    return signum != signal.SIGUSR1 or callable(signal.getsignal(signum))
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+#: The guard of this process (one run at a time).
+GUARD = SignalGuard()

@@ -1,0 +1,114 @@
+"""Ctrl-C and SIGTERM at chosen points: every rank ends soon, cleanly, and the last complete checkpoint is intact.
+
+Each case runs a user's script on 2 CPU ranks (Lightning's launcher starts rank 1 in the same process group) with
+``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/faults.py):
+the outcome never depends on when a timer fired. The signal goes to the whole process group, as Ctrl-C does, so
+rank 1 receives it wherever it happens to be; the outcome must be the same wherever that is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT
+
+TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
+SHUTDOWN = 60
+BROKEN = ("Traceback", "Aborted", "core dumped", "Fatal Python error", "terminate called", "mismatch")
+
+
+def run_with_fault(tmp_path: Path, fault: str, stage: int = 3, state_dict_type: str = "sharded",
+                   max_steps: int = 12) -> tuple[int, str, float]:
+    """Run tests/workers/interrupt.py with ``LIGHTNING_ZERO_FAULT=fault``; returns (exit code, log, seconds from
+    the signal to the exit)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LIGHTNING_ZERO_FAULT=fault, PYTHONFAULTHANDLER="1")
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), str(stage),
+           state_dict_type, str(max_steps)]
+    with open(log, "w") as out:  # a session of its own: the group signal reaches this run only
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)  # every process prints where it is stuck
+            time.sleep(5)
+            raise AssertionError(f"the run did not end in {TIMEOUT}s:\n{log.read_text()[-8000:]}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.time()
+    text = log.read_text()
+    sent = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("lightning-zero fault")]
+    assert sent, f"the fault point was never reached:\n{text[-4000:]}"
+    return code, text, ended - sent[0]
+
+
+def assert_clean_stop(code: int, text: str, seconds: float, signal_name: str) -> None:
+    assert code == 1, f"exit code {code}:\n{text[-4000:]}"
+    assert f"{signal_name} received; every rank stopped" in text, text[-4000:]
+    assert not any(word in text for word in BROKEN), text[-6000:]
+    assert "finished at step" not in text, text[-3000:]
+    assert seconds < SHUTDOWN, f"{seconds:.0f}s from the signal to the exit:\n{text[-3000:]}"
+
+
+def checkpoints(tmp_path: Path) -> dict[str, int]:
+    """Every checkpoint in ``ckpts/`` by name, with its global step (read by `lightning-zero inspect`)."""
+    folder = tmp_path / "ckpts"
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith(".")] if folder.is_dir() else []
+    assert not leftovers, f"a partial checkpoint is visible: {leftovers}"
+    steps = {}
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        done = subprocess.run([sys.executable, "-m", "lightning_zero", "inspect", str(path), "--json"],
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        steps[path.name] = json.loads(done.stdout)["global_step"]
+    return steps
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_signal_inside_a_sharded_checkpoint_write(tmp_path, signal_name):
+    """The signal lands after every rank wrote its shard file, before meta.pt: the write completes, then all stop."""
+    code, text, seconds = run_with_fault(
+        tmp_path, f"point=save.written,signal={signal_name},rank=0,target=group,occurrence=2")
+    assert_clean_stop(code, text, seconds, signal_name)
+    assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2, "epoch=0-step=4.ckpt": 4}
+
+
+def test_sigint_inside_a_full_checkpoint_write(tmp_path):
+    code, text, seconds = run_with_fault(
+        tmp_path, "point=save.full,signal=SIGINT,rank=0,target=group,occurrence=2", state_dict_type="full")
+    assert_clean_stop(code, text, seconds, "SIGINT")
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
+def test_sigterm_inside_a_gradient_collective(tmp_path):
+    """Stage 2, the fifth bucket reduce-scatter: the step ends on every rank, then all stop before the next one."""
+    code, text, seconds = run_with_fault(
+        tmp_path, "point=collective.reduce_scatter,signal=SIGTERM,rank=0,target=group,occurrence=5", stage=2)
+    assert_clean_stop(code, text, seconds, "SIGTERM")
+    assert set(checkpoints(tmp_path).values()) <= {2, 4}
+
+
+def test_sigint_during_stage3_construction(tmp_path):
+    code, text, seconds = run_with_fault(tmp_path, "point=materialize.unit,signal=SIGINT,rank=0,target=group,"
+                                                   "occurrence=2")
+    assert_clean_stop(code, text, seconds, "SIGINT")
+    assert checkpoints(tmp_path) == {}
+
+
+def test_sigint_during_validation(tmp_path):
+    """Validation runs after step 3; the signal lands at its first batch; steps 2's checkpoint is the last."""
+    code, text, seconds = run_with_fault(tmp_path, "point=evaluation.step,signal=SIGINT,rank=0,target=group,"
+                                                   "occurrence=3")  # 2 sanity-check batches come first
+    assert_clean_stop(code, text, seconds, "SIGINT")
+    assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2}
