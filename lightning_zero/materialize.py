@@ -24,13 +24,14 @@ children first, parents last, as eager construction does.
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch import nn
 
 from lightning_zero import collectives
+from lightning_zero.construction import Recording
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.faults import fault_point
 from lightning_zero.shutdown import GUARD
@@ -73,21 +74,24 @@ def warn_if_built_in_full(module: nn.Module) -> None:
         )
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Give every meta tensor of ``module`` memory on ``device`` and initialize it (see [Note: children before parents]).
+def materialize(module: nn.Module, device: torch.device, recording: Optional[Recording] = None) -> None:
+    """Give every meta tensor of ``module`` memory on ``device`` and its initial values.
 
-    Every module that owns a meta parameter or buffer is emptied onto ``device`` first; then ``reset_parameters`` runs
-    on each of them, children before parents, siblings in definition order.
+    With the ``recording`` of ``configure_model``, the values are those eager construction gave (see [Note: record
+    and replay] in ``construction.py``). Without one (a module put on the meta device some other way), every module
+    that owns a meta tensor runs its ``reset_parameters``, children before parents (see [Note: children before
+    parents]).
     """
     pending = [m for m in _post_order(module) if _has_meta_device_parameters_or_buffers(m, recurse=False)]
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)  # same parameter objects: ties and optimizers hold
-    try:
-        for m in pending:
-            if _has_meta_device_parameters_or_buffers(m, recurse=False):  # a tied weight may have come with a sibling
-                m.to_empty(device=device, recurse=False)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
+    if recording is not None:
+        tensors = list({id(t): t for m in pending for t in _own_tensors(m) if t.is_meta}.values())
+        values = recording.values_of(tensors)
+        _empty_onto(pending, device)
+        with torch.no_grad():
+            for tensor, value in zip(tensors, values):
+                tensor.copy_(value)
+        return
+    _empty_onto(pending, device)
     for m in pending:
         if not hasattr(m, "reset_parameters"):  # Lightning's own rule and message
             raise TypeError(
@@ -96,6 +100,23 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             )
         if callable(m.reset_parameters):
             m.reset_parameters()
+
+
+def _empty_onto(modules: list[nn.Module], device: torch.device) -> None:
+    """Give the meta tensors owned by ``modules`` uninitialized memory on ``device``, keeping the tensor objects (tied
+    weights and the optimizers hold them)."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for m in modules:
+            if _has_meta_device_parameters_or_buffers(m, recurse=False):  # a tied weight may have come with a sibling
+                m.to_empty(device=device, recurse=False)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -122,7 +143,7 @@ def broadcast_module_states(module: torch.nn.Module) -> None:
 
 
 def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
-                   device: torch.device) -> None:
+                   device: torch.device, recording: Optional[Recording] = None) -> None:
     """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model]).
 
     Materialization swaps each meta parameter's contents in place (``torch.utils.swap_tensors``), so the parameter
@@ -131,7 +152,7 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedO
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        _shard_by_units(module, plan, engines, device)
+        _shard_by_units(module, plan, engines, device, recording)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
     for engine in engines:
@@ -139,19 +160,19 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedO
 
 
 def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
-                    device: torch.device) -> None:
+                    device: torch.device, recording: Optional[Recording]) -> None:
     managed = {id(p) for engine in engines for p in engine.params}
     for unit in range(1, len(plan.names)):
         GUARD.safe_point()  # Ctrl-C between two units stops every rank here
         fault_point("materialize.unit")
         unit_module = plan.modules[unit]
         assert unit_module is not None
-        materialize(unit_module, device)
+        materialize(unit_module, device, recording)
         params = [p for p in unit_module.parameters() if plan.unit(p) == unit and id(p) in managed]
         _broadcast(params)
         _fill(engines, unit)
     # the root: parameters of no unit, plus everything not managed by an optimizer and the buffers, in full
-    materialize(module, device)
+    materialize(module, device, recording)
     unit_params = {id(p) for p in module.parameters() if plan.unit(p) != ROOT and id(p) in managed}
     _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()))
     _fill(engines, ROOT)

@@ -4,7 +4,7 @@ and their ``_spawn`` variants, and wires the engine into Lightning's precision, 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -33,6 +33,7 @@ from lightning_zero import collectives
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
+from lightning_zero.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
     broadcast_module_states,
@@ -132,6 +133,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         self.runtime: Optional[UnitRuntime] = None
         self.activations: Optional[ActivationCheckpointing] = None
         self._unit_plan = UnitPlan()
+        self._recording: Optional[Recording] = None
         self._ranks_in_step = True
 
     # ------------------------------------------------------------------ properties
@@ -217,6 +219,8 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self._recording is not None:
+            self._recording.keep(self.model)  # before the precision plugin converts the module
         self.precision_plugin.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -246,7 +250,8 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
             self.setup_optimizers(trainer)
         elif any(p.requires_grad for p in self.model.parameters()):
             self.engines = [self._evaluation_engine()]
-        shard_by_units(self.model, self._unit_plan, self.engines, self.root_device)
+        shard_by_units(self.model, self._unit_plan, self.engines, self.root_device, self._recording)
+        self._recording = None  # construction is replayed once; the log holds no memory worth keeping
         self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
 
     def _summary(self) -> str:
@@ -289,9 +294,14 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Under zero3, ``configure_model`` builds on the meta device; setup materializes one unit at a time."""
-        with torch.device("meta") if self.policy.shards_params else nullcontext():
+        """Under zero3, ``configure_model`` builds on the meta device and is recorded; setup replays it one unit at a
+        time (see [Note: record and replay] in ``construction.py``)."""
+        if not self.policy.shards_params:
             yield
+            return
+        with record_construction(self.root_device) as recording:
+            yield
+        self._recording = recording
 
     # ------------------------------------------------------------------ steps
     @override
