@@ -131,6 +131,16 @@ class Recording(TorchDispatchMode):
         super().__init__()
         self.default_dtype = torch.get_default_dtype()
 
+    def seal(self) -> None:
+        """Hold aliases instead of the module's own tensor objects: swapping a parameter's contents at
+        materialization needs nobody else to reference it."""
+        def alias(x: Any) -> Any:
+            return x.detach() if _is_meta(x) else x
+
+        for op in self.ops:
+            op.args, op.kwargs = tree_map(alias, (op.args, op.kwargs))
+            op.outputs = [alias(t) if t is not None else None for t in op.outputs]
+
     def keep(self, module: torch.nn.Module) -> None:
         """Remember the recorded tensors of ``module``'s parameters and buffers, before anything (a precision
         plugin's ``module.to(dtype)``) gives them new storage."""
@@ -139,15 +149,17 @@ class Recording(TorchDispatchMode):
                 self.recorded[id(tensor)] = tensor.detach()
 
     def values_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The values eager construction gave these parameters or buffers of the recorded module."""
-        unknown = [t for t in tensors if id(t) not in self.recorded]
+        """The values eager construction gave these parameters or buffers of the recorded module (a tensor that
+        construction made for real, from Python data, is its own value)."""
+        unknown = [t for t in tensors if t.is_meta and id(t) not in self.recorded]
         if unknown:
             raise RuntimeError(
                 f"zero3 construction: a tensor of shape {tuple(unknown[0].shape)} on the meta device was not made "
                 "while `configure_model` ran, so there is no recording to give it its values. Create every "
                 "parameter and buffer inside `configure_model` (or in `__init__`, without the meta device)."
             )
-        return self.values([self.recorded[id(t)] for t in tensors])
+        replayed = iter(self.values([self.recorded[id(t)] for t in tensors if t.is_meta]))
+        return [next(replayed) if t.is_meta else t.detach() for t in tensors]
 
     # ------------------------------------------------------------------ recording
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -250,6 +262,7 @@ def record_construction(device: torch.device) -> Iterator[Recording]:
     recording = Recording(device=device)
     with torch.device(META), LooksEager(device), recording:
         yield recording
+    recording.seal()
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

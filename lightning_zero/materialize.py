@@ -84,12 +84,7 @@ def materialize(module: nn.Module, device: torch.device, recording: Optional[Rec
     """
     pending = [m for m in _post_order(module) if _has_meta_device_parameters_or_buffers(m, recurse=False)]
     if recording is not None:
-        tensors = list({id(t): t for m in pending for t in _own_tensors(m) if t.is_meta}.values())
-        values = recording.values_of(tensors)
-        _empty_onto(pending, device)
-        with torch.no_grad():
-            for tensor, value in zip(tensors, values):
-                tensor.copy_(value)
+        _replay_into(pending, device, recording)
         return
     _empty_onto(pending, device)
     for m in pending:
@@ -100,6 +95,27 @@ def materialize(module: nn.Module, device: torch.device, recording: Optional[Rec
             )
         if callable(m.reset_parameters):
             m.reset_parameters()
+
+
+def _replay_into(modules: list[nn.Module], device: torch.device, recording: Recording) -> None:
+    """Materialize the meta tensors owned by ``modules`` with the values construction gave them.
+
+    Parameters keep their objects (ties, optimizers); buffers are replaced, a buffer registered under two names stays
+    one tensor. Only ids and names are held while swapping (a swapped parameter must be referenced nowhere else).
+    """
+    params = [(m, n, id(t)) for m in modules for n, t in m._parameters.items() if t is not None and t.is_meta]
+    buffers = [(m, n, id(t)) for m in modules for n, t in m._buffers.items() if t is not None and t.is_meta]
+    unique = {id(t): t for m in modules for t in _own_tensors(m) if t.is_meta}
+    dtypes = {i: t.dtype for i, t in unique.items()}
+    values = dict(zip(unique, recording.values_of(list(unique.values()))))
+    del unique
+    _empty_onto(modules, device)
+    with torch.no_grad():
+        for m, name, i in params:
+            m._parameters[name].copy_(values[i])
+        for m, name, i in buffers:  # `to_empty` gave each name a new tensor: give each old tensor one value
+            values[i] = values[i].to(device=device, dtype=dtypes[i])
+            m._buffers[name] = values[i]
 
 
 def _empty_onto(modules: list[nn.Module], device: torch.device) -> None:
