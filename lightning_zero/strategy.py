@@ -4,7 +4,7 @@ and their ``_spawn`` variants, and wires the engine into Lightning's precision, 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import collectives
+from lightning_zero import collectives, pretrained
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
@@ -229,6 +229,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        pretrained.attach(self.lightning_module, self)  # `load_pretrained` after setup writes into the shards
         if fitting:
             rank_zero_info(self._summary())
 
@@ -244,6 +245,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
             self.engines = [self._evaluation_engine()]
         shard_by_units(self.model, self._unit_plan, self.engines, self.root_device)
         self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
+        pretrained.fill_pending(self.lightning_module, self.engines, self.runtime)  # `load_pretrained` in configure_model
 
     def _summary(self) -> str:
         """One line for the start of fit: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
@@ -286,7 +288,10 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Under zero3, ``configure_model`` builds on the meta device; setup materializes one unit at a time."""
-        with torch.device("meta") if self.policy.shards_params else nullcontext():
+        if not self.policy.shards_params:
+            yield
+            return
+        with torch.device("meta"), pretrained.deferring():  # `load_pretrained` records what setup fills
             yield
 
     # ------------------------------------------------------------------ steps
@@ -360,6 +365,8 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         if self.activations is not None:
             self.activations.remove()
         self._uninstall_engines(gather)
+        if self.lightning_module is not None:
+            pretrained.detach(self.lightning_module)
         super().teardown()
 
     def _uninstall_engines(self, gather: bool = True) -> None:
