@@ -17,6 +17,7 @@ naming the keys and shapes, before any training and before the module is touched
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Iterator
@@ -190,6 +191,7 @@ def fill_shards(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: A
     Each rank reads only the ranges it keeps (see [Note: three moments to load pretrained weights]), then the
     engines' working parameters and the gathered units are refreshed from the masters.
     """
+    gc.collect()  # construction can leave whole units in reference cycles: free them before reading more
     dest = model_shards(root, list(engines), full_copies=True)
     done: set[int] = set()
     with torch.no_grad():
