@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,7 +60,7 @@ class _Plan:
     result: LoadResult
 
 
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[Any]]" = weakref.WeakKeyDictionary()
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[ShardOwner]]" = weakref.WeakKeyDictionary()
 
 
 def load_pretrained(module: nn.Module, source: Union[str, os.PathLike], *, prefix: str = "",
@@ -87,11 +88,10 @@ def load_pretrained(module: nn.Module, source: Union[str, os.PathLike], *, prefi
         ValueError: naming the missing and unexpected keys and the shapes that differ, before anything is loaded.
     """
     plan = _check(module, WeightFiles(source), prefix, strict)
-    owner = _owner_of(module)
-    if owner is not None:
-        root, name = owner
-        strategy = _OWNERS[root]()
-        fill_shards(root, strategy.engines, strategy.runtime, [(name, plan)])
+    found = _owner_of(module)
+    if found is not None:
+        root, name, owner = found
+        fill_shards(root, owner.engines, owner.runtime, [(name, plan)])
     elif _on_meta(module):
         if not _deferring:
             raise ValueError(
@@ -113,10 +113,12 @@ def _check(module: nn.Module, files: WeightFiles, prefix: str, strict: bool) -> 
     pairs: list[tuple[str, str]] = []
     unexpected: list[str] = []
     shapes: dict[str, str] = {}
+    ignored = _ignored_unexpected(module)
     for name, info in files.tensors.items():
         key = prefix + name
         if key not in ours:
-            unexpected.append(key)
+            if not any(re.search(pattern, key) for pattern in ignored):
+                unexpected.append(key)
         elif tuple(ours[key].shape) != info.shape:
             shapes[key] = f"{key}: {list(info.shape)} in the file, {list(ours[key].shape)} in the model"
         else:
@@ -127,6 +129,15 @@ def _check(module: nn.Module, files: WeightFiles, prefix: str, strict: bool) -> 
         raise ValueError(_mismatch_message(module, files, prefix, missing if strict else [],
                                            unexpected if strict else [], list(shapes.values())))
     return _Plan(files, pairs, LoadResult(missing, unexpected))
+
+
+def _ignored_unexpected(module: nn.Module) -> list[str]:
+    """Hugging Face's patterns of file tensors a model does not take (``_keys_to_ignore_on_load_unexpected``: GPT-2's
+    causal-mask buffers ``attn.bias`` in older checkpoints), from ``module`` and its submodules."""
+    patterns: set[str] = set()
+    for sub in module.modules():
+        patterns.update(getattr(sub, "_keys_to_ignore_on_load_unexpected", None) or ())
+    return sorted(patterns)
 
 
 def _mismatch_message(module: nn.Module, files: WeightFiles, prefix: str, missing: list[str],
@@ -149,15 +160,14 @@ def _prefix_hint(module: nn.Module, files: WeightFiles, prefix: str) -> Optional
     keys = list(module.state_dict().keys())
     if not files.tensors or any(prefix + name in keys for name in files.tensors):
         return None
-    name = next(iter(files.tensors))
-    for key in keys:
-        if key.endswith("." + name):
-            return f"Did you mean `prefix={key[: -len(name)]!r}`? Module key {key!r} ends with file name {name!r}."
-    for key in keys:
-        if name.endswith("." + key):
-            head = name[: -len(key) - 1]
-            return (f"The file's names start with {head + '.'!r} (e.g. {name!r}): load into the module that holds "
-                    f"the whole model, or save the weights of this part only.")
+    for name in files.tensors:
+        for key in keys:
+            if key.endswith("." + name):
+                return (f"Did you mean `prefix={key[: -len(name)]!r}`? Module key {key!r} ends with file name "
+                        f"{name!r}.")
+            if name.endswith("." + key):
+                return (f"The file's names start with {name[: -len(key)]!r} (e.g. {name!r}): load into the module "
+                        "that holds the whole model, or save the weights of this part only.")
     return None
 
 
@@ -248,14 +258,15 @@ def detach(root: nn.Module) -> None:
     _OWNERS.pop(root, None)
 
 
-def _owner_of(module: nn.Module) -> Optional[tuple[nn.Module, str]]:
-    """The attached root holding ``module`` and ``module``'s name in it, if any."""
+def _owner_of(module: nn.Module) -> Optional[tuple[nn.Module, str, ShardOwner]]:
+    """The attached root holding ``module``, ``module``'s name in it and the root's owner, if any."""
     for root, ref in list(_OWNERS.items()):
-        if ref() is None:
+        owner = ref()
+        if owner is None:
             continue
         for name, sub in root.named_modules():
             if sub is module:
-                return root, name
+                return root, name, owner
     return None
 
 

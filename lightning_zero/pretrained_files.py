@@ -127,9 +127,7 @@ def _files_of(source: Path) -> list[Path]:
 def _headers(path: Path) -> dict[str, TensorInfo]:
     """Name, shape and dtype of every tensor in one file, without reading tensor data."""
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with _safe_open(path) as f:
             return {name: TensorInfo(path, tuple(f.get_slice(name).get_shape()),
                                      _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(),
                                                              f.get_slice(name).get_dtype()))
@@ -161,13 +159,21 @@ def _rows(info: TensorInfo, name: str, rows: Union[tuple[int, int], None]) -> It
     """Rows ``[r0, r1)`` of tensor ``name`` (all of it for ``None``), with the file open (and mapped) only while the
     caller copies from them: the tensor may be a view of the mapping, valid inside the ``with`` block only."""
     if info.is_safetensors:
-        from safetensors import safe_open
-
-        with safe_open(str(info.path), framework="pt") as f:
+        with _safe_open(info.path) as f:
             yield f.get_tensor(name) if rows is None else f.get_slice(name)[rows[0] : rows[1]]
         return
     tensor = _torch_load(info.path)[name]  # the mapping lives as long as its tensors
     yield tensor if rows is None else tensor[rows[0] : rows[1]]
+
+
+def _safe_open(path: Path) -> Any:
+    """``safetensors.safe_open`` (an optional dependency), as a context manager that unmaps the file on exit."""
+    try:
+        from safetensors import safe_open
+    except ImportError as error:
+        raise ImportError(f"Reading {str(path)!r} needs the safetensors package: "
+                          "`pip install 'lightning-zero[hf]'` (or `pip install safetensors`).") from error
+    return safe_open(str(path), framework="pt")
 
 
 def _itemsize(dtype: Union[torch.dtype, str]) -> int:

@@ -240,3 +240,16 @@ def test_zero3_configure_model_builds_and_loads_a_hugging_face_model_as_it_is(hf
     ranks = launch("pretrained.py", 2, tmp_path, (str(hf_dir), "construct"), timeout=300)
     for rank in ranks:
         torch.testing.assert_close(rank["zero3/configure_model"]["logits"], reference_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_base_model_checkpoint_loads_with_a_prefix_and_hugging_face_ignore_patterns(tmp_path, saved):
+    """Hub GPT-2 files come from ``GPT2Model`` (no ``transformer.``) and may hold the old ``attn.bias`` buffers."""
+    _, reference = saved
+    state = {k.removeprefix("transformer."): v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
+    state["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    torch.save(state, tmp_path / "base.pt")
+    model = tiny_gpt2(seed=2)
+    with pytest.raises(ValueError, match=r"Did you mean `prefix='transformer\.'`"):
+        load_pretrained(model, tmp_path / "base.pt")
+    assert load_pretrained(model, tmp_path / "base.pt", prefix="transformer.") == lightning_zero.LoadResult([], [])
+    assert_same_weights(model, reference)
