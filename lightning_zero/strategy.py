@@ -245,7 +245,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
             self.engines = [self._evaluation_engine()]
         shard_by_units(self.model, self._unit_plan, self.engines, self.root_device)
         self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
-        pretrained.fill_pending(self.lightning_module, self.engines, self.runtime)  # `load_pretrained` in configure_model
+        pretrained.fill_pending(self.lightning_module, self.engines, self.runtime)  # loads from configure_model
 
     def _summary(self) -> str:
         """One line for the start of fit: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
