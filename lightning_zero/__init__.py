@@ -2,7 +2,8 @@
 
 Importing the package registers ``zero1``, ``zero2`` (and ``_spawn`` / ``_fork`` variants) with Lightning, so that
 ``Trainer(strategy="zero2")`` works. Sharded checkpoints are read back with :func:`load_from_checkpoint`,
-:func:`consolidate` (or ``lightning-zero consolidate``) and, under other strategies, :class:`ZeroCheckpointIO`.
+:func:`consolidate` (or ``lightning-zero consolidate``) and, under other strategies, :class:`ZeroCheckpointIO`. :func:`load_pretrained` fills a model (sharded or not) from a
+Hugging Face ``save_pretrained`` directory, safetensors files or a ``torch.save`` state dict, a tensor at a time.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -19,6 +20,7 @@ from lightning_zero.consolidate import (
 )
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.precision import LossScaler, ZeroPrecision
+from lightning_zero.pretrained import LoadResult, load_pretrained
 from lightning_zero.strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
@@ -33,6 +35,8 @@ __all__ = [
     "inspect_checkpoint",
     "load_from_checkpoint",
     "load_full_checkpoint",
+    "load_pretrained",
+    "LoadResult",
     "LossScaler",
     "ModelStateBytes",
     "Traffic",

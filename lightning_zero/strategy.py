@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import collectives
+from lightning_zero import collectives, pretrained
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
@@ -237,6 +237,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        pretrained.attach(self.lightning_module, self)  # `load_pretrained` after setup writes into the shards
         if fitting:
             rank_zero_info(self._summary())
 
@@ -253,6 +254,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         shard_by_units(self.model, self._unit_plan, self.engines, self.root_device, self._recording)
         self._recording = None  # construction is replayed once; the log holds no memory worth keeping
         self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
+        pretrained.fill_pending(self.lightning_module, self.engines, self.runtime)  # loads from configure_model
 
     def _summary(self) -> str:
         """One line for the start of fit: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
@@ -295,11 +297,12 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Under zero3, ``configure_model`` builds on the meta device and is recorded; setup replays it one unit at a
-        time (see [Note: record and replay] in ``construction.py``)."""
+        time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` there records what setup
+        fills from the files."""
         if not self.policy.shards_params:
             yield
             return
-        with record_construction(self.root_device) as recording:
+        with record_construction(self.root_device) as recording, pretrained.deferring():
             yield
         self._recording = recording
 
@@ -379,6 +382,8 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         self._uninstall_engines(gather)
         if not gather and self.model is not None:
             drop_meta(self.model, self.root_device)
+        if self.lightning_module is not None:
+            pretrained.detach(self.lightning_module)
         super().teardown()
         GUARD.remove()
         GUARD.raise_pending()  # a Ctrl-C during the last checkpoint write still stops the script
