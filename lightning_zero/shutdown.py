@@ -56,6 +56,7 @@ class SignalGuard:
         self.active = False
         self.critical = 0
         """Nesting depth of sections that must not be interrupted (checkpoint writes)."""
+        self._handler = self._record  # one bound method object, so that `signal.getsignal(...) is` compares
 
     # ------------------------------------------------------------------ installing
     def install(self) -> None:
@@ -72,14 +73,14 @@ class SignalGuard:
         the strategy's setup); the replacing handler becomes the one the guard delegates to."""
         if self.active and _main_thread():
             for signum in GUARDED:
-                if signal.getsignal(signum) is not self._record and _worth_taking(signum):
+                if signal.getsignal(signum) is not self._handler and _worth_taking(signum):
                     self._take(signum)
 
     def _take(self, signum: int) -> None:
         current = signal.getsignal(signum)
-        if current is not self._record:
+        if current is not self._handler:
             self.previous[signum] = current
-            signal.signal(signum, self._record)
+            signal.signal(signum, self._handler)
 
     def remove(self) -> None:
         """Give the signals back to the handlers they had. A handler copy that Lightning restores later still
@@ -88,7 +89,7 @@ class SignalGuard:
         if not _main_thread():
             return
         for signum, handler in self.previous.items():
-            if signal.getsignal(signum) is self._record:
+            if signal.getsignal(signum) is self._handler:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     # ------------------------------------------------------------------ receiving

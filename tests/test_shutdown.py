@@ -112,3 +112,59 @@ def test_sigint_during_validation(tmp_path):
                                                    "occurrence=3")  # 2 sanity-check batches come first
     assert_clean_stop(code, text, seconds, "SIGINT")
     assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2}
+
+
+def test_slurm_requeue_signal_saves_on_every_rank_then_the_requeued_job_resumes(tmp_path):
+    """Lightning's SLURM auto-requeue under ZeroStrategy: SIGUSR1 (a fault point sends it to both tasks inside a
+    gradient collective) makes every rank save ``hpc_ckpt_1.ckpt`` at the next step boundary and rank 0 call
+    ``scontrol requeue``; the requeued job picks the checkpoint up by itself and trains on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    fault = "point=collective.reduce_scatter,signal=SIGUSR1,rank=0,target=group,occurrence=5"
+    first = run_slurm_job(tmp_path, bin_dir, fault, max_steps=6, job="first")
+    assert all(code == 0 for code, _ in first), first[0][1][-4000:]
+    assert calls.read_text().split() == ["requeue", "4242"]
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    assert (hpc / "meta.pt").is_file(), sorted(p.name for p in tmp_path.iterdir())
+    second = run_slurm_job(tmp_path, bin_dir, None, max_steps=8, job="requeued")
+    assert all(code == 0 for code, _ in second), second[0][1][-4000:]
+    assert "Restoring states from the checkpoint path at" in second[0][1] and "hpc_ckpt_1.ckpt" in second[0][1]
+    assert "finished at step 8" in second[0][1]
+
+
+def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: int,
+                  job: str) -> list[tuple[int, str]]:
+    """Start the two tasks of a SLURM job step the way ``srun`` would (one process group, SLURM's variables)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PATH=f"{bin_dir}:{os.environ['PATH']}", MASTER_PORT=str(port),
+                SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                SLURM_NODELIST="127.0.0.1", SLURM_NODEID="0", PYTHONFAULTHANDLER="1")
+    if fault:
+        base["LIGHTNING_ZERO_FAULT"] = fault
+    cmd = [sys.executable, str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), "2", "sharded",
+           str(max_steps), "slurm"]
+    # srun's tasks share a process group apart from this test: one shell in a session of its own starts both
+    import shlex
+
+    task = " ".join(shlex.quote(c) for c in cmd)
+    # the shells catch the job's signals (a handler, not "ignore": the tasks must start with the default handlers)
+    catch = "trap true USR1 TERM INT"
+    script = catch + "; " + " ".join(
+        f"({catch}; SLURM_PROCID={r} SLURM_LOCALID={r} {task} > {job}{r}.log 2>&1; echo $? > {job}{r}.code) &"
+        for r in range(2)) + f" while [ ! -f {job}0.code ] || [ ! -f {job}1.code ]; do wait; done"
+    shell = subprocess.Popen(["sh", "-c", script], cwd=tmp_path, env=base, start_new_session=True)
+    try:
+        shell.wait(timeout=TIMEOUT)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+    return [(int((tmp_path / f"{job}{r}.code").read_text()), (tmp_path / f"{job}{r}.log").read_text())
+            for r in range(2)]
