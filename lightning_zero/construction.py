@@ -191,6 +191,8 @@ class Recording(TorchDispatchMode):
         generator = kwargs.get("generator") or _default_generator(self.device)
         state = generator.get_state()
         real_args, real_kwargs = tree_map(self._scratch, (args, kwargs))
+        if args and _is_meta(args[0]):  # the tensor drawn into: no need to clear it
+            real_args = (torch.empty_like(args[0], device=self.device), *real_args[1:])
         func(*real_args, **real_kwargs)
         self.end_states[id(generator)] = (generator, generator.get_state())
         return generator, state

@@ -100,8 +100,10 @@ def materialize(module: nn.Module, device: torch.device, recording: Optional[Rec
 def _replay_into(modules: list[nn.Module], device: torch.device, recording: Recording) -> None:
     """Materialize the meta tensors owned by ``modules`` with the values construction gave them.
 
-    Parameters keep their objects (ties, optimizers); buffers are replaced, a buffer registered under two names stays
-    one tensor. Only ids and names are held while swapping (a swapped parameter must be referenced nowhere else).
+    Each parameter object takes the replayed tensor's contents (``torch.utils.swap_tensors``: ties and optimizers
+    keep the object, and no second copy of the unit is made); buffers are replaced, and a buffer registered under two
+    names stays one tensor. Only ids and names are held while swapping (a swapped tensor must be referenced nowhere
+    else).
     """
     params = [(m, n, id(t)) for m in modules for n, t in m._parameters.items() if t is not None and t.is_meta]
     buffers = [(m, n, id(t)) for m in modules for n, t in m._buffers.items() if t is not None and t.is_meta]
@@ -109,13 +111,21 @@ def _replay_into(modules: list[nn.Module], device: torch.device, recording: Reco
     dtypes = {i: t.dtype for i, t in unique.items()}
     values = dict(zip(unique, recording.values_of(list(unique.values()))))
     del unique
-    _empty_onto(modules, device)
     with torch.no_grad():
         for m, name, i in params:
-            m._parameters[name].copy_(values[i])
-        for m, name, i in buffers:  # `to_empty` gave each name a new tensor: give each old tensor one value
+            param = m._parameters[name]
+            if param is not None and param.is_meta:  # a tied parameter is swapped once, under its first name
+                value = _owned(values.pop(i).to(device=device, dtype=dtypes[i]))
+                torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+        for m, name, i in buffers:
             values[i] = values[i].to(device=device, dtype=dtypes[i])
             m._buffers[name] = values[i]
+
+
+def _owned(value: torch.Tensor) -> torch.Tensor:
+    """``value`` alone in a storage of its own size (a replayed tensor may be a view into a larger storage)."""
+    whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    return value if whole and value.is_contiguous() and value.storage_offset() == 0 else value.clone()
 
 
 def _empty_onto(modules: list[nn.Module], device: torch.device) -> None:
