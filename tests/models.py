@@ -185,12 +185,7 @@ class TinyGPT(L.LightningModule):
         self.ln_f = nn.LayerNorm(hp.width)
         self.lm_head = nn.Linear(hp.width, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight
-        if not hp.meta_init:  # GPT-2's initialization; under meta init the modules' own reset_parameters apply
-            nn.init.normal_(self.wte.weight, std=0.02)
-            nn.init.normal_(self.pos, std=0.02)
-
-    def reset_parameters(self) -> None:
-        """Initializes the parameters the LightningModule owns itself (needed to materialize them from meta)."""
+        nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's initialization (zero3 replays it when built on meta)
         nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
