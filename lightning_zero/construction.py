@@ -21,6 +21,13 @@ as in eager construction (peak: the largest single tensor, freed at once). Repla
 each random operation it runs, then returns the generator to the state eager construction would have left, so the
 training that follows (dropout) draws the same numbers as under ``ddp``.
 
+[Note: values read while constructing]
+Construction code may read a value: ``nn.init.trunc_normal_`` loops until no sample falls outside the bounds
+(``mask.any()``), code may branch on ``tensor.item()``. A meta tensor has no value, so the recording computes it right
+there: it replays what that tensor needs (as for a unit) and returns the real number, and the code goes on exactly as
+it does eagerly. What construction reads must therefore be small; a tensor made from Python data (``torch.tensor``)
+is made for real on the device (a small constant the log holds), never on the meta device.
+
 [Note: what replay needs]
 Replaying a unit computes that unit's storages and the storages its operations read (usually none: initializers read
 only shapes). The host or device memory is one unit plus such inputs; the log itself holds meta tensors (no memory),
@@ -144,7 +151,8 @@ class Recording(TorchDispatchMode):
     def keep(self, module: torch.nn.Module) -> None:
         """Remember the recorded tensors of ``module``'s parameters and buffers, before anything (a precision
         plugin's ``module.to(dtype)``) gives them new storage."""
-        for _, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        for _, tensor in named:
             if tensor.is_meta and id(tensor) not in self.recorded:
                 self.recorded[id(tensor)] = tensor.detach()
 
