@@ -51,8 +51,12 @@ class SignalGuard:
     def __init__(self) -> None:
         self.pending: dict[int, int] = {}
         """Signal number to how many times it arrived since the last safe point acted on it."""
-        self.previous: dict[int, Handler] = {}
-        """The handler each guarded signal had before the guard took it."""
+        self.original: dict[int, Handler] = {}
+        """The handler each guarded signal had before the guard first took it in this process: restored by
+        :meth:`remove`, and what the signal does while the guard is inactive."""
+        self.adopted: dict[int, Handler] = {}
+        """Handlers registered over the guard's during this run (Lightning's), replaced by it again; SLURM's
+        requeue handler among them is run at a safe point."""
         self.active = False
         self.critical = 0
         """Nesting depth of sections that must not be interrupted (checkpoint writes)."""
@@ -64,13 +68,14 @@ class SignalGuard:
         if not _main_thread():
             return
         self.active = True
+        self.adopted = {}
         for signum in GUARDED:
             if _worth_taking(signum):
                 self._take(signum)
 
     def retake(self) -> None:
         """Take back signals whose handler was replaced since :meth:`install` (Lightning registers its own after
-        the strategy's setup); the replacing handler becomes the one the guard delegates to."""
+        the strategy's setup); the replacing handler is adopted (see ``adopted``)."""
         if self.active and _main_thread():
             for signum in GUARDED:
                 if signal.getsignal(signum) is not self._handler and _worth_taking(signum):
@@ -79,7 +84,11 @@ class SignalGuard:
     def _take(self, signum: int) -> None:
         current = signal.getsignal(signum)
         if current is not self._handler:
-            self.previous[signum] = current
+            # [Note: never delegate to a handler that calls the guard] Lightning's SIGTERM handler calls the handler
+            # it found (the guard's): only the first handler ever found is the original one.
+            self.original.setdefault(signum, current)
+            if self.active and signum in self.original and self.original[signum] is not current:
+                self.adopted[signum] = current
             signal.signal(signum, self._handler)
 
     def remove(self) -> None:
@@ -88,7 +97,7 @@ class SignalGuard:
         self.active = False
         if not _main_thread():
             return
-        for signum, handler in self.previous.items():
+        for signum, handler in self.original.items():
             if signal.getsignal(signum) is self._handler:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
@@ -103,7 +112,7 @@ class SignalGuard:
 
     def _delegate(self, signum: int, frame: Optional[FrameType]) -> None:
         """What the signal would have done without the guard."""
-        handler = self.previous.get(signum, signal.SIG_DFL)
+        handler = self.original.get(signum, signal.SIG_DFL)
         if callable(handler):
             handler(signum, frame)
         elif handler == signal.SIG_DFL:
@@ -127,7 +136,7 @@ class SignalGuard:
 
     def _act(self, agreed: dict[int, int], mine: list[int]) -> None:
         if agreed[signal.SIGUSR1]:
-            handler = self.previous.get(signal.SIGUSR1)
+            handler = self.adopted.get(signal.SIGUSR1, self.original.get(signal.SIGUSR1))
             if callable(handler):  # Lightning's SLURM requeue: saves a checkpoint (every rank, here), requeues
                 handler(signal.SIGUSR1, None)
         name = "SIGTERM" if agreed[signal.SIGTERM] else "SIGINT" if agreed[signal.SIGINT] else None

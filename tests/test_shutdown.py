@@ -168,3 +168,34 @@ def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: i
             os.killpg(shell.pid, signal.SIGKILL)
     return [(int((tmp_path / f"{job}{r}.code").read_text()), (tmp_path / f"{job}{r}.log").read_text())
             for r in range(2)]
+
+
+def test_the_guard_records_acts_once_and_gives_the_signals_back():
+    """One process, no collective: what the guard does with Lightning's handlers around it."""
+    from lightning_zero.shutdown import SignalGuard, Stopped
+
+    guard, seen = SignalGuard(), []
+    before = signal.getsignal(signal.SIGTERM)
+    guard.install()
+    try:
+        found = signal.getsignal(signal.SIGTERM)  # Lightning registers a handler that also calls the one it found
+        signal.signal(signal.SIGTERM, lambda s, f: (seen.append("lightning"), found(s, f)))
+        guard.safe_point()  # takes SIGTERM back
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised
+        assert seen == [] and guard.pending == {signal.SIGTERM: 1, signal.SIGINT: 1}
+        with guard:  # inside a checkpoint write even a second Ctrl-C waits
+            os.kill(os.getpid(), signal.SIGINT)
+        assert guard.pending[signal.SIGINT] == 2
+        with pytest.raises(Stopped, match="SIGTERM received"):
+            guard.safe_point()
+    finally:
+        guard.remove()
+    assert signal.getsignal(signal.SIGTERM) == before
+    signal.signal(signal.SIGINT, guard._handler)  # Lightning's teardown puts back what it found: the guard's
+    try:
+        with pytest.raises(KeyboardInterrupt):  # inactive: Ctrl-C does what it did before, no recursion
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
