@@ -63,7 +63,8 @@ def parse_bytes(text: str) -> float:
     number = _number(lowered[: -len(unit)] if unit else lowered)
     if unit is None:
         hint = f" ({text.strip()}GiB or {text.strip()}GB?)" if number is not None else ""
-        raise ValueError(f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for bytes.")
+        raise ValueError(f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for "
+                         "bytes.")
     if number is None or not number > 0 or math.isinf(number):
         raise ValueError(f"{text!r} is not a positive size: write e.g. 80GiB, 16GB, 512MiB or 4096B.")
     return number * units[unit]
