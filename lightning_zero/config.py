@@ -100,7 +100,6 @@ class ZeroConfig:
             raise ValueError(f"`{needs[0]}` acts on checkpointed activations: also set `activation_checkpointing=True` "
                              "(or a list of block classes).")
 
-
     def _warn_ignored(self) -> None:
         """Warn about stage 3 options set at stage 1 or 2, where nothing reads them."""
         if self.stage == 3:
