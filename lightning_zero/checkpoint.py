@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_zero import collectives
+from lightning_zero.checkpoint_readme import write_readme
 from lightning_zero.shards import Shard
 from lightning_zero.faults import fault_point
 from lightning_zero.shutdown import GUARD
@@ -156,6 +157,7 @@ def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any
         files = {name: info for part in every for name, info in part.items()}
         files[".metadata"] = _describe(staging / ".metadata")
         meta[KEY]["files"] = files
+        write_readme(staging, path.name, meta)  # what the directory is, for people (not checksummed)
         _save_file(meta, staging / META_FILE)
         _replace(staging, path, token)
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
@@ -32,13 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     estimate = commands.add_parser("estimate", help="model-state bytes per rank under ddp/zero1/zero2/zero3, and "
                                    "the largest model each fits in a given memory")
     size = estimate.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=parse_count, help="a parameter count: 350M, 1.5B, 7e9")
+    size.add_argument("--params", type=_argument(parse_count), help="a parameter count: 350M, 1.5B, 7e9")
     size.add_argument("--model", help="an importable class, e.g. mypkg.models.GPT (built on the meta device)")
     estimate.add_argument("--init-args", type=yaml.safe_load, default={},
                           help="the class's init arguments as a JSON/YAML mapping, e.g. '{width: 512, depth: 12}'")
     estimate.add_argument("-n", "--world-size", type=int, required=True, help="data-parallel ranks")
-    estimate.add_argument("--memory", type=parse_bytes, help="memory per device, e.g. 80GiB, to find the largest "
-                          "model each stage fits")
+    estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device with its unit, e.g. "
+                          "80GiB or 16GB, to find the largest model each stage fits")
     estimate.set_defaults(run=_estimate)
 
     inspect = commands.add_parser("inspect", help="summarize a sharded checkpoint directory")
@@ -55,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)")
     merge.set_defaults(run=_consolidate)
     return parser
+
+
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type whose ``ValueError`` message is what the user sees (argparse would otherwise
+    print only ``invalid parse_count value``, the name of a function of ours)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
 #: Subcommands handed to Lightning's own ``LightningCLI``.
@@ -86,10 +99,41 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     other ranks by running the same command line again, so they import the strategy names too. The current directory
     is importable, as under ``python -m``.
     """
+    _import_from_cwd()
+    _zero_cli()(args=list(argv), subclass_mode_model=True, subclass_mode_data=True)
+
+
+def unknown_zero_strategy(name: object) -> Optional[str]:
+    """The error for a strategy name that starts with ``zero`` but is not registered (``"zero4"``), else ``None``.
+
+    [Note: misspelled strategy names]
+    ``Trainer(strategy="zero4")`` fails in Lightning's accelerator connector, whose message lists ``auto, ddp,
+    ddp_spawn, deepspeed`` and not ours. That check runs inside ``Trainer.__init__`` against a plain list of the
+    registry's keys, before any code of ours: there is no hook to improve it short of patching Lightning. The
+    ``lightning-zero`` command checks the name itself, before the Trainer is built; README.md lists the names.
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if not isinstance(name, str) or not name.lower().startswith("zero") or name.lower() in StrategyRegistry:
+        return None
+    ours = sorted(n for n in StrategyRegistry if n.startswith("zero"))
+    return (f"There is no strategy {name!r}. lightning-zero registers zero1, zero2 and zero3 (ZeRO stages 1-3) and "
+            f"their _spawn/_fork variants: {', '.join(ours)}. For options, use the long form `strategy: {{class_path: "
+            "lightning_zero.ZeroStrategy, init_args: {stage: 3, ...}}`.")
+
+
+def _zero_cli() -> Any:
+    """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one."""
     from lightning.pytorch.cli import LightningCLI
 
-    _import_from_cwd()
-    LightningCLI(args=list(argv), subclass_mode_model=True, subclass_mode_data=True)
+    class ZeroLightningCLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            message = unknown_zero_strategy(config.get("trainer", {}).get("strategy"))
+            if message:
+                self.parser.error(message)
+
+    return ZeroLightningCLI
 
 
 def _import_from_cwd() -> None:

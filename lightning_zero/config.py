@@ -5,13 +5,19 @@ Every option is checked when the strategy is constructed, so a bad value fails b
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
 #: Stages this version implements.
 SUPPORTED_STAGES = (1, 2, 3)
 
 DEFAULT_BUCKET_ELEMENTS = 25_000_000
+#: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
+#: ``activation_checkpointing=True`` at every stage).
+STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 100_000, "prefetch_size": 5_000_000}
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,12 @@ class ZeroConfig:
     elementwise_optimizers: tuple[str, ...] = field(default_factory=tuple)
     """Extra optimizer class names (``"mypkg.MyAdam"`` or ``"MyAdam"``) whose update is elementwise, so that they may
     be stepped on flat slices."""
-    unit_classes: tuple[Union[type, str], ...] = field(default_factory=tuple)
+    unit_classes: tuple[Union[type, str], ...] = STAGE3_DEFAULTS["unit_classes"]
     """Stage 3: module classes (or class names) gathered as one unit; default: the children of ``nn.ModuleList`` and
     ``nn.Sequential`` and every other module with parameters."""
-    persistence_threshold: int = 100_000
+    persistence_threshold: int = STAGE3_DEFAULTS["persistence_threshold"]
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
-    prefetch_size: int = 5_000_000
+    prefetch_size: int = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
@@ -54,8 +60,8 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
-        _check_positive_int("reduce_bucket_size", self.reduce_bucket_size)
-        _check_positive_int("bucket_buffers", self.bucket_buffers)
+        _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
+        _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
         if self.partition_whole_params not in (None, True, False):
@@ -75,6 +81,7 @@ class ZeroConfig:
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
         self._check_activations()
+        self._warn_ignored()
 
     def _check_activations(self) -> None:
         blocks = self.activation_checkpointing
@@ -93,6 +100,32 @@ class ZeroConfig:
             raise ValueError(f"`{needs[0]}` acts on checkpointed activations: also set `activation_checkpointing=True` "
                              "(or a list of block classes).")
 
+    def _warn_ignored(self) -> None:
+        """Warn about stage 3 options set at stage 1 or 2, where nothing reads them."""
+        if self.stage == 3:
+            return
+        ignored = [name for name, default in STAGE3_DEFAULTS.items() if getattr(self, name) != default
+                   and not (name == "unit_classes" and self.activation_checkpointing is True)]
+        if ignored:
+            warnings.warn(f"{', '.join(f'`{n}`' for n in ignored)} only act{'s' if len(ignored) == 1 else ''} at "
+                          f"stage 3 and {'is' if len(ignored) == 1 else 'are'} ignored at stage {self.stage}. Use "
+                          "`stage=3` (`strategy='zero3'`) for them, or leave them out.", UserWarning, stacklevel=3)
+
+
+def process_group_timeout(value: object) -> Optional[timedelta]:
+    """The ``timeout`` option as the :class:`~datetime.timedelta` ``torch.distributed`` wants: seconds (an int or a
+    float, as a YAML file gives them) or a ``timedelta``; ``None`` keeps torch's default."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
+        raise TypeError(f"`timeout` must be a number of seconds (e.g. `timeout=600`) or a datetime.timedelta, got "
+                        f"{value!r}.")
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
+                         f" got {value!r}. Leave it out for the default of 30 minutes.")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
 
 def _check_stage(stage: object) -> None:
     if isinstance(stage, bool) or not isinstance(stage, int):
@@ -104,11 +137,11 @@ def _check_stage(stage: object) -> None:
         )
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def _check_positive_int(name: str, value: object, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be a positive int (a number of elements), got {value!r}.")
+        raise TypeError(f"`{name}` must be a positive int (a number of {unit}), got {value!r}.")
     if value <= 0:
-        raise ValueError(f"`{name}` must be a positive number of elements, got {value}.")
+        raise ValueError(f"`{name}` must be a positive number of {unit}, got {value}.")
 
 
 def _check_group(spec: object) -> Any:

@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_zero import collectives, pretrained
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig
+from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig, process_group_timeout
 from lightning_zero.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
@@ -80,7 +80,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
             ZeRO's data-parallel ranks never do): a list of ranks, a list of such lists, or a callable giving a group.
         contiguous_checkpoints: MD: checkpointed block inputs live in one buffer preallocated after the first step.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
-        timeout: the process group's timeout (a hung collective fails after it).
+        timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
 
@@ -108,7 +108,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
         start_method: StartMethod = "popen",
     ) -> None:
         self.config = ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
@@ -126,7 +126,7 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = process_group_timeout(timeout)
         self._start_method = start_method
         self.num_nodes = 1
         self.engines: list[ShardedOptimizer] = []

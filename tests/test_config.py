@@ -1,5 +1,9 @@
 """Bad input fails at construction or setup with a message that says what to do."""
 
+import math
+import warnings
+from datetime import timedelta
+
 import lightning as L
 import pytest
 import torch
@@ -19,7 +23,7 @@ from tests.models import TinyLM
         ({"stage": "2"}, TypeError, "must be an int"),
         ({"reduce_bucket_size": -5}, ValueError, "positive number of elements"),
         ({"reduce_bucket_size": 1.5}, TypeError, "positive int"),
-        ({"bucket_buffers": 0}, ValueError, "positive"),
+        ({"bucket_buffers": 0}, ValueError, "positive number of buffers"),
         ({"overlap_comm": "yes"}, TypeError, "bool"),
         ({"elementwise_optimizers": "MyAdam"}, TypeError, "list of class names"),
     ],
@@ -34,6 +38,46 @@ def test_config_rejects_bad_values(kwargs, error, match):
 def test_start_method_is_checked():
     with pytest.raises(ValueError, match="start_method"):
         ZeroStrategy(start_method="thread")
+
+
+@pytest.mark.parametrize(("timeout", "expected"), [
+    (5, timedelta(seconds=5)), (2.5, timedelta(seconds=2.5)), (timedelta(minutes=2), timedelta(minutes=2)),
+    (None, None),
+])
+def test_timeout_in_seconds_or_timedelta(timeout, expected):
+    # torch.distributed takes only a timedelta: an int used to reach it and crash every rank at launch
+    assert ZeroStrategy(timeout=timeout)._timeout == expected
+    assert ZeroStrategy()._timeout == timedelta(minutes=30)  # Lightning's default
+
+
+@pytest.mark.parametrize(("timeout", "error"), [
+    ("5", TypeError), (True, TypeError), (0, ValueError), (-1.0, ValueError), (timedelta(0), ValueError),
+    (math.inf, ValueError), (math.nan, ValueError),
+])
+def test_bad_timeout_is_refused_at_construction(timeout, error):
+    with pytest.raises(error, match="`timeout` must be"):
+        ZeroStrategy(timeout=timeout)
+
+
+@pytest.mark.parametrize("kwargs", [{"unit_classes": ["Block"]}, {"prefetch_size": 0},
+                                    {"persistence_threshold": 0, "prefetch_size": 10}])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage3_options_warn_below_stage3(kwargs, stage):
+    with pytest.warns(UserWarning, match=f"only acts? at stage 3 and (is|are) ignored at stage {stage}") as caught:
+        ZeroStrategy(stage=stage, **kwargs)
+    assert all(f"`{name}`" in str(caught[0].message) for name in kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"stage": 3, "unit_classes": ["Block"], "prefetch_size": 0, "persistence_threshold": 0},
+    {"stage": 2},
+    {"stage": 1, "prefetch_size": 5_000_000},  # the default, written out
+    {"stage": 2, "unit_classes": ["Block"], "activation_checkpointing": True},  # picks the blocks to recompute
+])
+def test_no_warning_where_the_options_are_used_or_default(kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroStrategy(**kwargs)
 
 
 @pytest.mark.parametrize("precision", ["64-true", "16-true", "transformer-engine"])

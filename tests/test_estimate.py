@@ -39,7 +39,34 @@ def test_count_parameters_builds_on_meta_and_runs_configure_model():
 
 def test_units():
     assert parse_count("1.5B") == 1_500_000_000 and parse_count("350M") == 350_000_000 and parse_count("7e9") == 7e9
-    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("16GB") == 16e9 and parse_bytes("1024") == 1024
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("16GB") == 16e9 and parse_bytes("1024B") == 1024
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("32", r"not a size with a unit \(32GiB or 32GB\?\)"),  # 32 bytes was never what the user meant
+    ("-5GiB", "not a positive size"), ("0GB", "not a positive size"), ("lotsGiB", "not a positive size"),
+])
+def test_sizes_need_a_unit_and_must_be_positive(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["-5", "0", "abc", "0.4", "nan", "inf", ""])
+def test_parameter_counts_must_be_positive_numbers(text):
+    with pytest.raises(ValueError, match="is not a positive parameter count"):
+        parse_count(text)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--params", "-5"], "argument --params: '-5' is not a positive parameter count"),
+    (["--params", "abc"], "argument --params: 'abc' is not a positive parameter count: write e.g. 350M"),
+    (["--params", "1B", "--memory", "32"], "argument --memory: '32' is not a size with a unit (32GiB or 32GB?)"),
+])
+def test_estimate_command_rejects_bad_numbers_with_what_to_write(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["estimate", *args, "-n", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "parse_" not in err, err
 
 
 def test_estimate_command(capsys):

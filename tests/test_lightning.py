@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
 import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401
@@ -45,19 +49,40 @@ class MetricLM(TinyLM):
         return self.val_dataloader()
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_fit_validate_test_predict(strategy):
+def _fit_validate_test_predict(strategy: str) -> tuple[MetricLM, dict]:
+    """fit (validating every 4 steps), then validate, test and predict with fresh Trainers; what each returned."""
     L.seed_everything(0)
     model = MetricLM()
     trainer = _trainer(strategy, max_steps=8, val_check_interval=4, limit_val_batches=2)
     trainer.fit(model)
-    assert 0.0 <= trainer.callback_metrics["val_acc"] <= 1.0
-    assert model.losses[-1] < model.losses[0]
-    assert _trainer(strategy).validate(model)[0]["val_loss"] > 0
-    assert _trainer(strategy).test(model)[0]["val_acc"] >= 0
-    predictions = _trainer(strategy).predict(model)
+    return model, {
+        "losses": model.losses, "fit": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "validate": _trainer(strategy).validate(model)[0], "test": _trainer(strategy).test(model)[0],
+        "predict": _trainer(strategy).predict(model),
+    }
+
+
+@functools.cache
+def _ddp_reference() -> dict:
+    return _fit_validate_test_predict("ddp")[1]
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_fit_validate_test_predict(strategy):
+    # DDP is the oracle: the same seed and data under `ddp` give the metrics every stage must reproduce (fp32, one
+    # rank: only the order of floating-point sums may differ)
+    model, zero = _fit_validate_test_predict(strategy)
+    ddp = _ddp_reference()
+    assert len(zero["losses"]) == 8 and zero["losses"][-1] < zero["losses"][0]
+    assert zero["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+    for stage in ("fit", "validate", "test"):
+        assert zero[stage].keys() == ddp[stage].keys() and {"val_loss", "val_acc"} <= zero[stage].keys(), stage
+        assert zero[stage] == pytest.approx(ddp[stage], rel=1e-5, abs=1e-6), stage
+    assert len(zero["predict"]) == len(ddp["predict"]) == 2
+    for predicted, reference in zip(zero["predict"], ddp["predict"]):
+        torch.testing.assert_close(predicted, reference, rtol=1e-5, atol=1e-6)
     expected = model(token_data(n=8, seed=5).tensors[0][:4])
-    torch.testing.assert_close(predictions[0], expected)
+    torch.testing.assert_close(zero["predict"][0], expected)
 
 
 def test_second_fit_on_fresh_trainer_continues_from_trained_weights():
@@ -97,6 +122,23 @@ def test_checkpoint_resume_is_exact(tmp_path, precision):
     lightning_zero.consolidate(ckpt, tmp_path / "one.ckpt")
     restored = TinyLM.load_from_checkpoint(tmp_path / "one.ckpt")  # a plain Lightning checkpoint
     assert isinstance(restored, TinyLM)
+
+
+def test_sharded_checkpoint_says_what_it_is_and_how_to_read_it(tmp_path):
+    L.seed_everything(0)
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _trainer("zero2", max_steps=2, enable_checkpointing=True, callbacks=[callback]).fit(TinyLM())
+    last = tmp_path / "last.ckpt"
+    readme = (last / "README.txt").read_text()
+    assert "sharded lightning-zero checkpoint" in readme and "zero2 on\n1 process at epoch 0, global step 2" in readme
+    assert 'lightning_zero.load_from_checkpoint(MyModule, "last.ckpt"' in readme
+    assert "lightning-zero consolidate last.ckpt model.ckpt" in readme
+    assert (Path(callback.best_model_path) / "README.txt").is_file()  # every checkpoint ModelCheckpoint writes
+    # what README.txt is there for: Lightning's own loader cannot open a directory (no code of ours runs there)
+    with pytest.raises(IsADirectoryError):
+        TinyLM.load_from_checkpoint(last)
+    assert isinstance(lightning_zero.load_from_checkpoint(TinyLM, last), TinyLM)
+    assert lightning_zero.inspect_checkpoint(last, verify=True)["global_step"] == 2  # not a checksummed file
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_zero
+from lightning_zero.cli import main as lightning_zero_command
+from lightning_zero.cli import unknown_zero_strategy
 from tests.models import Block, TinyGPT
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 LONG_FORM = """
 trainer:
@@ -47,3 +55,31 @@ def test_a_wrong_option_is_a_cli_error(tmp_path, bad, capsys):
     with pytest.raises(SystemExit):
         _cli("--config", str(config))
     assert bad.split(":")[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "expected"), [("60", timedelta(seconds=60)), ("2.5", timedelta(seconds=2.5)),
+                                                 ("'0:05:00'", timedelta(minutes=5))])
+def test_timeout_from_yaml_in_seconds_or_h_m_s(tmp_path, value, expected):
+    config = tmp_path / "timeout.yaml"
+    config.write_text(f"trainer:\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n"
+                      f"      timeout: {value}\n")
+    assert _cli("--config", str(config)).trainer.strategy._timeout == expected
+
+
+def test_a_misspelled_zero_name_lists_ours(capsys):
+    assert unknown_zero_strategy("zero2") is None and unknown_zero_strategy("ddp") is None
+    with pytest.raises(SystemExit):
+        lightning_zero_command(["fit", "--model", "tests.models.TinyGPT", "--trainer.strategy", "zero4",
+                                "--trainer.accelerator", "cpu", "--trainer.devices", "1"])
+    err = capsys.readouterr().err
+    assert "There is no strategy 'zero4'" in err and all(f"zero{s}," in err for s in (1, 2, 3)), err
+
+
+def test_the_help_command_in_zero3_yaml_lists_the_strategy_options(capsys):
+    comment = (EXAMPLES / "configs" / "zero3.yaml").read_text()
+    flag, class_path = re.search(r"fit (--trainer\.strategy\.help) (\S+?)`", comment).groups()
+    with pytest.raises(SystemExit) as exit_:
+        _cli(flag, class_path)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"--trainer.strategy.{option}" in out for option in ("stage", "unit_classes", "timeout")), out

@@ -8,6 +8,9 @@ reduce-scatters are in flight.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any, Callable
+
 import pytest
 import torch
 
@@ -29,19 +32,44 @@ RTOL = 1e-5
 AT_WORLD_SIZE = {2: ALL, 3: ["adamw", "gpt", "adafactor", "bf16_mixed", "checkpoint_adamw"]}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
-def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"parity{request.param}")
-    names = AT_WORLD_SIZE[request.param]
-    ranks = launch("parity.py", request.param, out, (",".join(names), "ddp," + ",".join(STAGES)), timeout=900)
-    return request.param, ranks
+def cases(scenarios: list[str], *more: list[str]) -> list[Any]:
+    """``(world size, scenario, *one of each of more)`` for every world size that runs the scenario, as pytest params
+    for ``results`` (indirect) and the test's own arguments: a case that could only be skipped is not generated."""
+    return [pytest.param(world_size, scenario, *rest, id="-".join([f"ws{world_size}", scenario, *rest]))
+            for world_size, names in AT_WORLD_SIZE.items() for scenario in scenarios if scenario in names
+            for rest in itertools.product(*more)]
 
 
-def _runs(results, scenario):
-    world_size, ranks = results
-    if scenario not in AT_WORLD_SIZE[world_size]:
-        pytest.skip(f"{scenario} runs at world size 2 only (suite time budget)")
-    return ranks
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Callable[[int], list[dict]]:
+    """``launches(world_size)``: what every rank saved, from one launch per world size made when a test first needs it.
+
+    [Note: one launch per world size] The cases of each test carry their world size as the indirect parameter of
+    ``results``; pytest does not group such cases across tests, so the launches are cached here (a failed launch too:
+    its error is raised again by every case that needs it, without launching again).
+    """
+    saved: dict[int, Any] = {}
+
+    def get(world_size: int) -> list[dict]:
+        if world_size not in saved:
+            out = tmp_path_factory.mktemp(f"parity{world_size}")
+            names = AT_WORLD_SIZE[world_size]
+            try:
+                saved[world_size] = launch("parity.py", world_size, out, (",".join(names), "ddp," + ",".join(STAGES)),
+                                           timeout=900)
+            except AssertionError as error:
+                saved[world_size] = error
+        if isinstance(saved[world_size], AssertionError):
+            raise saved[world_size]
+        return saved[world_size]
+
+    return get
+
+
+@pytest.fixture
+def results(request, launches) -> list[dict]:
+    """The ranks' results at the world size of this case (see :func:`cases`)."""
+    return launches(request.param)
 
 
 def _assert_losses_close(actual, expected, rtol):
@@ -58,40 +86,40 @@ def _assert_params_close(actual, expected, rtol):
         assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("scenario", FP32_SCENARIOS)
+@pytest.mark.parametrize(("results", "scenario", "stage"), cases(FP32_SCENARIOS, STAGES), indirect=["results"])
 def test_fp32_matches_ddp_step_for_step(results, scenario, stage):
-    for rank_result in _runs(results, scenario):
+    for rank_result in results:
         ddp, zero = rank_result[scenario]["ddp"], rank_result[scenario][stage]
         _assert_losses_close(zero["losses"], ddp["losses"], RTOL)
         _assert_params_close(zero["params"], ddp["params"], RTOL)
 
 
-def test_lr_schedule_and_param_groups_kept(results):
-    for rank_result in _runs(results, "adamw"):
-        runs = rank_result["adamw"]
+@pytest.mark.parametrize(("results", "scenario"), cases(["adamw"]), indirect=["results"])
+def test_lr_schedule_and_param_groups_kept(results, scenario):
+    for rank_result in results:
+        runs = rank_result[scenario]
         assert runs["zero1"]["lr"] == runs["zero2"]["lr"] == runs["zero3"]["lr"] == runs["ddp"]["lr"]
         assert runs["ddp"]["lr"][1] == pytest.approx(2 * runs["ddp"]["lr"][0])  # two groups, two learning rates
 
 
-@pytest.mark.parametrize("scenario", ALL[:-len(CHECKPOINTS)])
+@pytest.mark.parametrize(("results", "scenario"), cases(ALL[:-len(CHECKPOINTS)]), indirect=["results"])
 def test_every_rank_ends_with_the_same_weights(results, scenario):
-    ranks = _runs(results, scenario)
     for stage in STAGES:
-        first = ranks[0][scenario][stage]["params"]
-        for other in ranks[1:]:
+        first = results[0][scenario][stage]["params"]
+        for other in results[1:]:
             for name, value in other[scenario][stage]["params"].items():
                 assert torch.equal(value, first[name]), f"{scenario}/{stage}: {name} differs between ranks"
 
 
-def test_bf16_mixed_close_to_ddp_amp(results):
+@pytest.mark.parametrize(("results", "scenario"), cases(["bf16_mixed"]), indirect=["results"])
+def test_bf16_mixed_close_to_ddp_amp(results, scenario):
     # DDP's bf16-mixed keeps fp32 weights and autocasts; ZeRO computes with bf16 working weights (the paper's 2Ψ)
     # and steps fp32 masters. bf16 has an 8-bit mantissa (relative rounding 2**-9 ~ 2e-3 per value); through a few
     # layers the loss moves by a few of those, so 1e-2 relative is the honest bound. Stages 1 and 2 use the same
     # buckets, so they do the same arithmetic in the same order and must agree to fp32 rounding; stage 3 buckets by
     # unit, so its bf16 sums are rounded differently and it is held to the DDP bound.
-    for rank_result in _runs(results, "bf16_mixed"):
-        runs = rank_result["bf16_mixed"]
+    for rank_result in results:
+        runs = rank_result[scenario]
         for stage in STAGES:
             _assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())  # fp32 back after fit
@@ -99,31 +127,28 @@ def test_bf16_mixed_close_to_ddp_amp(results):
         _assert_params_close(runs["zero2"]["params"], runs["zero1"]["params"], 1e-6)
 
 
-def test_fp16_overflow_skips_the_step_on_every_rank(results):
-    ranks = _runs(results, "fp16_overflow")
+@pytest.mark.parametrize(("results", "scenario"), cases(["fp16_overflow"]), indirect=["results"])
+def test_fp16_overflow_skips_the_step_on_every_rank(results, scenario):
     for stage in STAGES:
-        scalers = [r["fp16_overflow"][stage]["scaler"] for r in ranks]
+        scalers = [r[scenario][stage]["scaler"] for r in results]
         # rank 1 alone overflowed at step 2; all ranks skipped it and backed off, then grew again after 3 good steps
         assert all(s["skipped_steps"] == 1 for s in scalers), scalers
         assert all(s["scale"] == 1024.0 and s["good_steps"] == 3 for s in scalers), scalers
-        losses = ranks[0]["fp16_overflow"][stage]["losses"]
+        losses = results[0][scenario][stage]["losses"]
         assert all(torch.isfinite(torch.tensor(losses)))
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("scenario", CHECKPOINTS)
+@pytest.mark.parametrize(("results", "scenario", "stage"), cases(CHECKPOINTS, STAGES), indirect=["results"])
 def test_checkpoint_resumes_under_another_stage(results, scenario, stage):
-    for rank_result in _runs(results, scenario):
+    for rank_result in results:
         run = rank_result[scenario][stage]
         _assert_losses_close(run["resumed"], run["straight"], RTOL)
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("scenario", CHECKPOINTS)
+@pytest.mark.parametrize(("results", "scenario", "stage"), cases(CHECKPOINTS, STAGES), indirect=["results"])
 def test_checkpoint_has_the_content_of_a_ddp_checkpoint(results, scenario, stage):
-    ranks = _runs(results, scenario)
-    ddp = torch.load(ranks[0][scenario]["ddp"]["ckpt"], weights_only=False)
-    zero = load_full_checkpoint(ranks[0][scenario][stage]["ckpt"])  # the sharded directory, assembled
+    ddp = torch.load(results[0][scenario]["ddp"]["ckpt"], weights_only=False)
+    zero = load_full_checkpoint(results[0][scenario][stage]["ckpt"])  # the sharded directory, assembled
     _assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
     ddp_opt, zero_opt = ddp["optimizer_states"][0], zero["optimizer_states"][0]
     assert [g["params"] for g in zero_opt["param_groups"]] == [g["params"] for g in ddp_opt["param_groups"]]
