@@ -52,20 +52,6 @@ def check_optimizer(optimizer: Any) -> None:
         raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}. Use another optimizer.")
 
 
-def check_disjoint(optimizers: list[Optimizer]) -> None:
-    """Check every optimizer, and that no parameter is in two of them."""
-    seen: set[int] = set()
-    for optimizer in optimizers:
-        check_optimizer(optimizer)
-        for p in (p for group in optimizer.param_groups for p in group["params"]):
-            if id(p) in seen:
-                raise ValueError(
-                    "A parameter is in two optimizers. ZeroStrategy shards each parameter for one optimizer only; "
-                    "give every optimizer its own parameters."
-                )
-            seen.add(id(p))
-
-
 _SUBCLASSES: dict[type, type] = {}
 
 
