@@ -255,7 +255,8 @@ class SharedOptimizers(L.LightningModule):
 
     SGD (two param groups) and Adam hold every parameter of ``layer``; a third optimizer (AdamW, or Adafactor with
     ``third="adafactor"``) holds the last Linear only. Batches cycle through: SGD steps with a closure; Adam steps
-    after gradient clipping; all three step on one backward. SGD and Adam have their own LR schedulers.
+    after gradient clipping; all three step on one backward; Adam steps on two backwards between which the third
+    optimizer's ``zero_grad`` cleared the last Linear's gradients only. SGD and Adam have their own LR schedulers.
     ``automatic=True`` keeps automatic optimization, which Lightning refuses with several optimizers.
     """
 
@@ -274,7 +275,7 @@ class SharedOptimizers(L.LightningModule):
         if self.automatic_optimization:
             return self._loss(batch)
         sgd, adam, third = self.optimizers()
-        phase = batch_idx % 3
+        phase = batch_idx % 4
         if phase == 0:
             def closure() -> torch.Tensor:
                 loss = self._loss(batch)
@@ -289,13 +290,20 @@ class SharedOptimizers(L.LightningModule):
             self.manual_backward(loss)
             self.clip_gradients(adam, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
             adam.step()
-        else:  # one backward, three steps: each optimizer steps on the same gradients, from the last one's weights
+        elif phase == 2:  # one backward, three steps: each steps on the same gradients, from the last one's weights
             for opt in (sgd, adam, third):
                 opt.zero_grad()
             loss = self._loss(batch)
             self.manual_backward(loss)
             for opt in (sgd, adam, third):
                 opt.step()
+        else:  # the first Linear accumulates two backwards, the last Linear keeps the second one's gradient only
+            adam.zero_grad()
+            self.manual_backward(self._loss(batch) * 0.5)
+            third.zero_grad()
+            loss = self._loss(batch)
+            self.manual_backward(loss)
+            adam.step()
         sgd_schedule, adam_schedule = self.lr_schedulers()
         sgd_schedule.step()
         if phase == 1:
