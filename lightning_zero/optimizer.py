@@ -43,7 +43,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import Bucket, FlatLayout, plan_layout
 from lightning_zero.optimizer_support import check_optimizer, is_elementwise, optimizer_name, zero_subclass
 from lightning_zero.params import ShardedParams
-from lightning_zero.sharing import borrowed_slots, owner_index
+from lightning_zero.sharing import borrowed_slots, split_members
 from lightning_zero.stages import StagePolicy
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class MasterSlot:
 
     group: int
     start: int
-    """Offset in the shard (of the engine that owns the parameters: see ``ShardedOptimizer.sources``)."""
+    """Offset in the shard (of the engine owning the parameters: see ``ShardedOptimizer.slot_sources``)."""
     length: int
     shape: tuple[int, ...]
     pieces: tuple[tuple[int, int, int, int], ...]
@@ -90,20 +90,16 @@ class ShardedOptimizer:
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
         _check_params(self.canonical, optimizer)
-        owned_by = owner_index(owners)
-        trainable = [i for i, p in enumerate(self.canonical) if p.requires_grad]
-        own = [i for i in trainable if id(self.canonical[i]) not in owned_by]
-        self.managed = own + [i for i in trainable if id(self.canonical[i]) in owned_by]
+        members = split_members(self.canonical, owners)
+        self.managed = members.managed
         """Canonical index (in the user's param groups) of each member: owned parameters first, then borrowed."""
         self.members = [self.canonical[i] for i in self.managed]
         """The trainable parameters of the optimizer: ``params``, then those borrowed from earlier engines."""
-        self.params = self.members[: len(own)]
+        self.params = self.members[: members.owned]
         """The parameters this engine owns: laid out, stored and reduced here."""
-        self.sources: list[ShardedOptimizer] = [self] + list(
-            dict.fromkeys(owned_by[id(p)][0] for p in self.members[len(own):]))
+        self.sources: list[ShardedOptimizer] = [self, *members.owners]
         """This engine and the engines it borrows from, whose gradients its step needs (the same on every rank)."""
-        self._borrowed = {id(src): [owned_by[id(p)][1] for p in self.members[len(own):] if owned_by[id(p)][0] is src]
-                          for src in self.sources[1:]}
+        self._borrowed = members.borrowed
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
         self.param_units = [unit_of(p) if unit_of is not None else 0 for p in self.params]
         self.layout: FlatLayout = plan_layout(
@@ -132,7 +128,7 @@ class ShardedOptimizer:
             self._fill_from_params()
         self.slot_sources: list[ShardedOptimizer] = [self] * len(self.slots)
         """The engine whose shard each slot's ``start`` refers to (``self``, or the owner of borrowed parameters)."""
-        for source, slot in borrowed_slots(self.members, len(own), group_of, self.sources[1:]):
+        for source, slot in borrowed_slots(self.members, members.owned, group_of, self.sources[1:]):
             self.slots.append(slot)
             self.slot_sources.append(source)
         self.masters = [source._master_view(s) for source, s in zip(self.slot_sources, self.slots)]
@@ -240,10 +236,8 @@ class ShardedOptimizer:
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
 
     def reduce_grads(self) -> Tensor:
-        """Reduce the gradients of the owned parameters not reduced yet; returns this rank's complete gradient shard.
-
-        A collective (every rank calls it at the same point); the shard keeps the sum until :meth:`zero_grad`.
-        """
+        """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
+        which keeps the sum until :meth:`zero_grad`."""
         if not self.policy.shards_grads:
             for j in self._flat_order:
                 p = self.params[j]

@@ -22,6 +22,7 @@ own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from torch import Tensor
@@ -58,9 +59,29 @@ def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConf
     return [root(k) in needs_whole for k in range(len(optimizers))]
 
 
-def owner_index(owners: Sequence["ShardedOptimizer"]) -> dict[int, tuple["ShardedOptimizer", int]]:
-    """``id(parameter)`` to (owning engine, the parameter's index in ``engine.params``)."""
-    return {id(p): (engine, j) for engine in owners for j, p in enumerate(engine.params)}
+@dataclass
+class Members:
+    """How an engine splits its optimizer's trainable parameters between its own and borrowed ones."""
+
+    managed: list[int]
+    """Canonical index (in the optimizer's param groups) of each member: the owned ones first, then the borrowed."""
+    owned: int
+    """How many members the engine owns."""
+    owners: list["ShardedOptimizer"]
+    """The engines it borrows from, in order of first use (the same on every rank)."""
+    borrowed: dict[int, list[int]]
+    """``id(owner)`` to the indices in ``owner.params`` of the parameters borrowed from it."""
+
+
+def split_members(canonical: Sequence[Tensor], owners: Sequence["ShardedOptimizer"]) -> Members:
+    """Split the trainable parameters of ``canonical`` into those no engine in ``owners`` holds yet and the rest."""
+    owned_by = {id(p): (engine, j) for engine in owners for j, p in enumerate(engine.params)}
+    trainable = [i for i, p in enumerate(canonical) if p.requires_grad]
+    own = [i for i in trainable if id(canonical[i]) not in owned_by]
+    taken = [owned_by[id(canonical[i])] for i in trainable if id(canonical[i]) in owned_by]
+    lenders = list({id(engine): engine for engine, _ in taken}.values())
+    borrowed = {id(engine): [j for e, j in taken if e is engine] for engine in lenders}
+    return Members(own + [i for i in trainable if id(canonical[i]) in owned_by], len(own), lenders, borrowed)
 
 
 def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int],
@@ -82,7 +103,8 @@ def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dic
                     runs.append([])
                     continue
                 last = runs[-1][-1] if runs and runs[-1] else None
-                if last is None or last[3] + last[2] != offset or group_of[id(members[last[0]])] != group_of[id(members[m])]:
+                adjacent = last is not None and last[3] + last[2] == offset
+                if not adjacent or group_of[id(members[last[0]])] != group_of[id(members[m])]:
                     runs.append([])
                 runs[-1].append((m, p_start, length, offset))
             out.extend((owner, _slot_of(run, slot, group_of[id(members[run[0][0]])], owner.layout.whole_params))
