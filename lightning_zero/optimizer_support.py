@@ -16,8 +16,12 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
 )
 #: Optimizers that cannot work on any partition of the parameters.
 UNSUPPORTED_OPTIMIZERS = {
-    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times per step and needs every parameter at once",
-    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold",
+    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times within one step and keeps a history of "
+                         "flattened whole-model gradients, but under ZeRO each rank holds only its shard and the "
+                         "closure runs once per step, before the gradients are reduced. Train with LBFGS under "
+                         "`strategy='ddp'`, or pick an optimizer that steps once per closure (Adam, SGD, ...)",
+    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold. Use "
+                              "`torch.optim.Adam` or `strategy='ddp'`",
 }
 
 
@@ -49,7 +53,7 @@ def check_optimizer(optimizer: Any) -> None:
         )
     reason = UNSUPPORTED_OPTIMIZERS.get(optimizer_name(optimizer))
     if reason:
-        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}. Use another optimizer.")
+        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}.")
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -59,8 +59,10 @@ def test_automatic_optimization_raises_what_ddp_raises(ranks):
 def test_checkpoint_round_trip_with_shared_parameters(ranks, stage):
     for rank in ranks:
         run = rank["checkpoint"][stage]  # saved under `stage`, resumed under the next stage
+        assert len(run["resumed"]) == len(run["straight"]) == 8
         _assert_losses_close(run["resumed"], run["straight"], RTOL)
         _assert_params_close(run["resumed_params"], run["straight_params"], RTOL)
+        _assert_losses_close(run["from_ddp"], rank["checkpoint"]["ddp"]["straight"], RTOL)  # ddp's file, resumed
     ddp = torch.load(ranks[0]["checkpoint"]["ddp"]["ckpt"], weights_only=False)
     zero = load_full_checkpoint(ranks[0]["checkpoint"][stage]["ckpt"])
     _assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)

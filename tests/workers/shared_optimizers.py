@@ -58,25 +58,32 @@ def run_automatic(name: str) -> dict[str, Any]:
     return {"error": None}
 
 
+def resume(name: str, ckpt: Path) -> SharedOptimizers:
+    L.seed_everything(0, verbose=False)
+    model = SharedOptimizers()
+    trainer(name, max_epochs=3).fit(model, ckpt_path=ckpt)
+    return model
+
+
 def run_checkpoint(name: str, out: Path) -> dict[str, Any]:
-    """Two epochs and a save under ``name``; the third epoch resumed under another stage; three straight epochs."""
+    """Two epochs and a save under ``name``; the third epoch resumed under another stage, and (ZeRO) from ddp's
+    checkpoint file; three straight epochs. ddp runs first, so its file is there for the stages."""
     ckpt = out / f"shared-{name}.ckpt"
     L.seed_everything(0, verbose=False)
     first = trainer(name, max_epochs=2)
     first.fit(SharedOptimizers())
     first.save_checkpoint(ckpt)
-    if name == "ddp":
-        return {"ckpt": str(ckpt)}
-    other = f"zero{int(name[-1]) % 3 + 1}"
-    L.seed_everything(0, verbose=False)
-    resumed = SharedOptimizers()
-    trainer(other, max_epochs=3).fit(resumed, ckpt_path=ckpt)
     L.seed_everything(0, verbose=False)
     straight = SharedOptimizers()
     trainer(name, max_epochs=3).fit(straight)
-    return {"ckpt": str(ckpt), "resumed": resumed.losses, "straight": straight.losses[-len(resumed.losses):],
-            "resumed_params": {n: p.detach().clone() for n, p in resumed.named_parameters()},
-            "straight_params": {n: p.detach().clone() for n, p in straight.named_parameters()}}
+    result = {"ckpt": str(ckpt), "straight": straight.losses[-8:],
+              "straight_params": {n: p.detach().clone() for n, p in straight.named_parameters()}}
+    if name != "ddp":
+        resumed = resume(f"zero{int(name[-1]) % 3 + 1}", ckpt)
+        from_ddp = resume(name, out / "shared-ddp.ckpt")
+        result.update(resumed=resumed.losses, from_ddp=from_ddp.losses,
+                      resumed_params={n: p.detach().clone() for n, p in resumed.named_parameters()})
+    return result
 
 
 def main() -> None:
