@@ -1,5 +1,5 @@
 """Which optimizers ZeRO can shard and how (flat slices or whole tensors), and the subclass it swaps in for
-``zero_grad`` (see [Note: gradients are consumed by the step] in ``optimizer.py``)."""
+``zero_grad`` (see [Note: gradients live until zero_grad] in ``optimizer.py``)."""
 
 from __future__ import annotations
 
