@@ -151,6 +151,22 @@ class GradientReducer:
         if release:
             self.grad_shard = None
 
+    def clear_params(self, params: Sequence[int]) -> None:
+        """Zero the gradients of some parameters only, without communicating (``zero_grad`` of another optimizer
+        that holds them). Their parts of reduced buckets are zeroed in the shard, so a later reduction adds to zero;
+        their parts of an open bucket count as a zero gradient received."""
+        self.wait()
+        for j in params:
+            for bucket, _, length, offset in self._param_parts[j]:
+                slot = self._open.get(bucket.index)
+                if slot is not None:
+                    slot.input(bucket, self.layout.world_size)[offset : offset + length].zero_()
+                if self._written[bucket.index] and self.grad_shard is not None:
+                    for pc in self.layout.pieces(bucket, self.rank):
+                        if pc.param == j:
+                            at = bucket.shard_offset + pc.chunk_offset
+                            self.grad_shard[at : at + pc.length].zero_()
+
     def release_buffers(self) -> None:
         """Free the pooled bucket buffers (they are made again on demand)."""
         self.wait()

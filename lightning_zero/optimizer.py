@@ -14,12 +14,18 @@ user references keep working. After the step, each rank writes its updated chunk
 per bucket refreshes everybody's copy in place. When the master dtype equals the working dtype (``32-true``,
 ``bf16-true``) the master shard *is* this rank's chunk of the buffer: no second copy.
 
-[Note: gradients are consumed by the step]
-As in DeepSpeed, ``optimizer.step()`` consumes the gradients: the shard is cleared after the step (stage 1 also frees
-it). ``zero_grad()`` clears them too, which matters with several optimizers (a GAN's generator gradients produced by
-the discriminator's backward must be discarded by ``opt_g.zero_grad()`` exactly as under DDP). Because Lightning
-calls ``zero_grad`` on a ``LightningOptimizer`` whose class is derived from the optimizer's class, the hook has to be
-on the class: the optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold).
+[Note: gradients live until zero_grad]
+As under DDP, the reduced gradients stay (in the gradient shard) until ``zero_grad()``: a second optimizer can step
+on the same backward, and a backward without ``zero_grad`` accumulates into them. ``zero_grad()`` clears them, which
+matters with several optimizers (a GAN's generator gradients produced by the discriminator's backward must be
+discarded by ``opt_g.zero_grad()`` exactly as under DDP). The master tensors carry a ``.grad`` only from
+:meth:`ShardedOptimizer.prepare_step` to :meth:`ShardedOptimizer.after_step` (views of the shard, or fp32 copies
+under mixed precision); the shard stays the one source of truth. Because Lightning calls ``zero_grad`` on a
+``LightningOptimizer`` whose class is derived from the optimizer's class, the hook has to be on the class: the
+optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold).
+
+Parameters held by several optimizers are owned by one engine and borrowed by the others: see [Note: parameters
+shared by several optimizers] in ``sharing.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import Bucket, FlatLayout, plan_layout
 from lightning_zero.optimizer_support import check_optimizer, is_elementwise, optimizer_name, zero_subclass
 from lightning_zero.params import ShardedParams
+from lightning_zero.sharing import borrowed_slots, split_members
 from lightning_zero.stages import StagePolicy
 
 @dataclass(frozen=True)
@@ -45,15 +52,20 @@ class MasterSlot:
 
     group: int
     start: int
-    """Offset in the shard."""
+    """Offset in the shard (of the engine owning the parameters: see ``ShardedOptimizer.slot_sources``)."""
     length: int
     shape: tuple[int, ...]
     pieces: tuple[tuple[int, int, int, int], ...]
-    """``(layout param index, param_start, length, offset in this slot)`` of every parameter part inside."""
+    """``(member index, param_start, length, offset in this slot)`` of every parameter part inside."""
 
 
 class ShardedOptimizer:
-    """Installs ZeRO on one user optimizer: layout, flat working buffer, master shard, gradient reducer."""
+    """Installs ZeRO on one user optimizer: layout, flat working buffer, master shard, gradient reducer.
+
+    ``owners`` are the engines of earlier optimizers: parameters one of them already holds are borrowed from it,
+    not laid out again (see [Note: parameters shared by several optimizers] in ``sharing.py``). ``whole_params``
+    overrides whether the optimizer gets whole tensors (default: unless it is elementwise).
+    """
 
     def __init__(
         self,
@@ -67,6 +79,8 @@ class ShardedOptimizer:
         unit_of: Optional[Callable[[Tensor], int]] = None,
         group: Optional[Any] = None,
         unit_names: Sequence[str] = (),
+        owners: Sequence["ShardedOptimizer"] = (),
+        whole_params: Optional[bool] = None,
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer = optimizer
@@ -76,8 +90,16 @@ class ShardedOptimizer:
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
         _check_params(self.canonical, optimizer)
-        self.managed = [i for i, p in enumerate(self.canonical) if p.requires_grad]
-        self.params = [self.canonical[i] for i in self.managed]
+        members = split_members(self.canonical, owners)
+        self.managed = members.managed
+        """Canonical index (in the user's param groups) of each member: owned parameters first, then borrowed."""
+        self.members = [self.canonical[i] for i in self.managed]
+        """The trainable parameters of the optimizer: ``params``, then those borrowed from earlier engines."""
+        self.params = self.members[: members.owned]
+        """The parameters this engine owns: laid out, stored and reduced here."""
+        self.sources: list[ShardedOptimizer] = [self, *members.owners]
+        """This engine and the engines it borrows from, whose gradients its step needs (the same on every rank)."""
+        self._borrowed = members.borrowed
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
         self.param_units = [unit_of(p) if unit_of is not None else 0 for p in self.params]
         self.layout: FlatLayout = plan_layout(
@@ -85,7 +107,7 @@ class ShardedOptimizer:
             [group_of[id(p)] for p in self.params],
             self.world_size,
             config.reduce_bucket_size,
-            whole_params=not is_elementwise(optimizer, config),
+            whole_params=not is_elementwise(optimizer, config) if whole_params is None else whole_params,
             ready_order=_backward_order(self.params, module),
             units=self.param_units if policy.shards_params else None,
         )
@@ -104,7 +126,12 @@ class ShardedOptimizer:
             self.master_storage = None if aliased else torch.zeros(self.layout.shard_size, dtype=master_dtype,
                                                                    device=device)
             self._fill_from_params()
-        self.masters = [self._master_view(s) for s in self.slots]
+        self.slot_sources: list[ShardedOptimizer] = [self] * len(self.slots)
+        """The engine whose shard each slot's ``start`` refers to (``self``, or the owner of borrowed parameters)."""
+        for source, slot in borrowed_slots(self.members, members.owned, group_of, self.sources[1:]):
+            self.slots.append(slot)
+            self.slot_sources.append(source)
+        self.masters = [source._master_view(s) for source, s in zip(self.slot_sources, self.slots)]
         self.reducer = GradientReducer(
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group,
             unit_names if policy.shards_params else (),
@@ -194,7 +221,8 @@ class ShardedOptimizer:
             self.reducer.wait()
 
     def prepare_step(self) -> None:
-        """Reduce what is left and give every master tensor its averaged gradient (in the master dtype).
+        """Reduce what is left (here and in the engines lending parameters) and give every master tensor its averaged
+        gradient (in the master dtype).
 
         Idempotent until the step: manual optimization may clip (which needs the reduced gradients) before
         ``optimizer.step()`` prepares again.
@@ -202,6 +230,14 @@ class ShardedOptimizer:
         if self._prepared:
             return
         self._prepared = True
+        shards = {id(source): source.reduce_grads() for source in self.sources}
+        for slot, master, source in zip(self.slots, self.masters, self.slot_sources):
+            grad = shards[id(source)][slot.start : slot.start + slot.length].view(slot.shape)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def reduce_grads(self) -> Tensor:
+        """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
+        which keeps the sum until :meth:`zero_grad`."""
         if not self.policy.shards_grads:
             for j in self._flat_order:
                 p = self.params[j]
@@ -209,21 +245,27 @@ class ShardedOptimizer:
                     self.reducer.add_grad(j, p.grad)
                     p.grad = None
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
-        shard = self.reducer.finalize(force=not self.policy.shards_grads)
-        for slot, master in zip(self.slots, self.masters):
-            grad = shard[slot.start : slot.start + slot.length].view(slot.shape)
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        return self.reducer.finalize(force=not self.policy.shards_grads)
+
+    def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
+        """The slots in this engine's own shard (its owned parameters) with their master tensors."""
+        return [(slot, master) for slot, master, source in zip(self.slots, self.masters, self.slot_sources)
+                if source is self]
 
     def grads(self) -> list[Tensor]:
         """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""
         return [m.grad for m in self.masters if m.grad is not None]
 
     def after_step(self, stepped: bool) -> None:
-        """Consume the gradients and, if the optimizer stepped, bring the update to the working parameters: stages
-        1 and 2 all-gather it into the full buffer, stage 3 casts it into the working shard (gathered on use)."""
-        self.zero_grad()
+        """Drop the master gradients (the shard keeps the reduced sum, see [Note: gradients live until zero_grad])
+        and, if the optimizer stepped, bring the update to the working parameters of every engine it stepped on:
+        stages 1 and 2 all-gather it into the full buffer, stage 3 casts it into the working shard."""
+        self._prepared = False
+        for m in self.masters:
+            m.grad = None
         if stepped:
-            self.refresh_working()
+            for source in self.sources:
+                source.refresh_working()
 
     def refresh_working(self) -> None:
         """Bring the master shard's values to the working parameters (after a step, or a checkpoint load)."""
@@ -258,13 +300,27 @@ class ShardedOptimizer:
         return self.sharded.unit_numel(unit) if self.sharded is not None else 0
 
     def zero_grad(self) -> None:
-        """Drop every gradient this engine holds: master grads, the grad shard, and stage 1's full ``.grad``."""
-        self._prepared = False
+        """Drop the gradients of every parameter of the optimizer: master grads, stage 1's full ``.grad`` and the
+        reduced gradients, here and, for borrowed parameters, in their owners' shards (no communication)."""
         for m in self.masters:
             m.grad = None
-        for p in self.params:
-            p.grad = None
-        self.reducer.clear(release=not self.policy.shards_grads)
+        self.clear_grads(None)
+        for source in self.sources[1:]:
+            source.clear_grads(self._borrowed[id(source)])
+
+    def clear_grads(self, indices: Optional[Sequence[int]]) -> None:
+        """Drop the gradients of the owned parameters ``params[j]`` for ``j`` in ``indices`` (``None``: all)."""
+        self._prepared = False
+        for _, m in self.own_masters():
+            m.grad = None
+        if indices is None or len(set(indices)) == len(self.params):
+            for p in self.params:
+                p.grad = None
+            self.reducer.clear(release=not self.policy.shards_grads)
+            return
+        for j in indices:
+            self.params[j].grad = None
+        self.reducer.clear_params(indices)
 
     def _gather_params(self) -> None:
         assert self.flat is not None
@@ -312,7 +368,9 @@ class ShardedOptimizer:
                 for p in self.params:
                     p.data = p.new_empty(0)
             return
-        self.zero_grad()
+        for m in self.masters:
+            m.grad = None
+        self.clear_grads(None)
         self.reducer.release_buffers()
         if any(p.is_meta for p in self.params):
             return  # setup failed before the parameters were materialized: nothing to hand back

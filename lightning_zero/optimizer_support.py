@@ -1,5 +1,5 @@
 """Which optimizers ZeRO can shard and how (flat slices or whole tensors), and the subclass it swaps in for
-``zero_grad`` (see [Note: gradients are consumed by the step] in ``optimizer.py``)."""
+``zero_grad`` (see [Note: gradients live until zero_grad] in ``optimizer.py``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
 )
 #: Optimizers that cannot work on any partition of the parameters.
 UNSUPPORTED_OPTIMIZERS = {
-    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times per step and needs every parameter at once",
-    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold",
+    "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times within one step and keeps a history of "
+                         "flattened whole-model gradients, but under ZeRO each rank holds only its shard and the "
+                         "closure runs once per step, before the gradients are reduced. Train with LBFGS under "
+                         "`strategy='ddp'`, or pick an optimizer that steps once per closure (Adam, SGD, ...)",
+    "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold. Use "
+                              "`torch.optim.Adam` or `strategy='ddp'`",
 }
 
 
@@ -49,21 +53,7 @@ def check_optimizer(optimizer: Any) -> None:
         )
     reason = UNSUPPORTED_OPTIMIZERS.get(optimizer_name(optimizer))
     if reason:
-        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}. Use another optimizer.")
-
-
-def check_disjoint(optimizers: list[Optimizer]) -> None:
-    """Check every optimizer, and that no parameter is in two of them."""
-    seen: set[int] = set()
-    for optimizer in optimizers:
-        check_optimizer(optimizer)
-        for p in (p for group in optimizer.param_groups for p in group["params"]):
-            if id(p) in seen:
-                raise ValueError(
-                    "A parameter is in two optimizers. ZeroStrategy shards each parameter for one optimizer only; "
-                    "give every optimizer its own parameters."
-                )
-            seen.add(id(p))
+        raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}.")
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -7,7 +7,8 @@
 3. for ``16-mixed``: unscale the master gradients and agree on overflow across ranks (one all-reduce of a flag),
 4. Lightning's ``on_before_optimizer_step`` hooks and gradient clipping (global norm over all shards),
 5. the user's ``optimizer.step()``, skipped on every rank or none when the loss scaler found an overflow,
-6. ``after_step``: the gradients are consumed and the updated shards all-gathered into the working parameters.
+6. ``after_step``: the master gradients are dropped (the reduced ones stay in the shard until ``zero_grad``) and the
+   updated shards all-gathered into the working parameters (of every engine the optimizer stepped on).
 """
 
 from __future__ import annotations

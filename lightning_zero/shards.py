@@ -14,7 +14,7 @@ copy) and destinations when loading (views the reader writes into in place), so 
 the weights.
 
 Optimizer states follow the canonical numbering of ``state_dict.py``: the index of each parameter in the user's
-param groups. A state with one value per element (``exp_avg``) is cut like the parameter; any other value
+param groups, per optimizer (a parameter held by two optimizers has a state in each, under each one's index). A state with one value per element (``exp_avg``) is cut like the parameter; any other value
 (``step``, Adafactor's factored statistics) is written whole, by the rank that owns the parameter's first element.
 """
 
@@ -63,7 +63,7 @@ def model_shards(module: torch.nn.Module, engines: list[ShardedOptimizer], full_
     for engine in engines:
         for j, p in enumerate(engine.params):
             managed[id(p)] = Shard(tuple(p.shape), engine.masters[0].dtype if engine.masters else p.dtype)
-        for slot, master in zip(engine.slots, engine.masters):
+        for slot, master in engine.own_masters():  # a parameter held by several optimizers: its owner's pieces
             flat = master.detach().reshape(-1)
             for p, p_start, length, offset in slot.pieces:
                 managed[id(engine.params[p])].pieces.append((p_start, flat[offset : offset + length]))
@@ -89,7 +89,7 @@ def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     for slot, master in zip(engine.slots, engine.masters):
         for key, value in engine.optimizer.state.get(master, {}).items():
             for p, p_start, length, offset in slot.pieces:
-                param = engine.params[p]
+                param = engine.members[p]
                 entry = out.setdefault(engine.managed[p], {})
                 if is_per_element(value, slot, param):
                     shard = entry.setdefault(key, Shard(tuple(param.shape), value.dtype))
@@ -168,7 +168,7 @@ def optimizer_destination(engine: ShardedOptimizer, saved: dict[tuple[int, str],
     dest = OptimizerDestination(engine, slot_states=[{} for _ in engine.slots])
     for s, slot in enumerate(engine.slots):
         for p, p_start, length, offset in slot.pieces:
-            canon, param = engine.managed[p], engine.params[p]
+            canon, param = engine.managed[p], engine.members[p]
             for key, shape, dtype in by_param.get(canon, []):
                 if shape == tuple(param.shape) and len(shape) > 0:
                     state = dest.slot_states[s].get(key)

@@ -76,15 +76,16 @@ def _collect(engine: ShardedOptimizer, include_weights: bool, include_state: boo
     statistics); flat masters contribute the slice of every per-element state that belongs to each parameter.
     """
     pieces: list[_Piece] = []
-    for slot, master in zip(engine.slots, engine.masters):
-        sources: dict[Optional[str], Any] = {None: master.detach()} if include_weights else {}
+    for slot, master, owner in zip(engine.slots, engine.masters, engine.slot_sources):
+        # a borrowed parameter's weight is its owner's to report (see sharing.py)
+        sources: dict[Optional[str], Any] = {None: master.detach()} if include_weights and owner is engine else {}
         if include_state:
             sources.update(engine.optimizer.state.get(master, {}))
         for key, value in sources.items():
             value = value.detach().cpu() if isinstance(value, Tensor) else value
             for p, p_start, length, offset in slot.pieces:
                 canon = engine.managed[p]
-                if not is_per_element(value, slot, engine.params[p]):
+                if not is_per_element(value, slot, engine.members[p]):
                     pieces.append((canon, key, None, value))
                 else:
                     pieces.append((canon, key, p_start, value.reshape(-1)[offset : offset + length]))

@@ -44,10 +44,10 @@ from lightning_zero.materialize import (
 )
 from lightning_zero.memory import expected_model_state_bytes
 from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.optimizer_support import check_disjoint
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.faults import fault_point
 from lightning_zero.shutdown import GUARD
+from lightning_zero.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
 from lightning_zero.strategy_checkpoints import CheckpointHooks
 from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
@@ -271,20 +271,22 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         assert self.model is not None
         return self._make_engine(torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.0))
 
-    def _make_engine(self, optimizer: Optimizer) -> ShardedOptimizer:
+    def _make_engine(self, optimizer: Optimizer, whole_params: Optional[bool] = None) -> ShardedOptimizer:
+        """The engine of ``optimizer``; it borrows the parameters the engines made before it already hold."""
         precision = self.precision_plugin
         unit_of = self._unit_plan.unit if self.policy.shards_params else None
         return ShardedOptimizer(optimizer, self.policy, self.config, precision.working_dtype, precision.master_dtype,
                                 self.root_device, module=self.lightning_module, unit_of=unit_of,
-                                unit_names=self._unit_plan.names)
+                                unit_names=self._unit_plan.names, owners=list(self.engines), whole_params=whole_params)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._uninstall_engines()
         self.engines = []
         super().setup_optimizers(trainer)
-        check_disjoint(self.optimizers)
-        self.engines = [self._make_engine(opt) for opt in self.optimizers]
+        # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
+        for optimizer, whole_params in zip(self.optimizers, whole_params_per_optimizer(self.optimizers, self.config)):
+            self.engines.append(self._make_engine(optimizer, whole_params))
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
 

@@ -64,9 +64,14 @@ class CheckpointHooks:
                         storage_options: Optional[Any] = None) -> None:
         """Write a sharded checkpoint directory (every rank) or, with ``state_dict_type="full"``, one file (rank 0);
         either appears complete or not at all."""
-        if storage_options is not None:
-            raise TypeError("ZeroStrategy does not take `storage_options`; its checkpoints are written with "
-                            "torch.distributed.checkpoint (sharded) or torch.save (full).")
+        if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
+            raise TypeError(
+                "ZeroStrategy does not take `storage_options`: no rank holds the whole model, so the checkpoint is "
+                "not handed to the Trainer's CheckpointIO; every rank writes its own pieces with "
+                "torch.distributed.checkpoint (with `state_dict_type='full'`, rank 0 writes one file with "
+                "torch.save). Call `save_checkpoint` without `storage_options`, on a path every rank can reach; to "
+                "store it elsewhere, copy the directory (or the full file) afterwards."
+            )
         if self.config.state_dict_type == "full":
             if self.is_global_zero:
                 save_file(checkpoint, Path(filepath))

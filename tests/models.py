@@ -219,3 +219,107 @@ class TinyGPT(L.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(token_data(n=24, seed=99), batch_size=4)
+
+
+class _Counted:
+    """Counts ``step`` and ``zero_grad`` calls (the counts dict is shared with Lightning's wrapper of the optimizer)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = {"step": 0, "zero_grad": 0}
+
+    def step(self, closure: Any = None) -> Any:
+        self.calls["step"] += 1
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls["zero_grad"] += 1
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+
+class CountingSGD(_Counted, torch.optim.SGD):
+    """SGD that counts its calls."""
+
+
+class CountingAdam(_Counted, torch.optim.Adam):
+    """Adam that counts its calls."""
+
+
+class SharedOptimizers(L.LightningModule):
+    """Three optimizers over shared parameters, stepped by manual optimization in three ways.
+
+    SGD (two param groups) and Adam hold every parameter of ``layer``; a third optimizer (AdamW, or Adafactor with
+    ``third="adafactor"``) holds the last Linear only. Batches cycle through: SGD steps with a closure; Adam steps
+    after gradient clipping; all three step on one backward; Adam steps on two backwards between which the third
+    optimizer's ``zero_grad`` cleared the last Linear's gradients only. SGD and Adam have their own LR schedulers.
+    ``automatic=True`` keeps automatic optimization, which Lightning refuses with several optimizers.
+    """
+
+    def __init__(self, third: str = "adamw", automatic: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = automatic
+        self.layer = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.losses: list[float] = []
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.layer(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.automatic_optimization:
+            return self._loss(batch)
+        sgd, adam, third = self.optimizers()
+        phase = batch_idx % 4
+        if phase == 0:
+            def closure() -> torch.Tensor:
+                loss = self._loss(batch)
+                sgd.zero_grad()
+                self.manual_backward(loss)
+                return loss
+
+            loss = sgd.step(closure=closure)
+        elif phase == 1:
+            loss = self._loss(batch)
+            adam.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(adam, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            adam.step()
+        elif phase == 2:  # one backward, three steps: each steps on the same gradients, from the last one's weights
+            for opt in (sgd, adam, third):
+                opt.zero_grad()
+            loss = self._loss(batch)
+            self.manual_backward(loss)
+            for opt in (sgd, adam, third):
+                opt.step()
+        else:  # the first Linear accumulates two backwards, the last Linear keeps the second one's gradient only
+            adam.zero_grad()
+            self.manual_backward(self._loss(batch) * 0.5)
+            third.zero_grad()
+            loss = self._loss(batch)
+            self.manual_backward(loss)
+            adam.step()
+        sgd_schedule, adam_schedule = self.lr_schedulers()
+        sgd_schedule.step()
+        if phase == 1:
+            adam_schedule.step()
+        self.log(f"loss_phase{phase}", loss)
+        self.losses.append(loss.item())
+
+    def configure_optimizers(self) -> Any:
+        weights = [p for p in self.layer.parameters() if p.dim() == 2]
+        biases = [p for p in self.layer.parameters() if p.dim() == 1]
+        sgd = CountingSGD([{"params": weights, "momentum": 0.9}, {"params": biases, "lr": 0.1}], lr=0.05)
+        adam = CountingAdam(self.layer.parameters(), lr=1e-2)
+        last = self.layer[2].parameters()
+        third = (torch.optim.Adafactor(last, lr=1e-2) if self.hparams.third == "adafactor"
+                 else torch.optim.AdamW(last, lr=5e-3, weight_decay=0.1))
+        schedulers = [torch.optim.lr_scheduler.StepLR(sgd, step_size=2, gamma=0.5),
+                      torch.optim.lr_scheduler.ExponentialLR(adam, gamma=0.9)]
+        return [sgd, adam, third], schedulers
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(64, 6, generator=g)
+        return DataLoader(TensorDataset(x, torch.sin(x[:, :3]) + 0.1 * torch.randn(64, 3, generator=g)),
+                          batch_size=4)
