@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -45,17 +45,17 @@ from lightning_zero.materialize import (
 from lightning_zero.memory import expected_model_state_bytes
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.faults import fault_point
 from lightning_zero.shutdown import GUARD
 from lightning_zero.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
 from lightning_zero.strategy_checkpoints import CheckpointHooks
-from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
+from lightning_zero.strategy_steps import StepHooks
+from lightning_zero.units import UnitPlan, UnitRuntime, plan_units
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class ZeroStrategy(CheckpointHooks, ParallelStrategy):
+class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
     Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` (``"zero2_spawn"`` to launch with ``spawn``), or
@@ -307,57 +307,6 @@ class ZeroStrategy(CheckpointHooks, ParallelStrategy):
         with record_construction(self.root_device) as recording, pretrained.deferring():
             yield
         self._recording = recording
-
-    # ------------------------------------------------------------------ steps
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        GUARD.safe_point()
-        if self.runtime is not None:
-            self.runtime.gather(ROOT)
-        output = super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        if self.runtime is not None and not self.lightning_module.automatic_optimization:
-            self.runtime.end_step()
-        return output
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        GUARD.safe_point()
-        fault_point("evaluation.step")
-        if self.runtime is None:
-            return step(*args, **kwargs)
-        self.runtime.gather(ROOT)
-        try:
-            return step(*args, **kwargs)
-        finally:
-            self.runtime.end_step()
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        for engine in self.engines:
-            engine.finish_backward()
-        if self.runtime is not None:
-            assert self.lightning_module is not None
-            self.runtime.end_backward(include_root=self.lightning_module.automatic_optimization)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.runtime is not None:
-            self.runtime.refresh()
-        return output
 
     @override
     def on_exception(self, exception: BaseException) -> None:
