@@ -170,8 +170,12 @@ def _reason(name: str) -> str:
 
 
 def _worth_taking(signum: int) -> bool:
-    """SIGUSR1 only where somebody handles it (Lightning's SLURM requeue); its default is to end the process."""
-    return signum != signal.SIGUSR1 or callable(signal.getsignal(signum))
+    """Not a signal the process ignores (``nohup``); SIGUSR1 only where somebody handles it (Lightning's SLURM
+    requeue): its default is to end the process."""
+    current = signal.getsignal(signum)
+    if current == signal.SIG_IGN:
+        return False
+    return signum != signal.SIGUSR1 or callable(current)
 
 
 def _main_thread() -> bool:

@@ -8,9 +8,11 @@ after ``timeout`` seconds instead of eating CI's time.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,27 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
     if any(codes):
         raise AssertionError(f"{script} on {world_size} ranks failed with exit codes {codes}:\n{_tail(out_dir)}")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> int:
+    """Run ``cmd`` (a user's launch: Lightning starts the other ranks as its children) in a process group of its own,
+    so that a signal to the group reaches this run only, as Ctrl-C reaches a terminal's foreground job. Returns the
+    exit code; on a hang every process prints where it is stuck (SIGABRT with ``PYTHONFAULTHANDLER``) and it fails.
+    """
+    with open(log, "w") as out:
+        # SIGINT back to its default: a job started in the background of a non-interactive shell ignores it.
+        proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env, PYTHONFAULTHANDLER="1"), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)
+            time.sleep(5)
+            raise AssertionError(f"{' '.join(cmd)} did not end in {timeout}s:\n{log.read_text()[-8000:]}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(out_dir: Path, lines: int = 60) -> str:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.launch import run_in_own_session
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -91,20 +91,7 @@ def interrupt_in_second_save(cmd: list[str], cwd: Path) -> subprocess.CompletedP
     lands never depends on timing."""
     log = cwd / "interrupted.log"
     fault = "point=save.written,signal=SIGINT,rank=0,target=group,occurrence=3"  # 2 writes per event: top-k, last
-    with open(log, "w") as out:
-        # SIGINT back to its default: a job started in the background of a non-interactive shell ignores it.
-        env = dict(user_env(), PYTHONFAULTHANDLER="1", LIGHTNING_ZERO_FAULT=fault)
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
-            code = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # every process prints where it is stuck
-            time.sleep(5)
-            raise AssertionError(f"Ctrl-C did not stop training in {TIMEOUT}s:\n{log.read_text()[-8000:]}")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    code = run_in_own_session(cmd, dict(user_env(), LIGHTNING_ZERO_FAULT=fault), cwd, log, TIMEOUT)
     return subprocess.CompletedProcess(cmd, code, log.read_text(), "")
 
 

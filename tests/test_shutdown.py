@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT
+from tests.launch import ROOT, run_in_own_session
 
 TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
 SHUTDOWN = 60
@@ -30,22 +30,11 @@ def run_with_fault(tmp_path: Path, fault: str, stage: int = 3, state_dict_type: 
     """Run tests/workers/interrupt.py with ``LIGHTNING_ZERO_FAULT=fault``; returns (exit code, log, seconds from
     the signal to the exit)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LIGHTNING_ZERO_FAULT=fault, PYTHONFAULTHANDLER="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LIGHTNING_ZERO_FAULT=fault)
     log = tmp_path / "run.log"
     cmd = [sys.executable, str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), str(stage),
            state_dict_type, str(max_steps)]
-    with open(log, "w") as out:  # a session of its own: the group signal reaches this run only
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # every process prints where it is stuck
-            time.sleep(5)
-            raise AssertionError(f"the run did not end in {TIMEOUT}s:\n{log.read_text()[-8000:]}")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    code = run_in_own_session(cmd, env, tmp_path, log, TIMEOUT)
     ended = time.time()
     text = log.read_text()
     sent = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("lightning-zero fault")]
@@ -175,6 +164,7 @@ def test_the_guard_records_acts_once_and_gives_the_signals_back():
     from lightning_zero.shutdown import SignalGuard, Stopped
 
     guard, seen = SignalGuard(), []
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest runs under nohup
     before = signal.getsignal(signal.SIGTERM)
     guard.install()
     try:
