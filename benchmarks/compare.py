@@ -59,6 +59,8 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
                        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS=threads,
                        PYTHONPATH=str(ROOT), PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072",
                        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if cfg.get("gpu") else "cpu"))
+            if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
+                env.pop("MALLOC_MMAP_THRESHOLD_")
             logs.append(open(out / f"rank{rank}.log", "w"))
             cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_worker.py"), str(out), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
@@ -90,7 +92,8 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "model_states": zero["states"].get("model_states"), "states": zero["states"],
             "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
             "params": zero["size"]["params"], "threads": zero["threads"],
-            "cpu_seconds": [r.get("cpu_seconds") for r in ranks]}
+            "cpu_seconds": [r.get("cpu_seconds") for r in ranks],
+            **{k: top[k] for k in ("phases", "levels") if k in top}}
 
 
 def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[str, Any]]:

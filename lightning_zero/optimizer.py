@@ -35,7 +35,13 @@ from lightning_zero import collectives
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import Bucket, FlatLayout, plan_layout
-from lightning_zero.optimizer_support import check_optimizer, is_elementwise, optimizer_name, zero_subclass
+from lightning_zero.optimizer_support import (
+    check_optimizer,
+    is_elementwise,
+    optimizer_name,
+    step_in_pieces,
+    zero_subclass,
+)
 from lightning_zero.params import ShardedParams
 from lightning_zero.stages import StagePolicy
 
@@ -80,11 +86,12 @@ class ShardedOptimizer:
         self.params = [self.canonical[i] for i in self.managed]
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
         self.param_units = [unit_of(p) if unit_of is not None else 0 for p in self.params]
+        self.bucket_elements = config.bucket_elements(sum(p.numel() for p in self.params))
         self.layout: FlatLayout = plan_layout(
             [p.numel() for p in self.params],
             [group_of[id(p)] for p in self.params],
             self.world_size,
-            config.reduce_bucket_size,
+            self.bucket_elements,
             whole_params=not is_elementwise(optimizer, config),
             ready_order=_backward_order(self.params, module),
             units=self.param_units if policy.shards_params else None,
@@ -210,9 +217,17 @@ class ShardedOptimizer:
                     p.grad = None
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
         shard = self.reducer.finalize(force=not self.policy.shards_grads)
+        self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
         for slot, master in zip(self.slots, self.masters):
             grad = shard[slot.start : slot.start + slot.length].view(slot.shape)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def step(self, call: Callable[[], Any]) -> Any:
+        """Run the user's ``optimizer.step`` (``call``): for elementwise optimizers in pieces of at most one bucket's
+        elements, so that its temporaries stay that small (see [Note: the step in constant-size pieces])."""
+        if self.layout.whole_params:
+            return call()
+        return step_in_pieces(self.optimizer, self.bucket_elements, call)
 
     def grads(self) -> list[Tensor]:
         """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""
