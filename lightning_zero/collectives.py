@@ -17,18 +17,12 @@ values are bit-identical (only a ``-0.0`` comes back as ``+0.0``); the reduced s
 memory is the same (in place), the counters still count the logical payload above, and the bytes on the wire of an
 all-gather double, which gloo's own algorithm costs in time anyway. Stage 3's unit gathers stay native: their order
 follows the model's control flow, and two ranks out of step must fail (an all-reduce would silently sum two units
-of the same size) unless tagged: see [Note: tagged unit gathers]. Bucket reduce-scatters and the after-step gathers
-are issued in a fixed order by every rank. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1``
-keeps gloo's (for comparisons).
-
-[Note: tagged unit gathers]
-gloo's own all-gather allocates a second, full-size output inside gloo and copies it out (measured: +95 MiB of
-peak for a 95 MiB all-gather, +3 MiB for an all-reduce of the same buffer), so every stage 3 unit in flight cost
-twice its size. :func:`gather_tagged` gathers a whole unit as one in-place all-reduce instead, and keeps the safety
-of the native form with a tag: the unit's buffer has ``world_size`` extra elements; each rank writes its unit's
-code into its own one and zeros into the others, so after the sum element ``r`` holds rank ``r``'s code. Waiting
-checks that every rank gathered the same unit and raises, naming it, if not (two units of different sizes fail
-inside gloo, as before). Codes are small integers, exact in every working dtype.
+of the same size; an all-reduce of two different sizes even aborts the process inside gloo). gloo's own all-gather
+allocates a second, full-size output inside gloo and copies it out (measured: +95 MiB of peak for a 95 MiB
+all-gather, +3 MiB for an all-reduce of the same buffer), so stage 3 gathers a unit bucket by bucket: the
+temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the unit's.
+Bucket reduce-scatters and the after-step gathers are issued in a fixed order by every rank. NCCL keeps its native collectives, and
+``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 """
 
 from __future__ import annotations
@@ -176,53 +170,6 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
     else:
         work = _all_gather_single(output, input, group=group, async_op=async_op)
     return work if async_op else _DoneWork()
-
-
-class _CheckTags:
-    """A work handle whose ``wait`` also checks that every rank tagged its contribution with ``code``."""
-
-    def __init__(self, work: Any, tags: torch.Tensor, code: int) -> None:
-        self.work, self.tags, self.code = work, tags, code
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            got = self.tags.tolist()
-            if any(int(t) != self.code for t in got):
-                raise RuntimeError(f"the ranks gathered different units (unit codes by rank: {[int(t) for t in got]}, "
-                                   f"this rank's: {self.code})")
-        return True
-
-
-#: Largest integer every working dtype holds exactly (bf16: 8 significant bits), for unit codes.
-_CODE_LIMIT = {torch.bfloat16: 256, torch.float16: 2048}
-
-
-def gathers_units_by_all_reduce(group: Optional[Any] = None) -> bool:
-    """Whether stage 3 gathers units with :func:`gather_tagged` (gloo; see [Note: tagged unit gathers])."""
-    return is_distributed(group) and _via_all_reduce(group)
-
-
-def gather_tagged(buffer: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], unit: int,
-                  group: Optional[Any] = None) -> Any:
-    """All-gather every ``(output, input)`` piece of one unit's ``buffer`` as one tagged all-reduce (asynchronous).
-
-    The pieces' outputs must cover ``buffer`` except its last ``world_size`` elements, the tags.
-    """
-    n, r = world_size(group), rank(group)
-    tags = buffer[buffer.numel() - n :]
-    with torch.no_grad():
-        for output, input in pieces:
-            TRAFFIC.add("all_gather", output)
-            size = input.numel()
-            output[: r * size].zero_()
-            output[(r + 1) * size :].zero_()
-            output[r * size : (r + 1) * size].copy_(input)
-        code = unit % (_CODE_LIMIT.get(buffer.dtype, 2**24) - 1) + 1
-        tags.zero_()
-        tags[r] = code
-    return _CheckTags(dist.all_reduce(buffer, group=group, async_op=True), tags, code)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None) -> torch.Tensor:

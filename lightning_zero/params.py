@@ -31,19 +31,15 @@ class ShardedParams:
         self.working_shard = working_shard
         self.buffers: dict[int, Tensor] = {}
         self._live_bytes = 0
-        self._tagged = collectives.gathers_units_by_all_reduce(group)
-        tags = layout.world_size if self._tagged else 0  # see [Note: tagged unit gathers] in collectives.py
         for unit in sorted({b.unit for b in layout.buckets}):
             start, end = layout.unit_range(unit)
-            self.buffers[unit] = torch.empty(end - start + tags, dtype=working_shard.dtype, device=working_shard.device)
+            self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=working_shard.device)
             self.buffers[unit].untyped_storage().resize_(0)
 
     def unit_numel(self, unit: int) -> int:
         """Elements of ``unit`` gathered by this optimizer (0 if it has no parameter there)."""
-        if unit not in self.buffers:
-            return 0
-        start, end = self.layout.unit_range(unit)
-        return end - start
+        buffer = self.buffers.get(unit)
+        return buffer.numel() if buffer is not None else 0
 
     def attach_views(self, unit: int) -> None:
         """Make ``unit``'s parameters views of its buffer (their values must already be in the shards)."""
@@ -60,16 +56,14 @@ class ShardedParams:
             return []
         buffer = self._allocate(unit)
         start, _ = self.layout.unit_range(unit)
-        pieces = []
+        works = []
         for bucket in self.layout.unit_buckets(unit):
             b0, b1 = self.layout.bucket_range(bucket)
             source = self.working_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
-            pieces.append((buffer[b0 - start : b1 - start], source))
-        if self._tagged:  # one in-place all-reduce, checked: see [Note: tagged unit gathers] in collectives.py
-            return [collectives.gather_tagged(buffer, pieces, unit, group=self.group)]
-        # native all-gathers: ranks whose control flow diverges must fail, not sum units (collectives.py)
-        return [collectives.all_gather(output, source, group=self.group, async_op=True, allow_all_reduce=False)
-                for output, source in pieces]
+            # gloo's own all-gather: ranks whose control flow diverges must fail, not sum units (collectives.py)
+            works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group,
+                                                async_op=True, allow_all_reduce=False))
+        return works
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""
