@@ -141,9 +141,12 @@ def fit(args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
             print(f"fit {strategy} N={world_size} width {width}: {probes[width]} bytes -> {ok}", flush=True)
             return ok
 
-        lo, hi = 0, 64
-        while fits(hi):
-            lo, hi = hi, hi * 2
+        if args.fit_range:  # a known bracket: LO fits, HI does not (saves the doubling probes of large widths)
+            lo, hi = args.fit_range
+        else:
+            lo, hi = 0, 64
+            while fits(hi):
+                lo, hi = hi, hi * 2
         while hi - lo > 64:
             mid = (lo + hi) // 128 * 64
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -186,6 +189,8 @@ def main() -> None:
     parser.add_argument("--fit-budget", type=parse_bytes, help="bisection mode: bytes per rank, e.g. 2GiB")
     parser.add_argument("--fit-depth", type=int, default=4)
     parser.add_argument("--fit-seq", type=int, default=128)
+    parser.add_argument("--fit-range", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="bisect between widths LO (known to fit) and HI (known not to) instead of doubling from 64")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
