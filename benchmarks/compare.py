@@ -59,6 +59,8 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
                        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS=threads,
                        PYTHONPATH=str(ROOT), PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072",
                        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if cfg.get("gpu") else "cpu"))
+            if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
+                env.pop("MALLOC_MMAP_THRESHOLD_")
             logs.append(open(out / f"rank{rank}.log", "w"))
             cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_worker.py"), str(out), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
@@ -90,7 +92,8 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "model_states": zero["states"].get("model_states"), "states": zero["states"],
             "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
             "params": zero["size"]["params"], "threads": zero["threads"],
-            "cpu_seconds": [r.get("cpu_seconds") for r in ranks]}
+            "cpu_seconds": [r.get("cpu_seconds") for r in ranks],
+            **{k: top[k] for k in ("phases", "levels") if k in top}}
 
 
 def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[str, Any]]:
@@ -138,9 +141,12 @@ def fit(args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
             print(f"fit {strategy} N={world_size} width {width}: {probes[width]} bytes -> {ok}", flush=True)
             return ok
 
-        lo, hi = 0, 64
-        while fits(hi):
-            lo, hi = hi, hi * 2
+        if args.fit_range:  # a known bracket: LO fits, HI does not (saves the doubling probes of large widths)
+            lo, hi = args.fit_range
+        else:
+            lo, hi = 0, 64
+            while fits(hi):
+                lo, hi = hi, hi * 2
         while hi - lo > 64:
             mid = (lo + hi) // 128 * 64
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -183,6 +189,8 @@ def main() -> None:
     parser.add_argument("--fit-budget", type=parse_bytes, help="bisection mode: bytes per rank, e.g. 2GiB")
     parser.add_argument("--fit-depth", type=int, default=4)
     parser.add_argument("--fit-seq", type=int, default=128)
+    parser.add_argument("--fit-range", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="bisect between widths LO (known to fit) and HI (known not to) instead of doubling from 64")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()

@@ -61,6 +61,45 @@ class Probe(L.Callback):
         self.peak = probes.peak_memory(pl_module.device)  # before teardown hands the full weights back
 
 
+class PhaseProbe(L.Callback):
+    """The resident high-water mark of each phase of ``fit`` (CPU only; see [Note: phases] in ``probes.py``)."""
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+        self.phases: dict[str, int] = {}
+        self.levels: dict[str, int] = {}
+
+    def _mark(self, ended: str, starts: str) -> None:
+        peak = probes.peak_memory(torch.device("cpu")) - self.baseline
+        self.phases[ended] = max(self.phases.get(ended, 0), peak)
+        level = probes.resident_memory() - self.baseline
+        self.levels[starts] = max(self.levels.get(starts, 0), level)
+        probes.reset_peak_memory()
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark("setup", "idle")
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark("idle", "forward")
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark("forward", "backward")
+
+    def on_after_backward(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark("backward", "reduce")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark("reduce", "step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark("step", "idle")
+
+    @property
+    def peak(self) -> int:
+        """The peak of ``fit`` (the high-water mark is reset at each phase, so the process's own is not)."""
+        return self.baseline + max(self.phases.values(), default=0)
+
+
 def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int]:
     if isinstance(pl_module, FSDP2GPT):
         return peers.fsdp2_model_states(pl_module, trainer.optimizers)
@@ -83,7 +122,7 @@ def _strategy(name: str, world_size: int, bucket: Optional[int], options: Option
     return ZeroStrategy(stage=int(name[-1]), **extra, **(options or {}))
 
 
-def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path) -> dict[str, Any]:
+def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path, baseline: int = 0) -> dict[str, Any]:
     """``ddp``, ``zero1``-``zero3`` or ``fsdp2`` through a Lightning ``Trainer``."""
     name = cfg["strategy"]
     accelerator = "gpu" if cfg.get("gpu") else "cpu"
@@ -92,9 +131,11 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples)
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
+    phases = PhaseProbe(baseline) if cfg.get("phases") and not cfg.get("gpu") else None
     trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket"), cfg.get("options")),
                         accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
-                        max_steps=cfg["steps"], callbacks=[probe], logger=False, enable_checkpointing=False,
+                        max_steps=cfg["steps"], callbacks=[probe] + ([phases] if phases else []), logger=False,
+                        enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     if profiler is not None:
         profiler.__enter__()
@@ -104,8 +145,9 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     if profiler is not None:
         profiler.__exit__(None, None, None)
         _write_profile(profiler, cfg, out)
+    extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak}
     return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
-            "cpu_seconds": cpu_seconds}
+            "cpu_seconds": cpu_seconds, **extra}
 
 
 def _profiler(cfg: dict[str, Any], out: Path) -> Any:
@@ -146,7 +188,7 @@ def main() -> None:
             result = peers.run_deepspeed(int(cfg["strategy"][-1]), size, cfg["steps"], cfg["warmup"], samples,
                                          cfg.get("bucket"))
         else:
-            result = run_lightning(cfg, size, world_size, out)
+            result = run_lightning(cfg, size, world_size, out, baseline)
     except Exception as error:  # the launcher reports the reason; the other configurations still run
         traceback.print_exc()
         result = {"error": f"{type(error).__name__}: {error}"[:2000]}

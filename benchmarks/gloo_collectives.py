@@ -2,6 +2,11 @@
 all-reduces on CPU (see its [Note: reduce-scatter and all-gather on gloo]).
 
     python benchmarks/gloo_collectives.py --elements 23000000 --world-size 2 --repeats 5
+    python benchmarks/gloo_collectives.py --elements 25000000 --world-size 4 --repeats 3 --bucket-sweep
+
+``--bucket-sweep`` instead times the all-reduce of the whole buffer cut into buckets of 25M, 4M, 1M, 500K, 250K and
+100K elements (all launched asynchronously, then waited for, as the gradient reducer does): the per-call cost that
+sets the lower end of the default bucket size (see [Note: the default bucket size] in ``lightning_zero/config.py``).
 
 Prints the median and the lowest time of each operation on rank 0, interleaved over the repeats: the all-reduce,
 reduce-scatter and all-gather of gloo, the same two done as all-reduces, and the memory passes a bucket costs.
@@ -43,12 +48,27 @@ def _ops(n: int, world_size: int, rank: int) -> dict[str, object]:
     }
 
 
-def _worker(rank: int, world_size: int, n: int, repeats: int, port: int) -> None:
+def _bucket_ops(n: int) -> dict[str, object]:
+    x = torch.randn(n)
+
+    def bucketed(size: int) -> object:
+        def run() -> None:
+            works = [dist.all_reduce(x[i : i + size], async_op=True) for i in range(0, n, size)]
+            for work in works:
+                work.wait()
+
+        return run
+
+    sizes = [25_000_000, 4_000_000, 1_000_000, 500_000, 250_000, 100_000]
+    return {f"all_reduce in buckets of {s:,} ({-(-n // s)} calls)": bucketed(s) for s in sizes}
+
+
+def _worker(rank: int, world_size: int, n: int, repeats: int, port: int, sweep: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    ops = _ops(n, world_size, rank)
+    ops = _bucket_ops(n) if sweep else _ops(n, world_size, rank)
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(repeats):
         for name, op in ops.items():
@@ -69,10 +89,11 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=23_000_000)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-sweep", action="store_true", help="time the all-reduce in buckets of each size")
     args = parser.parse_args()
     from tests.launch import free_port  # noqa: PLC0415
 
-    mp.spawn(_worker, args=(args.world_size, args.elements, args.repeats, free_port()), nprocs=args.world_size)
+    mp.spawn(_worker, args=(args.world_size, args.elements, args.repeats, free_port(), args.bucket_sweep), nprocs=args.world_size)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ SIZES = {
     "small": GPTSize(width=256, depth=4),
     "medium": GPTSize(width=512, depth=6),
     "large": GPTSize(width=768, depth=12),
+    "states": GPTSize(width=512, depth=8, vocab=512, seq=32, batch=2),  # 25.3M; activations negligible (issue 12)
 }
 
 

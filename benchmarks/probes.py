@@ -115,6 +115,27 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def resident_memory() -> int:
+    """Resident bytes of this process now (``VmRSS``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_memory() -> None:
+    """Reset the resident high-water mark to the current level.
+
+    [Note: phases]
+    Writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0) sets ``VmHWM`` to the current ``VmRSS``, so the peak
+    of one phase of a step (forward, backward, reduce, optimizer step) can be read at its end without tracing
+    allocations. ``compare_worker.py``'s ``PhaseProbe`` reads and resets it at the Lightning hooks between phases.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 

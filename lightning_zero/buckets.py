@@ -89,6 +89,8 @@ class GradientReducer:
         self._free: list[_Slot] = []
         self.buffers_allocated = 0
         """How many bucket buffers were ever made (the pool's high-water mark, see [Note: constant memory])."""
+        self.peak_buffer_bytes = 0
+        """The most bytes bucket buffers ever held at once (they are freed before each optimizer step)."""
         self._param_parts: list[list[tuple[Bucket, int, int, int]]] = [[] for _ in layout.numels]
         for bucket in layout.buckets:
             for p, start, length, offset in layout.bucket_pieces(bucket):
@@ -198,7 +200,13 @@ class GradientReducer:
         if self._free:
             return self._free.pop()
         self.buffers_allocated += 1
-        return _Slot(torch.empty(self.layout.max_bucket_elements, dtype=self.dtype, device=self.device))
+        slot = _Slot(torch.empty(self.layout.max_bucket_elements, dtype=self.dtype, device=self.device))
+        self._in_flight_peak(slot)
+        return slot
+
+    def _in_flight_peak(self, extra: Optional[_Slot] = None) -> None:
+        held = self.buffer_bytes + (extra.bucket.numel() * extra.bucket.element_size() if extra is not None else 0)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
 
     def _busy(self) -> int:
         return len(self._open) + len(self._in_flight)
@@ -213,6 +221,8 @@ class GradientReducer:
         self._zero_unwritten(bucket, data)
         accumulate = self._written[bucket.index]
         target = slot.output(bucket, self.layout.world_size) if accumulate else self._shard_slice(bucket)
+        if accumulate:
+            self._in_flight_peak(slot)  # the side output was just made
         work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
         self._received[bucket.index] = 0

@@ -14,7 +14,28 @@ from typing import Any, Callable, Literal, Optional, Union
 #: Stages this version implements.
 SUPPORTED_STAGES = (1, 2, 3)
 
-DEFAULT_BUCKET_ELEMENTS = 25_000_000
+#: ``reduce_bucket_size=None`` (the default) picks ``clamp(Ψ / AUTO_BUCKET_FRACTION, MIN, MAX)`` elements per bucket
+#: for an optimizer of Ψ parameters: see :func:`auto_bucket_elements`.
+MIN_AUTO_BUCKET_ELEMENTS = 1_000_000
+MAX_AUTO_BUCKET_ELEMENTS = 4_000_000
+AUTO_BUCKET_FRACTION = 32
+#: Kept for callers that imported it: ``None`` now means "chosen from the model" (:func:`auto_bucket_elements`).
+DEFAULT_BUCKET_ELEMENTS = None
+
+
+def auto_bucket_elements(numel: int) -> int:
+    """The default bucket size for ``numel`` trainable parameters.
+
+    [Note: the default bucket size]
+    Bucket buffers are memory that does not fall with N, so their default must be small next to the model states
+    of every model, and still large enough that collectives are not dominated by their per-call cost. Measured on
+    gloo (4 CPU ranks, 25M fp32 elements all-reduced in pieces, benchmarks/RESULTS.md "Memory at 1/N"): one piece
+    355 ms, 4M-element pieces 476 ms, 1M 476 ms, 500K 609 ms, 250K 931 ms: below about 1M elements the per-call
+    cost dominates. Above that, ``Ψ / 32`` keeps the number of buckets near 32 for mid-size models, and the 4M cap
+    (16 MiB fp32, 32 MiB for the two pooled buffers) bounds the buffers of any larger model. The former default,
+    25M elements, was a whole 25M-parameter model per buffer: 190 MiB of buffers per rank under ``zero2``.
+    """
+    return max(MIN_AUTO_BUCKET_ELEMENTS, min(MAX_AUTO_BUCKET_ELEMENTS, -(-numel // AUTO_BUCKET_FRACTION)))
 #: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
 #: ``activation_checkpointing=True`` at every stage).
 STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 100_000, "prefetch_size": 5_000_000}
@@ -26,9 +47,9 @@ class ZeroConfig:
 
     stage: int = 2
     """Which model states are partitioned: 1 optimizer states, 2 also gradients, 3 also parameters."""
-    reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
+    reduce_bucket_size: Optional[int] = None
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
-    bucket by bucket after the step."""
+    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
     """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on."""
     bucket_buffers: int = 2
@@ -46,6 +67,9 @@ class ZeroConfig:
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
     prefetch_size: int = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
+    host_mmap_threshold: int = 131_072
+    """CPU runs on glibc: fix the allocator's mmap threshold at this many bytes so that freed tensors leave the
+    process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
     in the form ``ddp`` writes."""
@@ -60,7 +84,8 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
-        _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
+        if self.reduce_bucket_size is not None:
+            _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
@@ -74,7 +99,7 @@ class ZeroConfig:
         if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
             raise TypeError(f"`unit_classes` must be a list of module classes or class names, got {classes!r}.")
         object.__setattr__(self, "unit_classes", tuple(classes))
-        for name in ("persistence_threshold", "prefetch_size"):
+        for name in ("persistence_threshold", "prefetch_size", "host_mmap_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
@@ -82,6 +107,10 @@ class ZeroConfig:
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
         self._check_activations()
         self._warn_ignored()
+
+    def bucket_elements(self, numel: int) -> int:
+        """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""
+        return self.reduce_bucket_size if self.reduce_bucket_size is not None else auto_bucket_elements(numel)
 
     def _check_activations(self) -> None:
         blocks = self.activation_checkpointing

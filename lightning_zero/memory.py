@@ -3,8 +3,8 @@
 [Note: what is counted]
 Every tensor is counted once per storage, so views of one flat buffer (the working parameters) or a master shard
 that aliases the working buffer are not counted twice. ``grads`` covers full ``.grad`` tensors, the gradient shard
-and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets) are kept
-apart from the model states, as in DESIGN.md's table.
+and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their high-water
+mark: they are freed before each optimizer step) are kept apart from the model states, as in DESIGN.md's table.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
         v for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)
     )
     buffers = counter.bytes(module.buffers())
-    comm = sum(e.reducer.buffer_bytes for e in engines)
+    comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in engines)  # freed before a step
     return ModelStateBytes(params, grads, master, states, buffers, comm)
 
 

@@ -41,7 +41,13 @@ from lightning_zero import collectives
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import Bucket, FlatLayout, plan_layout
-from lightning_zero.optimizer_support import check_optimizer, is_elementwise, optimizer_name, zero_subclass
+from lightning_zero.optimizer_support import (
+    check_optimizer,
+    is_elementwise,
+    optimizer_name,
+    step_in_pieces,
+    zero_subclass,
+)
 from lightning_zero.params import ShardedParams
 from lightning_zero.sharing import borrowed_slots, split_members
 from lightning_zero.stages import StagePolicy
@@ -102,11 +108,12 @@ class ShardedOptimizer:
         self._borrowed = members.borrowed
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
         self.param_units = [unit_of(p) if unit_of is not None else 0 for p in self.params]
+        self.bucket_elements = config.bucket_elements(sum(p.numel() for p in self.params))
         self.layout: FlatLayout = plan_layout(
             [p.numel() for p in self.params],
             [group_of[id(p)] for p in self.params],
             self.world_size,
-            config.reduce_bucket_size,
+            self.bucket_elements,
             whole_params=not is_elementwise(optimizer, config) if whole_params is None else whole_params,
             ready_order=_backward_order(self.params, module),
             units=self.param_units if policy.shards_params else None,
@@ -245,12 +252,21 @@ class ShardedOptimizer:
                     self.reducer.add_grad(j, p.grad)
                     p.grad = None
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
-        return self.reducer.finalize(force=not self.policy.shards_grads)
+        shard = self.reducer.finalize(force=not self.policy.shards_grads)
+        self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
+        return shard
 
     def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
         """The slots in this engine's own shard (its owned parameters) with their master tensors."""
         return [(slot, master) for slot, master, source in zip(self.slots, self.masters, self.slot_sources)
                 if source is self]
+
+    def step(self, call: Callable[[], Any]) -> Any:
+        """Run the user's ``optimizer.step`` (``call``): for elementwise optimizers in pieces of at most one bucket's
+        elements, so that its temporaries stay that small (see [Note: the step in constant-size pieces])."""
+        if self.layout.whole_params:
+            return call()
+        return step_in_pieces(self.optimizer, self.bucket_elements, call)
 
     def grads(self) -> list[Tensor]:
         """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch.optim import Optimizer
 
@@ -83,3 +83,40 @@ def user_class(optimizer: Optimizer) -> type:
     while issubclass(cls, _ZeroGradHook) and cls.__bases__[0] is _ZeroGradHook:
         cls = cls.__bases__[1]
     return cls
+
+
+def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) -> Any:
+    """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements.
+
+    [Note: the step in constant-size pieces]
+    An optimizer allocates temporaries as large as what one ``step`` call covers (``foreach`` AdamW: one per master
+    tensor for ``sqrt(v)``, all at once), so stepping a whole shard costs shard-sized memory that does not fall with
+    the model. Only for elementwise optimizers, whose tensors are flat slices anyway: each call sees a few whole
+    master tensors (never a part of one) and every other group is left empty for that call, so every tensor gets
+    exactly the arithmetic of one big call (per-tensor ``step`` counts, bias corrections, the same kernels on the
+    same tensors): the results are bitwise those of one call. The groups' ``params`` are restored afterwards, even
+    on an error. Step hooks of the optimizer run once per piece.
+    """
+    groups = optimizer.param_groups
+    saved = [group["params"] for group in groups]
+    pieces: list[list[list[Any]]] = []
+    size = limit
+    for g, params in enumerate(saved):
+        for tensor in params:
+            if size + tensor.numel() > limit:
+                pieces.append([[] for _ in groups])
+                size = 0
+            pieces[-1][g].append(tensor)
+            size += tensor.numel()
+    if len(pieces) <= 1:
+        return step()
+    output = None
+    try:
+        for piece in pieces:
+            for group, params in zip(groups, piece):
+                group["params"] = params
+            output = step()
+    finally:
+        for group, params in zip(groups, saved):
+            group["params"] = params
+    return output

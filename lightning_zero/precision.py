@@ -155,7 +155,7 @@ class ZeroPrecision(Precision):
         self._after_closure(model, optimizer)
         step_output = None
         if not overflow:
-            step_output = optimizer.step(**kwargs)
+            step_output = engine.step(lambda: optimizer.step(**kwargs))
         if self.scaler is not None:
             self.scaler.update(overflow)
         engine.after_step(stepped=not overflow)

@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_zero import collectives, pretrained
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.config import DEFAULT_BUCKET_ELEMENTS, ZeroConfig, process_group_timeout
+from lightning_zero.config import ZeroConfig, process_group_timeout
 from lightning_zero.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
@@ -45,6 +45,7 @@ from lightning_zero.materialize import (
 from lightning_zero.memory import expected_model_state_bytes
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.host_memory import release_freed_memory
 from lightning_zero.shutdown import GUARD
 from lightning_zero.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
@@ -63,7 +64,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
 
     Args:
         stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters.
-        reduce_bucket_size: elements per gradient bucket (constant memory: ``bucket_buffers`` of them).
+        reduce_bucket_size: elements per gradient bucket (constant memory: ``bucket_buffers`` of them); ``None``:
+            from the model, ``clamp(Ψ / 32, 1M, 4M)`` (see [Note: the default bucket size] in ``config.py``).
         overlap_comm: stage 2 launches each bucket's reduce-scatter asynchronously during backward.
         bucket_buffers: bucket-sized buffers that may be in flight at once.
         partition_whole_params: give each rank whole tensors (``None``: only for non-elementwise optimizers).
@@ -71,6 +73,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         unit_classes: stage 3: module classes (or names) gathered as one unit; default: repeated blocks.
         persistence_threshold: stage 3: units with at most this many elements are gathered once per step.
         prefetch_size: stage 3: elements of upcoming units all-gathered ahead of their use.
+        host_mmap_threshold: CPU runs on glibc: bytes above which freed tensors go back to the OS (the process's
+            ``mallopt(M_MMAP_THRESHOLD)``; 0 leaves the allocator alone). See ``host_memory.py``.
         state_dict_type: ``"sharded"`` (default): checkpoints are directories, every rank writes its own pieces and
             any world size or stage loads them; ``"full"``: one file gathered on rank 0, in ``ddp``'s form.
         activation_checkpointing: recompute blocks in backward (non-reentrant, RNG preserved): ``True`` for the
@@ -89,7 +93,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def __init__(
         self,
         stage: Literal[1, 2, 3] = 2,
-        reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
+        reduce_bucket_size: Optional[int] = None,
         overlap_comm: bool = True,
         bucket_buffers: int = 2,
         partition_whole_params: Optional[bool] = None,
@@ -97,6 +101,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         unit_classes: tuple[Union[type, str], ...] = (),
         persistence_threshold: int = 100_000,
         prefetch_size: int = 5_000_000,
+        host_mmap_threshold: int = 131_072,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         activation_checkpointing: Union[bool, tuple[Union[type, str], ...]] = False,
         activation_offload: bool = False,
@@ -115,6 +120,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
                                  elementwise_optimizers=elementwise_optimizers, unit_classes=unit_classes,
                                  persistence_threshold=persistence_threshold, prefetch_size=prefetch_size,
+                                 host_mmap_threshold=host_mmap_threshold,
                                  state_dict_type=state_dict_type, activation_checkpointing=activation_checkpointing,
                                  activation_offload=activation_offload,
                                  activation_partition_group=activation_partition_group,
@@ -199,6 +205,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def setup_environment(self) -> None:
         GUARD.install()  # see [Note: signals act at agreed step boundaries] in shutdown.py
         super().setup_environment()
+        if self.root_device.type == "cpu":
+            release_freed_memory(self.config.host_mmap_threshold)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(

@@ -1,12 +1,17 @@
 """One rank of the measurement run: traffic per optimizer step and model-state bytes per rank, for ddp and zero1-3.
 
-Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS [MODEL [DEPTH]]]`` with MODEL
-``lm`` (the MLP language model, default) or ``gpt`` (TinyGPT, tied embeddings). The peak resident memory growth is
-only meaningful when one strategy runs per launch (the peak of a process never goes down).
+Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS [MODEL [DEPTH [OPTIONS]]]]``
+with MODEL ``lm`` (the MLP language model, default) or ``gpt`` (TinyGPT, tied embeddings, built in
+``configure_model``), and OPTIONS ``test`` (small buckets, every unit its own: the default) or ``defaults`` (ZeRO's
+own defaults). ``peak_rss_growth`` (``ru_maxrss``) is only meaningful when one strategy runs per launch;
+``fit_peak_growth`` is meaningful for every strategy of a launch: the resident high-water mark is reset to the
+current level right before each ``fit`` (``/proc/self/clear_refs``) and read at the end of training, before
+teardown, so it is the peak of that ``fit`` above the level it started from.
 """
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 import warnings
@@ -38,10 +43,25 @@ class Probe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before teardown hands weights back
+        self.fit_peak = _status("VmHWM")
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.measure_at and not self.states:
             self.states = measure_model_states(pl_module, trainer.optimizers).as_dict()
+
+
+def _status(field: str) -> int:
+    """``VmHWM`` or ``VmRSS`` of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    """Reset the resident high-water mark to the current level (Linux >= 4.0); returns that level in bytes."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
 
 
 def main() -> None:
@@ -50,6 +70,7 @@ def main() -> None:
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 4
     kind = sys.argv[6] if len(sys.argv) > 6 else "lm"
     depth = int(sys.argv[7]) if len(sys.argv) > 7 else 4
+    defaults = len(sys.argv) > 8 and sys.argv[8] == "defaults"
     results: dict[str, Any] = {}
     for name in strategies:
         L.seed_everything(0, verbose=False)
@@ -59,19 +80,21 @@ def main() -> None:
         else:
             model = TinyLM(optimizer="adam", width=width, scheduler=False)
         probe = Probe()
-        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), reduce_bucket_size=width * width,
-                                                            persistence_threshold=0)
+        options = {} if defaults else {"reduce_bucket_size": width * width, "persistence_threshold": 0}
+        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), **options)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size()
                             if torch.distributed.is_initialized() else int(__import__("os").environ["WORLD_SIZE"]),
                             precision=precision, max_steps=steps, gradient_clip_val=1.0, callbacks=[probe],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
+        fit_start = _reset_peak()
         trainer.fit(model)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         peak = probe.peak_rss
         results[name] = {"traffic": probe.traffic, "states": probe.states, "numel": numel,
                          "bucket_elements": width * width, "peak_rss": peak * 1024,
-                         "peak_rss_growth": (peak - baseline) * 1024}
+                         "peak_rss_growth": (peak - baseline) * 1024, "fit_peak_growth": probe.fit_peak - fit_start}
+        del trainer, model, probe
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
