@@ -85,6 +85,15 @@ def user_class(optimizer: Optimizer) -> type:
     return cls
 
 
+def _piecewise_step_is_invisible(optimizer: Optimizer) -> bool:
+    """Whether nothing but the tensors can tell several ``step`` calls from one (see [Note: the step in ...])."""
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    return optimizer_name(optimizer) in ELEMENTWISE_OPTIMIZERS and not any(hooks)
+
+
 def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) -> Any:
     """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements.
 
@@ -95,8 +104,11 @@ def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) ->
     master tensors (never a part of one) and every other group is left empty for that call, so every tensor gets
     exactly the arithmetic of one big call (per-tensor ``step`` counts, bias corrections, the same kernels on the
     same tensors): the results are bitwise those of one call. The groups' ``params`` are restored afterwards, even
-    on an error. Step hooks of the optimizer run once per piece.
+    on an error. Only torch's own optimizer classes with no step hooks are stepped in pieces: a subclass or a hook may
+    count or act per ``step`` call, and must see one call per step, as under ``ddp``.
     """
+    if not _piecewise_step_is_invisible(optimizer):
+        return step()
     groups = optimizer.param_groups
     saved = [group["params"] for group in groups]
     pieces: list[list[list[Any]]] = []
