@@ -61,7 +61,7 @@ class Probe(L.Callback):
             return
         runtime = strategy.runtime
         self.temporary = {
-            "bucket_bytes": sum(e.reducer.buffer_bytes for e in strategy.engines),
+            "bucket_bytes": sum(e.reducer.peak_buffer_bytes for e in strategy.engines),  # freed before each step
             "gathered_peak": runtime.peak_gathered_bytes if runtime is not None else 0,
             "units": len(runtime.plan.names) if runtime is not None else 0,
             "grad_shards": [e.reducer.grad_shard is not None for e in strategy.engines],
