@@ -13,7 +13,6 @@ engines); ``idle`` the level between steps; ``reduce`` the end-of-backward flush
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare import run_config  # noqa: E402
 from benchmarks.gpt import SIZES  # noqa: E402
-from benchmarks.zero3_ab import parse_variant  # noqa: E402
+from benchmarks.zero3_ab import environment, parse_variant  # noqa: E402
 
 PHASES = ("setup", "forward", "backward", "reduce", "step")
 MiB = 2**20
@@ -33,18 +32,10 @@ MiB = 2**20
 def run(text: str, size: str, world_size: int, steps: int) -> dict[str, Any]:
     """One launch of one variant with the phase probe on."""
     strategy, options, env = parse_variant(text)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": steps, "warmup": 1, "bucket": None,
                "gpu": False, "precision": "32-true", "options": options, "phases": True}
         return run_config(cfg, world_size, timeout=900)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def row(text: str, rec: dict[str, Any], ddp: float) -> str:

@@ -15,8 +15,9 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,12 +38,19 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, str]]:
 def run_variant(text: str, size: str, steps: int, warmup: int) -> dict[str, Any]:
     """One launch of one variant on two ranks; the environment additions apply to this launch only."""
     strategy, options, env = parse_variant(text)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": steps, "warmup": warmup,
                "bucket": None, "gpu": False, "precision": "32-true", "options": options}
         return run_config(cfg, 2, timeout=900)
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set, as it was again afterwards (the launched ranks inherit it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
