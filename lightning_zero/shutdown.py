@@ -132,9 +132,9 @@ class SignalGuard:
         if not any(agreed):
             return
         self.pending.clear()
-        self._act(dict(zip(GUARDED, agreed)), mine)
+        self._act(dict(zip(GUARDED, agreed)))
 
-    def _act(self, agreed: dict[int, int], mine: list[int]) -> None:
+    def _act(self, agreed: dict[int, int]) -> None:
         if agreed[signal.SIGUSR1]:
             handler = self.adopted.get(signal.SIGUSR1, self.original.get(signal.SIGUSR1))
             if callable(handler):  # Lightning's SLURM requeue: saves a checkpoint (every rank, here), requeues
