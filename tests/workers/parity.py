@@ -17,7 +17,13 @@ from tests.models import TinyGAN, TinyGPT, TinyLM
 
 warnings.filterwarnings("ignore")
 
-SMALL_BUCKET = 50  # elements: many buckets, parameters spanning buckets, several buckets filling at once
+BUCKETS = 30  # per model: parameters span buckets and several buckets fill at once (thousands more would only add
+# gloo latency: 50-element buckets made a 39k-parameter GPT issue ~800 reduce-scatters per micro-batch)
+
+
+def bucket_size(model: L.LightningModule) -> int:
+    """Elements per bucket for about :data:`BUCKETS` buckets over ``model``'s parameters (at least 50)."""
+    return max(50, sum(p.numel() for p in model.parameters()) // BUCKETS)
 
 
 def strategy(name: str, **kwargs: Any) -> Any:
@@ -34,7 +40,7 @@ def strategy(name: str, **kwargs: Any) -> Any:
 def run(name: str, model: L.LightningModule, world_size: int, precision: Any = "32-true", **trainer_kwargs: Any) -> dict:
     plugins = [precision] if isinstance(precision, ZeroPrecision) else None
     trainer = L.Trainer(
-        strategy=strategy(name, reduce_bucket_size=SMALL_BUCKET),
+        strategy=strategy(name, reduce_bucket_size=bucket_size(model)),
         accelerator="cpu", devices=world_size, precision=None if plugins else precision, plugins=plugins,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         **trainer_kwargs,
@@ -72,7 +78,9 @@ def run_checkpoint(name: str, world_size: int, out: Path, optimizer: str) -> dic
     ckpt = out / f"{name}-{optimizer}.ckpt"
 
     def trainer(kind: str, epochs: int) -> L.Trainer:
-        return L.Trainer(strategy=strategy(kind, reduce_bucket_size=SMALL_BUCKET), accelerator="cpu",
+        with torch.device("meta"):  # counted without drawing from the generator
+            bucket = bucket_size(TinyLM(optimizer=optimizer))
+        return L.Trainer(strategy=strategy(kind, reduce_bucket_size=bucket), accelerator="cpu",
                          devices=world_size, max_epochs=epochs, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, **fit)
 
