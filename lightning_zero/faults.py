@@ -5,7 +5,8 @@
 construction, at an evaluation step). The environment variable ``LIGHTNING_ZERO_FAULT`` selects one, e.g.
 ``point=save.written,signal=SIGINT,rank=0,target=group,occurrence=2``: the second time rank 0 reaches
 ``save.written`` it sends SIGINT to its process group (what Ctrl-C does; ``target=self``, the default, signals only
-this process). Unset, a fault point costs one global lookup. The points: ``save.written`` (every rank's shard files
+this process). The variable is read at the first fault point, not at import. Unset, a fault point costs a function
+call and a dictionary lookup. The points: ``save.written`` (every rank's shard files
 written, before ``meta.pt``), ``save.full`` (a full checkpoint's file written, before its rename),
 ``collective.reduce_scatter`` (before a gradient bucket's reduce-scatter), ``materialize.unit`` (before a stage-3
 unit is built), ``evaluation.step`` (at a validation/test/predict step).
@@ -31,13 +32,16 @@ def _parse(spec: Optional[str]) -> Optional[dict[str, str]]:
     return fields
 
 
-_FAULT = _parse(os.environ.get("LIGHTNING_ZERO_FAULT"))
+_FAULT: Optional[dict[str, str]] = None  # parsed at the first fault point; {} when unset
 _REACHED: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
     """Deliver the signal ``LIGHTNING_ZERO_FAULT`` asks for here (see [Note: fault points]); otherwise nothing."""
-    if _FAULT is None or _FAULT["point"] != name:
+    global _FAULT
+    if _FAULT is None:
+        _FAULT = _parse(os.environ.get("LIGHTNING_ZERO_FAULT")) or {}
+    if _FAULT.get("point") != name:
         return
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if "rank" in _FAULT and int(_FAULT["rank"]) != rank:

@@ -1,8 +1,9 @@
 """Run a worker script on N gloo ranks on this machine, the way torchrun would, with a hard timeout.
 
-Each rank is a separate ``python`` process with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` set, so
-Lightning sees an externally launched job and does not start processes itself. A hung collective fails the test
-after ``timeout`` seconds instead of eating CI's time.
+Each rank is a separate process with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` set, so Lightning sees an
+externally launched job and does not start processes itself. The ranks are forked from a zygote that imported torch
+and Lightning once (tests/zygote.py), which saves the ~6 s those imports cost each process. A hung collective fails
+the test after ``timeout`` seconds instead of eating CI's time.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.zygote import ZYGOTE, ZYGOTE_ENV, Child
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,36 +29,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = ()) -> tuple[list[Any], list[Any]]:
-    """Start ``tests/workers/<script>`` on ``world_size`` ranks; returns the processes and their open log files."""
+def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = ()) -> list[Child]:
+    """Start ``tests/workers/<script>`` on ``world_size`` ranks (logs in ``out_dir/rank<r>.log``); returns them."""
     port = str(free_port())
     procs = []
-    logs = []
     for rank in range(world_size):
-        # A fixed mmap threshold makes glibc give freed tensors back to the OS, so resident memory tracks live memory.
+        # ZYGOTE_ENV fixes glibc's mmap threshold: freed tensors go back to the OS, so resident memory tracks live
+        # memory (the memory tests rely on it).
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                   PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072")
-        log = open(out_dir / f"rank{rank}.log", "w")
-        logs.append(log)
-        cmd = [sys.executable, str(ROOT / "tests" / "workers" / script), str(out_dir), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir))
-    return procs, logs
+                   LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1", **ZYGOTE_ENV)
+        procs.append(ZYGOTE.spawn(ROOT / "tests" / "workers" / script, [str(out_dir), *args], env, out_dir,
+                                  out_dir / f"rank{rank}.log"))
+    return procs
 
 
 def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), timeout: float = 300) -> list[Any]:
     """Run ``tests/workers/<script>`` on ``world_size`` ranks; return what each rank saved to ``out_dir/rank{r}.pt``."""
-    procs, logs = start(script, world_size, out_dir, args)
+    procs = start(script, world_size, out_dir, args)
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            p.wait(timeout=timeout)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
         raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout}s:\n{_tail(out_dir)}")
     finally:
-        for log in logs:
-            log.close()
+        for p in procs:
+            p.kill()
+            p.wait()
     codes = [p.returncode for p in procs]
     if any(codes):
         raise AssertionError(f"{script} on {world_size} ranks failed with exit codes {codes}:\n{_tail(out_dir)}")

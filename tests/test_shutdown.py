@@ -8,7 +8,6 @@ rank 1 receives it wherever it happens to be; the outcome must be the same where
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_zero import inspect_checkpoint
 from tests.launch import ROOT, run_in_own_session
 
 TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
@@ -51,17 +51,13 @@ def assert_clean_stop(code: int, text: str, seconds: float, signal_name: str) ->
 
 
 def checkpoints(tmp_path: Path) -> dict[str, int]:
-    """Every checkpoint in ``ckpts/`` by name, with its global step (read by `lightning-zero inspect`)."""
+    """Every checkpoint in ``ckpts/`` by name, with its global step; each must be complete (every file present with
+    the size ``meta.pt`` records and its CRC-32, what ``lightning-zero inspect --verify`` checks)."""
     folder = tmp_path / "ckpts"
     leftovers = [p.name for p in folder.iterdir() if p.name.startswith(".")] if folder.is_dir() else []
     assert not leftovers, f"a partial checkpoint is visible: {leftovers}"
-    steps = {}
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-        done = subprocess.run([sys.executable, "-m", "lightning_zero", "inspect", str(path), "--json"],
-                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        steps[path.name] = json.loads(done.stdout)["global_step"]
-    return steps
+    return {path.name: inspect_checkpoint(path, verify=True)["global_step"]
+            for path in (sorted(folder.iterdir()) if folder.is_dir() else [])}
 
 
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])

@@ -1,0 +1,215 @@
+"""A zygote: one Python process that imports torch, Lightning and lightning_zero once, then forks a fresh process
+for each rank a test launches, so a launch costs a fork instead of the ~6 s those imports take on the CI machine.
+
+[Note: a forked rank is a fresh rank]
+The zygote imports and never computes: no tensor op, no thread pool, no process group, so a fork carries nothing
+but imported modules (module-level state as import leaves it). The child then does what ``python script.py`` would:
+the test's environment replaces ``os.environ``, the working directory, ``sys.argv`` and ``sys.path[0]`` are the
+script's, stdout and stderr go to the rank's log, and the script runs as ``__main__`` (``runpy``); its exit code (or
+``-signal``) comes back like a ``subprocess`` return code. Variables read only once at process start (glibc's
+``MALLOC_MMAP_THRESHOLD_``, ``PYTHONPATH``, ``OMP_NUM_THREADS``) are the ones the zygote itself starts with
+(:data:`ZYGOTE_ENV`), equal to what :mod:`tests.launch` gives every rank; anything else lightning_zero reads from the
+environment, it reads when used, not at import.
+
+Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"script", "args", "env", "cwd", "log"}`` in,
+``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children, the test cannot).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+class Lines:
+    """Whole lines from a file descriptor, with a timeout (a buffered reader would hide lines from ``select``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buffer, self.eof = fd, b"", False
+
+    def next(self, timeout: Optional[float]) -> Optional[bytes]:
+        """The next line (``b""`` at end of input), or None if none came within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buffer and not self.eof:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            self.buffer += chunk
+            self.eof = not chunk
+        if b"\n" not in self.buffer:
+            return b""
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line + b"\n"
+
+
+class Child:
+    """A rank forked by the zygote, with the part of ``subprocess.Popen``'s interface the tests use."""
+
+    def __init__(self, zygote: "Zygote", pid: int) -> None:
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> Optional[int]:
+        self.zygote.collect(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            self.zygote.collect(timeout=1.0 if left is None else min(left, 1.0))
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    """The test side: starts the zygote process on first use and asks it for ranks."""
+
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+        self.lines: Optional[Lines] = None
+        self.children: dict[int, Child] = {}
+
+    def spawn(self, script: Path, args: list[str], env: dict[str, str], cwd: Path, log: Path) -> Child:
+        """Fork a rank that runs ``script`` with ``args`` like ``python script args`` would."""
+        proc = self._running()
+        request = {"script": str(script), "args": args, "env": env, "cwd": str(cwd), "log": str(log)}
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        while True:  # the answer to this request; exits of earlier children may come first
+            message = self._read(timeout=120)
+            if message is None:
+                raise RuntimeError("the test zygote did not answer in 120 s")
+            if "code" not in message:
+                child = self.children[message["pid"]] = Child(self, message["pid"])
+                return child
+            self._ended(message)
+
+    def collect(self, timeout: float) -> None:
+        """Take the exits the zygote reported, waiting up to ``timeout`` seconds for the first."""
+        message = self._read(timeout)
+        while message is not None:
+            self._ended(message)
+            message = self._read(0)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def _running(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                         env=dict(os.environ, **ZYGOTE_ENV))
+            self.lines = Lines(self.proc.stdout.fileno())
+            self.children.clear()
+        return self.proc
+
+    def _read(self, timeout: float) -> Optional[dict[str, Any]]:
+        assert self.proc is not None and self.lines is not None
+        line = self.lines.next(timeout)
+        if line is None:
+            return None
+        if not line:
+            raise RuntimeError(f"the test zygote exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def _ended(self, message: dict[str, Any]) -> None:
+        child = self.children.pop(message["pid"], None)
+        if child is not None:
+            child.returncode = message["code"]
+
+
+ZYGOTE = Zygote()
+atexit.register(ZYGOTE.close)
+
+
+def _run_child(request: dict[str, Any]) -> None:
+    """In the forked child: become ``python script args`` and run it (never returns)."""
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        nothing = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(nothing, 0)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(nothing)
+        sys.argv = [request["script"], *request["args"]]
+        sys.path[0] = str(Path(request["script"]).parent)
+        import runpy
+
+        runpy.run_path(request["script"], run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve() -> None:
+    """The zygote's loop: fork a child per request, report each child's exit; end when stdin closes."""
+    import lightning  # noqa: F401  (the imports every rank needs, done once)
+    import torch  # noqa: F401
+
+    import lightning_zero  # noqa: F401
+
+    requests = Lines(0)
+    live: set[int] = set()
+    open_ = True
+    while open_ or live:
+        line = requests.next(0.2) if open_ else (time.sleep(0.2) or None)
+        if line is not None:
+            if not line:
+                open_ = False
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(json.loads(line))
+                live.add(pid)
+                _say({"pid": pid})
+        for pid in list(live):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                live.discard(pid)
+                _say({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _say(message: dict[str, Any]) -> None:
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
+if __name__ == "__main__":
+    sys.path[0] = str(ROOT)
+    _serve()
