@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (
         # memory (the memory tests rely on it).
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
                    LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1", **ZYGOTE_ENV)
-        procs.append(ZYGOTE.spawn(ROOT / "tests" / "workers" / script, [str(out_dir), *args], env, out_dir,
+        procs.append(ZYGOTE.spawn([str(ROOT / "tests" / "workers" / script), str(out_dir), *args], env, out_dir,
                                   out_dir / f"rank{rank}.log"))
     return procs
 
@@ -63,24 +64,25 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
 
 
 def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> int:
-    """Run ``cmd`` (a user's launch: Lightning starts the other ranks as its children) in a process group of its own,
-    so that a signal to the group reaches this run only, as Ctrl-C reaches a terminal's foreground job. Returns the
-    exit code; on a hang every process prints where it is stuck (SIGABRT with ``PYTHONFAULTHANDLER``) and it fails.
+    """Run ``cmd`` (``[sys.executable, ...]``: a user's launch, where Lightning starts the other ranks as its
+    children) in a session and process group of its own, so that a signal to the group reaches this run only, as
+    Ctrl-C reaches a terminal's foreground job. The first process is forked from the zygote (tests/zygote.py);
+    Lightning's ranks are fresh ``python`` processes. Returns the exit code; on a hang every process prints where it
+    is stuck (SIGABRT with ``PYTHONFAULTHANDLER``) and it fails.
     """
-    with open(log, "w") as out:
-        # SIGINT back to its default: a job started in the background of a non-interactive shell ignores it.
-        proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env, PYTHONFAULTHANDLER="1"), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)
-            time.sleep(5)
-            raise AssertionError(f"{' '.join(cmd)} did not end in {timeout}s:\n{log.read_text()[-8000:]}")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    assert cmd[0] == sys.executable, cmd
+    # SIGINT as in a terminal's foreground job: the zygote's children start with Python's own handler for it
+    proc = ZYGOTE.spawn(cmd[1:], dict(env, PYTHONFAULTHANDLER="1"), cwd, log, session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(5)
+        raise AssertionError(f"{' '.join(cmd)} did not end in {timeout}s:\n{log.read_text()[-8000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _tail(out_dir: Path, lines: int = 60) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from tests.launch import run_in_own_session
+from tests.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -37,14 +39,18 @@ def user_env() -> dict[str, str]:
 
 
 def run(*cmd: str, cwd: Path) -> str:
-    """Run a user's command; fail with its output if it fails or hangs."""
+    """Run a user's ``python ...`` command (its first process forked from the test zygote, tests/zygote.py); fail with
+    its output if it fails or hangs; return what it printed to stdout."""
+    assert cmd[0] == sys.executable, cmd
+    out, err = cwd / "stdout.txt", cwd / "stderr.txt"
+    proc = ZYGOTE.spawn(list(cmd[1:]), user_env(), cwd, out, err, session=True)
     try:
-        done = subprocess.run(list(cmd), cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as error:
-        raise AssertionError(f"{' '.join(cmd)} did not finish in {TIMEOUT}s:\n{error.stdout}\n{error.stderr}")
-    assert done.returncode == 0, f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n" \
-                                 f"{done.stderr[-5000:]}"
-    return done.stdout
+        code = proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {TIMEOUT}s:\n{out.read_text()}\n{err.read_text()}")
+    assert code == 0, f"{' '.join(cmd)} failed ({code}):\n{out.read_text()[-3000:]}\n{err.read_text()[-5000:]}"
+    return out.read_text()
 
 
 def tiny_config(stage: int, tmp_path: Path, **trainer: object) -> Path:

@@ -5,14 +5,16 @@ for each rank a test launches, so a launch costs a fork instead of the ~6 s thos
 The zygote imports and never computes: no tensor op, no thread pool, no process group, so a fork carries nothing
 but imported modules (module-level state as import leaves it). The child then does what ``python script.py`` would:
 the test's environment replaces ``os.environ``, the working directory, ``sys.argv`` and ``sys.path[0]`` are the
-script's, stdout and stderr go to the rank's log, and the script runs as ``__main__`` (``runpy``); its exit code (or
-``-signal``) comes back like a ``subprocess`` return code. Variables read only once at process start (glibc's
+script's, stdout and stderr go to files, the script (or ``-m`` module) runs as ``__main__`` (``runpy``), and it ends
+as the interpreter would (threads joined, ``atexit`` run, an uncaught Ctrl-C re-raised as SIGINT); its exit code (or
+``-signal``) comes back like a ``subprocess`` return code. Processes it starts itself (Lightning's launcher starting
+the other ranks) are ordinary ``python`` processes. Variables read only once at process start (glibc's
 ``MALLOC_MMAP_THRESHOLD_``, ``PYTHONPATH``, ``OMP_NUM_THREADS``) are the ones the zygote itself starts with
 (:data:`ZYGOTE_ENV`), equal to what :mod:`tests.launch` gives every rank; anything else lightning_zero reads from the
 environment, it reads when used, not at import.
 
-Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"script", "args", "env", "cwd", "log"}`` in,
-``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children, the test cannot).
+Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"argv", "env", "cwd", "stdout", "stderr",
+"session"}`` in, ``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children, the test cannot).
 """
 
 from __future__ import annotations
@@ -88,16 +90,22 @@ class Zygote:
         self.lines: Optional[Lines] = None
         self.children: dict[int, Child] = {}
 
-    def spawn(self, script: Path, args: list[str], env: dict[str, str], cwd: Path, log: Path) -> Child:
-        """Fork a rank that runs ``script`` with ``args`` like ``python script args`` would."""
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Optional[Path] = None,
+              session: bool = False) -> Child:
+        """Fork a process that runs like ``python *argv`` (``argv``: a script and its arguments, or ``-m``, a module
+        and its arguments) with ``env`` as its whole environment, in ``cwd``, writing to ``stdout`` (and ``stderr``,
+        the same file if not given); ``session``: in a session and process group of its own, as
+        ``start_new_session`` would do."""
         proc = self._running()
-        request = {"script": str(script), "args": args, "env": env, "cwd": str(cwd), "log": str(log)}
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
+                   "stderr": str(stderr or stdout), "session": session}
+        assert proc.stdin is not None
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
         while True:  # the answer to this request; exits of earlier children may come first
-            message = self._read(timeout=120)
+            message = self._read(timeout=300)
             if message is None:
-                raise RuntimeError("the test zygote did not answer in 120 s")
+                raise RuntimeError("the test zygote did not answer in 300 s")
             if "code" not in message:
                 child = self.children[message["pid"]] = Child(self, message["pid"])
                 return child
@@ -143,39 +151,87 @@ class Zygote:
 
 
 ZYGOTE = Zygote()
-atexit.register(ZYGOTE.close)
+if __name__ != "__main__":
+    atexit.register(ZYGOTE.close)
 
 
 def _run_child(request: dict[str, Any]) -> None:
-    """In the forked child: become ``python script args`` and run it (never returns)."""
+    """In the forked child: become ``python *argv`` and run it; exit as that would (never returns)."""
+    import signal
+
     code = 1
     try:
+        if request["session"]:
+            os.setsid()
+        # Ctrl-C raises KeyboardInterrupt, as in a Python started from a terminal, even if the test run ignores
+        # SIGINT (a job in the background of a non-interactive shell does, and the zygote inherited that)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        nothing = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(nothing, 0)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(nothing)
-        sys.argv = [request["script"], *request["args"]]
-        sys.path[0] = str(Path(request["script"]).parent)
-        import runpy
+        _redirect(request["stdout"], request["stderr"])
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            import faulthandler
 
-        runpy.run_path(request["script"], run_name="__main__")
+            faulthandler.enable()
+        _run_argv(request["argv"])
         code = 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if isinstance(stop.code, int) or stop.code is None:
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as Python does: the traceback, then death by SIGINT
+        import traceback
+
+        traceback.print_exc()
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         import traceback
 
         traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    _finish()
+    os._exit(code)
+
+
+def _redirect(stdout: str, stderr: str) -> None:
+    """stdin from /dev/null, stdout and stderr to the given files (one file if they are the same)."""
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
+    for fd, path in ((1, stdout), (2, stderr)):
+        if fd == 2 and stderr == stdout:
+            os.dup2(1, 2)
+            continue
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+
+
+def _run_argv(argv: list[str]) -> None:
+    """``python *argv`` minus the interpreter's start: the script (or ``-m`` module) as ``__main__``."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _finish() -> None:
+    """What the interpreter does at exit: join non-daemon threads, run ``atexit`` functions, flush."""
+    import threading
+
+    getattr(threading, "_shutdown", lambda: None)()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def _serve() -> None:
