@@ -2,7 +2,7 @@
 
 One launch per world size runs every scenario under ddp, zero1 and zero2 in the same processes (so fresh Trainers
 after earlier ones are exercised too); the tests below only compare what it saved. World size 3 is odd on purpose:
-the flat buffers and buckets must pad. Stages 1 and 2 cut each model into about 30 buckets, so parameters span
+the flat buffers and buckets must pad. Stages 1 and 2 cut each model into about 12 buckets, so parameters span
 buckets and several reduce-scatters are in flight.
 """
 
