@@ -83,6 +83,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         activation_partition_group: Pa: ranks holding identical activations (a module's own tensor-parallel group;
             ZeRO's data-parallel ranks never do): a list of ranks, a list of such lists, or a callable giving a group.
         contiguous_checkpoints: MD: checkpointed block inputs live in one buffer preallocated after the first step.
+        offload_optimizer: ZeRO-Offload: the fp32 master shard, the optimizer states and the step live in host memory
+            (pinned on CUDA); gradient shards go to the host after their reduction, updates come back to the device.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -107,6 +109,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         activation_offload: bool = False,
         activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...]]] = None,
         contiguous_checkpoints: bool = False,
+        offload_optimizer: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -124,7 +127,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  state_dict_type=state_dict_type, activation_checkpointing=activation_checkpointing,
                                  activation_offload=activation_offload,
                                  activation_partition_group=activation_partition_group,
-                                 contiguous_checkpoints=contiguous_checkpoints)
+                                 contiguous_checkpoints=contiguous_checkpoints, offload_optimizer=offload_optimizer)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")

@@ -1,0 +1,114 @@
+"""ZeRO-Offload (arXiv:2101.06840) of the optimizer: master shard, optimizer states and the step in host memory.
+
+[Note: what lives where with offload_optimizer=True]
+Device (the rank's accelerator): the working parameters (the flat buffer of stages 1 and 2, the working shard and
+gathered units of stage 3), the gradient bucket buffers and the reduced gradient shard in the working dtype.
+Host: the master shard (always a tensor of its own, even where the master dtype equals the working dtype, so that
+the update never writes the device's memory directly), a gradient shard in the master dtype, and whatever state the
+user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` the host masters). One step:
+
+1. the reduced gradient shard is copied from the device into the host gradient buffer (``HostGrads.load``), which
+   the master tensors' ``.grad`` are views of; unscaling, clipping and the overflow check act on these host copies;
+2. the user's optimizer steps on the host masters (the CPU step);
+3. ``refresh_working`` copies the updated master shard into the device's working parameters (and all-gathers them
+   under stages 1 and 2), exactly where a non-offloaded run copies its device master shard.
+
+The host tensors are pinned when the working device is a CUDA GPU (fast, asynchronous copies) and ordinary CPU
+tensors otherwise. On a CPU-only machine the host and the device are both CPU memory, but the host buffers are still
+separate storages and every copy above still happens, so CPU tests exercise the whole offloaded path.
+
+[Note: offloading and checkpoints]
+The master views and optimizer states a checkpoint reads and writes are the host tensors: the checkpoint's format
+does not depend on where they live, so an offloaded run resumes a non-offloaded checkpoint and vice versa.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.optimizer_support import user_class
+
+HOST = torch.device("cpu")
+
+
+def master_device(device: torch.device, offload: bool) -> torch.device:
+    """Where master weights and optimizer states live: the host with ``offload``, else the working device."""
+    return HOST if offload else device
+
+
+def pins(device: torch.device) -> bool:
+    """Whether host buffers for ``device`` are pinned (page-locked): only for CUDA devices, where it is possible."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zeroed host tensor of ``numel`` elements staging data for ``device`` (pinned where :func:`pins`)."""
+    return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pins(device))
+
+
+def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offload: bool) -> Tensor:
+    """The master shard: on the host (see [Note: what lives where ...]) with ``offload``, else on ``device``."""
+    if offload:
+        return host_zeros(numel, dtype, device)
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+class HostGrads:
+    """The host copy of one engine's reduced gradient shard, in the master dtype (step 1 of [Note: what lives ...]).
+
+    The buffer is made on the first step and kept (no reallocation, and pinned memory is slow to allocate); its
+    values are valid from :meth:`load` until the next :meth:`load`.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self.buffer: Optional[Tensor] = None
+
+    def load(self, shard: Tensor) -> Tensor:
+        """Copy the device gradient shard ``shard`` into the host buffer (casting to the master dtype); returns it."""
+        if self.buffer is None:
+            self.buffer = host_zeros(self.numel, self.dtype, self.device)
+        with torch.no_grad():
+            # [Note: a blocking copy] from device to pageable or pinned host memory, ``copy_`` returns once the data
+            # is on the host, so the CPU step never reads a buffer still being written.
+            self.buffer.copy_(shard)
+        return self.buffer
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+
+def check_steps_on_host(optimizer: Optimizer) -> None:
+    """Refuse, at setup, an optimizer that cannot step on CPU tensors (offload runs its step on the host).
+
+    torch's own optimizers step on CPU tensors in every mode this torch supports; where ``fused=True`` is asked of
+    a torch that has no CPU fused kernels, or for any other optimizer class, one step on a two-element CPU tensor of
+    a fresh instance with the same defaults tells. An instance that cannot be made that way is not probed (its
+    errors then come from the first step).
+    """
+    cls = user_class(optimizer)
+    if cls.__module__.startswith("torch.optim") and not optimizer.defaults.get("fused"):
+        return
+    probe_param = torch.zeros(2, requires_grad=True)
+    try:
+        probe = cls([probe_param], **optimizer.defaults)
+    except Exception:  # noqa: BLE001 - a constructor we cannot call with its defaults: nothing to probe
+        return
+    probe_param.grad = torch.zeros(2)
+    try:
+        probe.step()
+    except Exception as error:  # noqa: BLE001 - any failure means the same thing to the user
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        raise TypeError(
+            f"`offload_optimizer=True` runs the optimizer step on CPU tensors, but {name} failed to step on one "
+            f"({type(error).__name__}: {error}). Use an optimizer with a CPU implementation (e.g. torch.optim.AdamW, "
+            "without `fused=True` on a torch that lacks CPU fused kernels), or set `offload_optimizer=False`."
+        ) from error
+
