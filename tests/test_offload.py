@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero.memory import expected_offload_bytes
 from lightning_zero.offload import HostGrads, allocate_master, check_steps_on_host
 from tests.launch import launch
 from tests.models import TinyLM
@@ -64,6 +65,17 @@ def test_host_buffers_are_separate_and_carry_the_gradients(results, scenario, st
         assert len(seen) == 6 if scenario == "adamw" else len(seen) == 4
         failed = [(step, check) for step, checks in enumerate(seen) for check, ok in checks.items() if not ok]
         assert not failed, failed
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(("scenario", "precision"), [("adamw", "32-true"), ("bf16_mixed", "bf16-mixed")])
+def test_device_and_host_bytes_match_the_formula(results, scenario, precision, stage):
+    # measured after the second backward (optimizer states exist); padding and a frozen norm stay within 5%
+    for rank in results:
+        states = rank[scenario][stage]["states"]
+        device, host = expected_offload_bytes(states["numel"], 2, int(stage[4]), precision)
+        assert abs(states["device_model_states"] - device) <= 0.05 * device, (states, device)
+        assert abs(states["host"] - host) <= 0.05 * host, (states, host)
 
 
 def test_bf16_mixed_offloaded_close_to_ddp_amp(results):

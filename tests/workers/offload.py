@@ -13,7 +13,7 @@ import lightning as L
 import torch
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
-from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy
+from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy, measure_model_states
 from tests.models import TinyGAN, TinyLM
 
 warnings.filterwarnings("ignore")
@@ -37,6 +37,12 @@ class HostBufferProbe(L.Callback):
 
     def __init__(self) -> None:
         self.seen: list[dict[str, bool]] = []
+        self.states: dict[str, int] = {}
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step == 2 and not self.states:  # optimizer states exist, no master gradient is alive
+            self.states = measure_model_states(module, trainer.optimizers).as_dict()
+            self.states["numel"] = sum(p.numel() for o in trainer.optimizers for p in o._zero_engine.params)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         engine = getattr(optimizer, "_optimizer", optimizer)._zero_engine
@@ -75,6 +81,7 @@ def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: 
            "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}}
     if probe:
         out["probe"] = callbacks[0].seen
+        out["states"] = callbacks[0].states
     if isinstance(precision, ZeroPrecision) and precision.scaler is not None:
         out["scaler"] = precision.scaler.state_dict()
     return out
