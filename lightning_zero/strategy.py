@@ -42,7 +42,7 @@ from lightning_zero.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.memory import expected_model_state_bytes
+from lightning_zero.memory import expected_model_state_bytes, expected_offload_bytes
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.host_memory import release_freed_memory
@@ -273,9 +273,13 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         precision = self.precision_plugin.precision
         zero = expected_model_state_bytes(psi, self.world_size, self.config.stage, precision)
         ddp = expected_model_state_bytes(psi, self.world_size, 0, precision)
+        where = ""
+        if self.config.offload_optimizer:  # see [Note: what lives where with offload_optimizer=True] in offload.py
+            zero, host = expected_offload_bytes(psi, self.world_size, self.config.stage, precision)
+            where = f" on the device + {human_bytes(host)} in host memory (offload_optimizer)"
         return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
-                f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)} per rank "
-                f"(DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
+                f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)}{where} per "
+                f"rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
 
     def _evaluation_engine(self) -> ShardedOptimizer:
         """validate/test/predict under zero3 shard the weights too; an internal SGD (never stepped) holds them."""

@@ -159,3 +159,28 @@ def test_an_optimizer_that_cannot_step_on_cpu_is_refused_at_setup():
         trainer.fit(module)
     assert all(torch.equal(before[n], p) for n, p in module.named_parameters())
     check_steps_on_host(torch.optim.AdamW([torch.zeros(2, requires_grad=True)], fused=True))  # CPU kernels exist
+
+
+def test_estimate_shows_device_and_host_bytes(capsys):
+    from lightning_zero.cli import main as cli
+
+    assert cli(["estimate", "--params", "1B", "-n", "4", "--memory", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    # bf16-mixed, N = 4: zero3+offload keeps 2Ψ/N + 2Ψ/N = 1 GB on the device and 16Ψ/N = 4 GB on the host
+    assert "| bf16-mixed | 3.7 GiB + 3.7 GiB host | 2.3 GiB + 3.7 GiB host | 953.7 MiB + 3.7 GiB host |" in out
+    # the device holds 4 of zero3's 16 bytes per parameter: 4x the model on the same device memory
+    assert "| bf16-mixed | 1.07B | 2.45B | 3.12B | 4.29B | 4.29B | 6.87B | 17.18B |" in out
+
+
+def test_fit_summary_shows_device_and_host_bytes(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        L.Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer=True), accelerator="cpu", devices=1, max_steps=1,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(TinyLM(scheduler=False))
+    psi = sum(p.numel() for p in TinyLM().parameters())
+    lines = [r.getMessage() for r in caplog.records if "ZeRO stage" in r.getMessage()]
+    assert lines == [f"ZeRO stage 3 on 1 rank, precision 32-true: {psi:,} trainable parameters; model states "
+                     f"{psi * 8 / 1024:.1f} KiB on the device + {psi * 16 / 1024:.1f} KiB in host memory "
+                     f"(offload_optimizer) per rank (DDP: {psi * 16 / 1024:.1f} KiB, 50% of it)"]
