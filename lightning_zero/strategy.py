@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,6 +43,7 @@ from lightning_zero.materialize import (
     warn_if_built_in_full,
 )
 from lightning_zero.memory import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.offload import fused_hint
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.host_memory import release_freed_memory
@@ -302,6 +303,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
         for optimizer, whole_params in zip(self.optimizers, whole_params_per_optimizer(self.optimizers, self.config)):
             self.engines.append(self._make_engine(optimizer, whole_params))
+            hint = fused_hint(optimizer) if self.config.offload_optimizer else None
+            if hint:
+                rank_zero_warn(hint)
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
 

@@ -15,7 +15,7 @@ import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.memory import expected_offload_bytes
-from lightning_zero.offload import HostGrads, allocate_master, check_steps_on_host
+from lightning_zero.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
 from tests.launch import launch
 from tests.models import TinyLM
 
@@ -158,7 +158,9 @@ def test_an_optimizer_that_cannot_step_on_cpu_is_refused_at_setup():
     with pytest.raises(TypeError, match="failed to step on one"):
         trainer.fit(module)
     assert all(torch.equal(before[n], p) for n, p in module.named_parameters())
-    check_steps_on_host(torch.optim.AdamW([torch.zeros(2, requires_grad=True)], fused=True))  # CPU kernels exist
+    fused = torch.optim.AdamW([torch.zeros(2, requires_grad=True)], fused=True)
+    check_steps_on_host(fused)  # CPU kernels exist
+    assert fused_hint(fused) is None and fused_hint(torch.optim.SGD([torch.zeros(2)], lr=0.1)) is None
 
 
 def test_estimate_shows_device_and_host_bytes(capsys):
@@ -175,7 +177,7 @@ def test_estimate_shows_device_and_host_bytes(capsys):
 def test_fit_summary_shows_device_and_host_bytes(caplog):
     import logging
 
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match=r"torch.optim.AdamW\(\.\.\., fused=True\)"):
         L.Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer=True), accelerator="cpu", devices=1, max_steps=1,
                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(TinyLM(scheduler=False))
