@@ -42,11 +42,13 @@ def _assert_params_close(actual: dict, expected: dict, rtol: float) -> None:
         assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("scenario", ["adamw", "gan_manual"])
+@pytest.mark.parametrize(("scenario", "stage"), [(scenario, stage) for scenario in ("adamw", "gan_manual")
+                                                  for stage in STAGES]
+                         + [("shared_adafactor", stage) for stage in STAGES[1:]])
 def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
     # adamw: two param groups, a frozen norm, an LR schedule, accumulation over 2 micro-batches, norm clipping;
-    # gan_manual: manual optimization with two optimizers (Adam, SGD) and `clip_gradients`
+    # gan_manual: manual optimization with two optimizers (Adam, SGD) and `clip_gradients`; shared_adafactor: three
+    # optimizers sharing parameters (SGD with a closure, Adam after clipping, Adafactor stepping on whole tensors)
     for rank in results:
         _assert_losses_close(rank[scenario][stage]["losses"], rank[scenario]["ddp"]["losses"], RTOL)
         _assert_params_close(rank[scenario][stage]["params"], rank[scenario]["ddp"]["params"], RTOL)

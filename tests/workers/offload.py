@@ -5,6 +5,7 @@ callback saw of the host buffers."""
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy, measure_model_states
-from tests.models import TinyGAN, TinyLM
+from tests.models import SharedOptimizers, TinyGAN, TinyLM
 
 warnings.filterwarnings("ignore")
 
@@ -133,6 +134,9 @@ def scenarios(out: Path) -> dict[str, dict[str, Any]]:
     return {
         "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", **fit)) for n in ["ddp", *offloaded]},
         "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded]},
+        # three optimizers sharing parameters, Adafactor (whole tensors) among them, closures, clipping
+        "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
+                             for n in ["ddp", "zero2+offload", "zero3+offload"]},
         "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False), precision="bf16-mixed", probe=n != "ddp",
                                             max_steps=4)) for n in ["ddp", *offloaded]},
         "fp16_overflow": {"zero2+offload": lambda: run("zero2+offload", OverflowOnRank1(scheduler=False),
@@ -150,7 +154,9 @@ def main() -> None:
             continue
         for name, thunk in runs.items():
             L.seed_everything(0, verbose=False)
+            start = time.perf_counter()
             results.setdefault(scenario, {})[name] = thunk()
+            results[scenario][name]["seconds"] = time.perf_counter() - start
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
