@@ -82,10 +82,6 @@ class HostGrads:
             self.buffer.copy_(shard)
         return self.buffer
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
-
 
 def check_steps_on_host(optimizer: Optimizer) -> None:
     """Refuse, at setup, an optimizer that cannot step on CPU tensors (offload runs its step on the host).

@@ -127,7 +127,8 @@ class ShardedOptimizer:
         self.device = device
         moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
         aliased = working_dtype == master_dtype and not moved
-        self.host_grads = offload.HostGrads(self.layout.shard_size, master_dtype, device) if moved else None
+        self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(self.layout.shard_size, master_dtype,
+                                                                         device) if moved else None
         self.flat: Optional[Tensor] = None
         self.sharded: Optional[ShardedParams] = None
         if policy.shards_params:  # stage 3: no full buffer; the strategy fills the shards unit by unit

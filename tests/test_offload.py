@@ -99,8 +99,8 @@ def test_fp16_loss_scaling_skips_the_overflowed_step_on_every_rank(results):
 
 
 def test_checkpoint_round_trip_offloaded_plain_offloaded(results):
-    # zero2+offload saves, zero3 without offload resumes and saves, zero1+offload resumes: the same losses as three
-    # epochs in one run without offload
+    # zero2+offload saves one full file, zero3 without offload resumes from it and saves a sharded directory,
+    # zero1+offload resumes from that: the same losses as three epochs in one run without offload
     for rank in results:
         run = rank["round_trip"]["zero"]
         _assert_losses_close(run["resumed"], run["straight"], RTOL)

@@ -22,14 +22,14 @@ warnings.filterwarnings("ignore")
 STAGES = (1, 2, 3)
 
 
-def strategy(name: str, model_numel: int) -> Any:
+def strategy(name: str, model_numel: int, **options: Any) -> Any:
     """``"ddp"``, or ``"zero<stage>"`` with ``"+offload"``: about 8 buckets, so parameters span buckets."""
     if name == "ddp":
         return "ddp_find_unused_parameters_true"
     stage = int(name[4])
     extra: dict[str, Any] = {"persistence_threshold": 0} if stage == 3 else {}  # tiny blocks stay real units
     return ZeroStrategy(stage=stage, offload_optimizer=name.endswith("+offload"),
-                        reduce_bucket_size=max(200, model_numel // 8), **extra)
+                        reduce_bucket_size=max(200, model_numel // 8), **extra, **options)
 
 
 class HostBufferProbe(L.Callback):
@@ -99,23 +99,24 @@ class OverflowOnRank1(TinyLM):
 
 
 def round_trip(out: Path) -> dict[str, Any]:
-    """Offloaded (zero2) 1 epoch → save → not offloaded (zero3) 1 more → save → offloaded (zero1) 1 more, against
-    3 uninterrupted epochs without offload."""
+    """Offloaded (zero2) 1 epoch → save one full file → not offloaded (zero3) 1 more → save a sharded directory →
+    offloaded (zero1) 1 more, against 3 uninterrupted epochs without offload."""
     fit = dict(limit_train_batches=4, accumulate_grad_batches=2, gradient_clip_val=0.05, logger=False,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
-    def trainer(name: str, epochs: int) -> L.Trainer:
+    def trainer(name: str, epochs: int, state_dict_type: str = "sharded") -> L.Trainer:
         with torch.device("meta"):
             numel = sum(p.numel() for p in TinyLM().parameters())
-        return L.Trainer(strategy=strategy(name, numel), accelerator="cpu", devices=2, max_epochs=epochs, **fit)
+        return L.Trainer(strategy=strategy(name, numel, state_dict_type=state_dict_type), accelerator="cpu",
+                         devices=2, max_epochs=epochs, **fit)
 
-    legs = [("zero2+offload", 1), ("zero3", 2), ("zero1+offload", 3)]
+    legs = [("zero2+offload", 1, "full"), ("zero3", 2, "sharded"), ("zero1+offload", 3, "sharded")]
     resumed: list[float] = []
     ckpt = None
-    for i, (name, epochs) in enumerate(legs):
+    for i, (name, epochs, kind) in enumerate(legs):
         L.seed_everything(0, verbose=False)
         model = TinyLM()
-        t = trainer(name, epochs)
+        t = trainer(name, epochs, kind)
         t.fit(model, ckpt_path=ckpt)
         resumed += model.losses
         ckpt = out / f"leg{i}.ckpt"
