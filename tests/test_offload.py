@@ -57,6 +57,13 @@ def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_validation_during_and_after_fit_matches_ddp(results, stage):
+    # adamw validates every 4 batches during fit, then `trainer.validate` sets the (sharded) model up again
+    for rank in results:
+        assert rank["adamw"][stage]["val_loss"] == pytest.approx(rank["adamw"]["ddp"]["val_loss"], rel=RTOL)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("scenario", ["adamw", "bf16_mixed"])
 def test_host_buffers_are_separate_and_carry_the_gradients(results, scenario, stage):
     # Checked before each optimizer step on every rank: the master shard and the optimizer states are CPU tensors
@@ -118,7 +125,7 @@ def test_option_from_yaml(tmp_path: Path):
     from lightning.pytorch.cli import LightningCLI
 
     config = tmp_path / "offload.yaml"
-    config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: "
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n    class_path: "
                       "lightning_zero.ZeroStrategy\n    init_args: {stage: 3, offload_optimizer: true}\n")
     cli = LightningCLI(TinyLM, args=["--config", str(config)], run=False, save_config_callback=None)
     assert cli.trainer.strategy.config.offload_optimizer is True

@@ -70,7 +70,7 @@ class HostBufferProbe(L.Callback):
 
 
 def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: bool = False,
-        **trainer_kwargs: Any) -> dict[str, Any]:
+        validate: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
     plugins = [precision] if isinstance(precision, ZeroPrecision) else []
     callbacks = [HostBufferProbe()] if probe else []
     trainer = L.Trainer(strategy=strategy(name, sum(p.numel() for p in model.parameters())), accelerator="cpu",
@@ -80,6 +80,8 @@ def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: 
     trainer.fit(model)
     out = {"losses": list(model.losses),
            "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}}
+    if validate:  # zero3: a fresh setup that shards the trained weights again, outside fit
+        out["val_loss"] = trainer.validate(model, verbose=False)[0]["val_loss"]
     if probe:
         out["probe"] = callbacks[0].seen
         out["states"] = callbacks[0].states
@@ -133,7 +135,8 @@ def scenarios(out: Path) -> dict[str, dict[str, Any]]:
     offloaded = [f"zero{s}+offload" for s in STAGES]
     fp16 = lambda: ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))  # noqa: E731
     return {
-        "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", **fit)) for n in ["ddp", *offloaded]},
+        "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", validate=True, limit_val_batches=2,
+                                      val_check_interval=4, **fit)) for n in ["ddp", *offloaded]},
         "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded]},
         # three optimizers sharing parameters, Adafactor (whole tensors) among them, closures, clipping
         "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
