@@ -7,8 +7,9 @@ Host: the master shard (always a tensor of its own, even where the master dtype 
 the update never writes the device's memory directly), a gradient shard in the master dtype, and whatever state the
 user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` the host masters). One step:
 
-1. the reduced gradient shard is copied from the device into the host gradient buffer (``HostGrads.load``), which
-   the master tensors' ``.grad`` are views of; unscaling, clipping and the overflow check act on these host copies;
+1. each bucket's slice of the reduced gradient shard is copied from the device into the host gradient buffer as
+   soon as it is written (see [Note: the gradient shard goes to the host bucket by bucket]); the master tensors'
+   ``.grad`` are views of that buffer; unscaling, clipping and the overflow check act on these host copies;
 2. the user's optimizer steps on the host masters (the CPU step);
 3. ``refresh_working`` copies the updated master shard into the device's working parameters (and all-gathers them
    under stages 1 and 2), exactly where a non-offloaded run copies its device master shard.
@@ -30,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.buckets import GradientReducer
+from lightning_zero.layout import Bucket
 from lightning_zero.optimizer_support import optimizer_name, user_class
 
 HOST = torch.device("cpu")
@@ -62,24 +65,51 @@ def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offloa
 class HostGrads:
     """The host copy of one engine's reduced gradient shard, in the master dtype (step 1 of [Note: what lives ...]).
 
-    The buffer is made on the first step and kept (no reallocation, and pinned memory is slow to allocate); its
-    values are valid from :meth:`load` until the next :meth:`load`.
+    [Note: the gradient shard goes to the host bucket by bucket]
+    The reducer calls :meth:`copy_bucket` whenever a bucket's slice of the device gradient shard has just been
+    written: reduced (under stage 2 and 3 during backward, as each bucket's reduce-scatter completes), accumulated,
+    zeroed because no gradient reached it, or cleared by another optimizer's ``zero_grad``. Every write to the device
+    shard is therefore followed by a copy of that slice, and the host buffer equals the device shard (cast to the
+    master dtype) whenever the reducer is idle. With pinned memory (CUDA) the copies are asynchronous, ordered on the
+    current stream after the write they follow, so they overlap with the rest of backward; :meth:`ready` waits for
+    them before the CPU step reads the buffer. Under gradient accumulation each micro-batch copies again (only the
+    last copy is read): the price of not waiting for the step to start the transfer.
+
+    The buffer is made on first use and kept (pinned memory is slow to allocate).
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel = numel
         self.dtype = dtype
         self.device = device
+        self.asynchronous = pins(device)
         self.buffer: Optional[Tensor] = None
+        self._pending = False
 
-    def load(self, shard: Tensor) -> Tensor:
-        """Copy the device gradient shard ``shard`` into the host buffer (casting to the master dtype); returns it."""
+    def follow(self, reducer: GradientReducer) -> None:
+        """Copy every bucket ``reducer`` writes into its gradient shard from now on (see the note above)."""
+        reducer.on_reduced = lambda bucket: self.copy_bucket(reducer.grad_shard, bucket)
+
+    def copy_bucket(self, shard: Optional[Tensor], bucket: Bucket) -> None:
+        """Copy ``bucket``'s slice of the device gradient shard ``shard`` into the host buffer."""
+        if shard is None:
+            return
+        end = bucket.shard_offset + bucket.chunk_size
+        with torch.no_grad():
+            self._buffer()[bucket.shard_offset : end].copy_(shard[bucket.shard_offset : end],
+                                                            non_blocking=self.asynchronous)
+        self._pending = self.asynchronous
+
+    def ready(self) -> Tensor:
+        """The host buffer, once every copy into it has landed."""
+        if self._pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._pending = False
+        return self._buffer()
+
+    def _buffer(self) -> Tensor:
         if self.buffer is None:
             self.buffer = host_zeros(self.numel, self.dtype, self.device)
-        with torch.no_grad():
-            # [Note: a blocking copy] from device to pageable or pinned host memory, ``copy_`` returns once the data
-            # is on the host, so the CPU step never reads a buffer still being written.
-            self.buffer.copy_(shard)
         return self.buffer
 
 

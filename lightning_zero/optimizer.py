@@ -151,6 +151,8 @@ class ShardedOptimizer:
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group,
             unit_names if policy.shards_params else (),
         )
+        if self.host_grads is not None:
+            self.host_grads.follow(self.reducer)
         self._hooks: list[Any] = []
         self._prepared = False
         self.uninstalled = False
@@ -262,7 +264,7 @@ class ShardedOptimizer:
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
         shard = self.reducer.finalize(force=not self.policy.shards_grads)
         self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
-        return shard if self.host_grads is None else self.host_grads.load(shard)
+        return shard if self.host_grads is None else self.host_grads.ready()
 
     def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
         """The slots in this engine's own shard (its owned parameters) with their master tensors."""

@@ -15,6 +15,8 @@ import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.memory import expected_offload_bytes
+from lightning_zero.buckets import GradientReducer
+from lightning_zero.layout import plan_layout
 from lightning_zero.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
 from tests.launch import launch
 from tests.models import TinyLM
@@ -131,15 +133,26 @@ def test_option_from_yaml(tmp_path: Path):
     assert cli.trainer.strategy.config.offload_optimizer is True
 
 
-def test_host_buffers_without_cuda_are_plain_cpu_tensors():
-    master = allocate_master(10, torch.float32, torch.device("cpu"), offload=True)
-    grads = HostGrads(10, torch.float32, torch.device("cpu"))
-    shard = torch.arange(10, dtype=torch.bfloat16)
-    copied = grads.load(shard)
-    assert master.device.type == copied.device.type == "cpu" and not master.is_pinned()
-    assert copied.dtype == torch.float32 and torch.equal(copied, shard.float())
-    assert copied.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
-    assert grads.load(shard * 2) is copied  # one buffer, reused every step
+def test_host_gradient_buffer_follows_every_write_of_the_device_shard():
+    # one process (collectives copy): bf16 gradients, two accumulated backwards, then another optimizer's zero_grad of
+    # one parameter; after each, the host buffer (plain CPU memory here, no CUDA) equals the device shard in fp32
+    layout = plan_layout([10, 7, 5], [0, 0, 0], 1, 8)
+    reducer = GradientReducer(layout, 0, torch.bfloat16, torch.device("cpu"), 2, overlap=False)
+    host = HostGrads(layout.shard_size, torch.float32, torch.device("cpu"))
+    host.follow(reducer)
+    for scale in (1.0, 0.5):  # a second backward accumulates into the shard
+        for j, n in enumerate(layout.numels):
+            reducer.add_grad(j, torch.arange(n, dtype=torch.bfloat16) * scale + j)
+        reducer.flush()
+        reducer.wait()
+        assert torch.equal(host.ready(), reducer.grad_shard.float())
+    reducer.clear_params([1])
+    buffer = host.ready()
+    assert torch.equal(buffer, reducer.grad_shard.float()) and buffer.abs().sum() > 0
+    assert buffer.device.type == "cpu" and not buffer.is_pinned() and buffer.dtype == torch.float32
+    assert buffer.untyped_storage().data_ptr() != reducer.grad_shard.untyped_storage().data_ptr()
+    assert host.ready() is buffer  # one buffer, kept
+    assert not allocate_master(10, torch.float32, torch.device("cpu"), offload=True).is_pinned()
 
 
 class _CudaOnlySGD(torch.optim.SGD):
