@@ -72,7 +72,7 @@ class HostGrads:
     shard is therefore followed by a copy of that slice, and the host buffer equals the device shard (cast to the
     master dtype) whenever the reducer is idle. With pinned memory (CUDA) the copies are asynchronous, ordered on the
     current stream after the write they follow, so they overlap with the rest of backward; :meth:`ready` waits for
-    them before the CPU step reads the buffer. Under gradient accumulation each micro-batch copies again (only the
+    the device before the CPU step reads the buffer. Under gradient accumulation each micro-batch copies again (only the
     last copy is read): the price of not waiting for the step to start the transfer.
 
     The buffer is made on first use and kept (pinned memory is slow to allocate).
@@ -102,8 +102,8 @@ class HostGrads:
 
     def ready(self) -> Tensor:
         """The host buffer, once every copy into it has landed."""
-        if self._pending:
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._pending:  # the copies may have been issued from autograd's threads, on their streams: wait for all
+            torch.cuda.synchronize(self.device)
             self._pending = False
         return self._buffer()
 
