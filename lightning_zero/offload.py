@@ -12,7 +12,8 @@ user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` the h
    ``.grad`` are views of that buffer; unscaling, clipping and the overflow check act on these host copies;
 2. the user's optimizer steps on the host masters (the CPU step);
 3. ``refresh_working`` copies the updated master shard into the device's working parameters (and all-gathers them
-   under stages 1 and 2), exactly where a non-offloaded run copies its device master shard.
+   under stages 1 and 2), exactly where a non-offloaded run copies its device master shard. These copies block:
+   the host masters may change again as soon as they return.
 
 The host tensors are pinned when the working device is a CUDA GPU (fast, asynchronous copies) and ordinary CPU
 tensors otherwise. On a CPU-only machine the host and the device are both CPU memory, but the host buffers are still
