@@ -41,11 +41,6 @@ HOST = torch.device("cpu")
 FUSED_ON_CPU = ("torch.optim.Adam", "torch.optim.AdamW")
 
 
-def master_device(device: torch.device, offload: bool) -> torch.device:
-    """Where master weights and optimizer states live: the host with ``offload``, else the working device."""
-    return HOST if offload else device
-
-
 def pins(device: torch.device) -> bool:
     """Whether host buffers for ``device`` are pinned (page-locked): only for CUDA devices, where it is possible."""
     return device.type == "cuda" and torch.cuda.is_available()
@@ -73,8 +68,8 @@ class HostGrads:
     shard is therefore followed by a copy of that slice, and the host buffer equals the device shard (cast to the
     master dtype) whenever the reducer is idle. With pinned memory (CUDA) the copies are asynchronous, ordered on the
     current stream after the write they follow, so they overlap with the rest of backward; :meth:`ready` waits for
-    the device before the CPU step reads the buffer. Under gradient accumulation each micro-batch copies again (only the
-    last copy is read): the price of not waiting for the step to start the transfer.
+    the device before the CPU step reads the buffer. Under gradient accumulation each micro-batch copies again (only
+    the last copy is read): the price of not waiting for the step to start the transfer.
 
     The buffer is made on first use and kept (pinned memory is slow to allocate).
     """
@@ -117,13 +112,14 @@ class HostGrads:
 def check_steps_on_host(optimizer: Optimizer) -> None:
     """Refuse, at setup, an optimizer that cannot step on CPU tensors (offload runs its step on the host).
 
-    torch's own optimizers step on CPU tensors in every mode this torch supports; where ``fused=True`` is asked of
-    a torch that has no CPU fused kernels, or for any other optimizer class, one step on a two-element CPU tensor of
-    a fresh instance with the same defaults tells. An instance that cannot be made that way is not probed (its
-    errors then come from the first step).
+    torch's own optimizers step on CPU tensors except with ``capturable=True`` (CUDA graphs) or ``fused=True`` on a
+    torch without CPU fused kernels; for those, and for any other optimizer class, one step on a two-element CPU
+    tensor of a fresh instance with the same defaults tells. An instance that cannot be made that way is not probed
+    (its errors then come from the first step).
     """
     cls = user_class(optimizer)
-    if cls.__module__.startswith("torch.optim") and not optimizer.defaults.get("fused"):
+    special = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    if cls.__module__.startswith("torch.optim") and not special:
         return
     probe_param = torch.zeros(2, requires_grad=True)
     try:
