@@ -1,9 +1,11 @@
 """The GPU paths on one CUDA device: NCCL at world size 1, every precision, ddp and zero1-3 side by side.
 
     python benchmarks/gpu_check.py --width 1024 --depth 8 --steps 30
+    python benchmarks/gpu_check.py --strategies ddp zero2 zero2+offload zero3 zero3+offload   # ZeRO-Offload too
 
 For each (precision, strategy): loss after the last step, median step time, peak ``torch.cuda.max_memory_allocated``
-and the model-state bytes measured after a backward. In fp32 the ZeRO losses must equal DDP's.
+and the model-state bytes measured after a backward (on the device, and in host memory with ``+offload``, i.e.
+``offload_optimizer=True``). In fp32 the ZeRO losses must equal DDP's.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def run(strategy: str, precision: str, args: argparse.Namespace) -> dict[str, An
     data, vocab = char_dataset(context=32)
     model = CharLM(vocab, width=args.width, depth=args.depth, lr=args.lr)
     probe = Probe()
-    strat: Any = "ddp" if strategy == "ddp" else ZeroStrategy(stage=int(strategy[-1]))
+    strat: Any = "ddp" if strategy == "ddp" else ZeroStrategy(stage=int(strategy[4]),
+                                                              offload_optimizer=strategy.endswith("+offload"))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     trainer = L.Trainer(strategy=strat, accelerator="gpu", devices=1, precision=precision, max_steps=args.steps,
@@ -62,7 +65,8 @@ def run(strategy: str, precision: str, args: argparse.Namespace) -> dict[str, An
                         enable_model_summary=False, callbacks=[probe], gradient_clip_val=1.0)
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size, shuffle=False))
     return {"loss": probe.loss, "step_ms": 1000 * statistics.median(probe.times[5:]),
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20, "states_mib": probe.states["model_states"] / 2**20,
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "states_mib": probe.states["device_model_states"] / 2**20, "host_mib": probe.states["host"] / 2**20,
             "psi": sum(p.numel() for p in model.parameters()), "backend": torch.distributed.get_backend()}
 
 
@@ -74,19 +78,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "zero3"],
+                        help="ddp, zero1-zero3, and zero1+offload-zero3+offload (offload_optimizer=True)")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, lightning {L.__version__}")
-    print("| precision | strategy | Ψ | loss | median step (ms) | vs ddp | peak allocated (MiB) | model states (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| precision | strategy | Ψ | loss | median step (ms) | vs first | peak allocated (MiB) | device model states "
+          "(MiB) | host model states (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for precision in args.precisions:
         base = None
-        for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        for strategy in args.strategies:
             if strategy == "ddp" and precision == "bf16-true":
                 continue
             r = run(strategy, precision, args)
             base = base or r
             print(f"| {precision} | {strategy} ({r['backend']}) | {r['psi']:,} | {r['loss']:.6f} | {r['step_ms']:.2f} | "
-                  f"{r['step_ms'] / base['step_ms']:.2f} | {r['peak_mib']:.0f} | {r['states_mib']:.0f} |", flush=True)
+                  f"{r['step_ms'] / base['step_ms']:.2f} | {r['peak_mib']:.0f} | {r['states_mib']:.0f} | {r['host_mib']:.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

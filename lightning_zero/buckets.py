@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -97,6 +97,9 @@ class GradientReducer:
                 self._param_parts[p].append((bucket, start, length, offset))
         self._got: list[set[int]] = [set() for _ in layout.buckets]  # params written into each open bucket
         self._gaps = [_gaps(layout, b) for b in layout.buckets]
+        self.on_reduced: Optional[Callable[[Bucket], None]] = None
+        """Called with every bucket whose slice of ``grad_shard`` was just written (reduced, accumulated or zeroed):
+        ``offload_optimizer`` copies it to the host then (see ``offload.HostGrads``)."""
 
     # ------------------------------------------------------------------ filling
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
@@ -139,6 +142,7 @@ class GradientReducer:
             if not self._written[bucket.index]:
                 shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size].zero_()
                 self._written[bucket.index] = True
+                self._reduced(bucket)
         return shard
 
     def clear(self, release: bool) -> None:
@@ -168,6 +172,7 @@ class GradientReducer:
                         if pc.param == j:
                             at = bucket.shard_offset + pc.chunk_offset
                             self.grad_shard[at : at + pc.length].zero_()
+                    self._reduced(bucket)
 
     def release_buffers(self) -> None:
         """Free the pooled bucket buffers (they are made again on demand)."""
@@ -247,6 +252,11 @@ class GradientReducer:
         if accumulate:
             self._shard_slice(bucket).add_(slot.output(bucket, self.layout.world_size))
         self._free.append(slot)
+        self._reduced(bucket)
+
+    def _reduced(self, bucket: Bucket) -> None:
+        if self.on_reduced is not None:
+            self.on_reduced(bucket)
 
     def _unit_label(self, bucket: Bucket) -> str:
         if not self.unit_names:

@@ -81,14 +81,18 @@ class ZeroConfig:
     """Pa: global ranks (or lists of them, or a callable returning a process group) holding identical activations."""
     contiguous_checkpoints: bool = False
     """MD: copy the checkpointed block inputs into one preallocated buffer, sized after the first step."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: the master shard, the optimizer states and the optimizer step live in (pinned) host memory; the
+    device keeps the working parameters and gradients (see [Note: what lives where ...] in ``offload.py``)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
-        if not isinstance(self.overlap_comm, bool):
-            raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
+        for name in ("overlap_comm", "offload_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         if self.partition_whole_params not in (None, True, False):
             raise TypeError(f"`partition_whole_params` must be None, True or False, got {self.partition_whole_params!r}.")
         names = self.elementwise_optimizers

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_zero.memory import BYTES_PER_PARAM, expected_model_state_bytes
+from lightning_zero.memory import BYTES_PER_PARAM, expected_model_state_bytes, expected_offload_bytes
 
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 PRECISIONS = tuple(BYTES_PER_PARAM)
@@ -42,6 +42,19 @@ def model_state_table(num_params: int, world_size: int) -> dict[str, dict[str, f
     """``{precision: {strategy: bytes per rank}}``."""
     return {precision: {name: expected_model_state_bytes(num_params, world_size, stage, precision)
                         for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
+
+
+def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """``{precision: {strategy: (device bytes, host bytes) per rank}}`` with ``offload_optimizer=True``."""
+    return {precision: {name: expected_offload_bytes(num_params, world_size, stage, precision)
+                        for name, stage in STRATEGIES.items() if stage} for precision in PRECISIONS}
+
+
+def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
+    """``{precision: {strategy: parameters}}`` whose device model states fit in ``memory_bytes`` per rank with
+    ``offload_optimizer=True`` (the host is assumed to hold its part)."""
+    return {precision: {name: int(memory_bytes / expected_offload_bytes(1, world_size, stage, precision)[0])
+                        for name, stage in STRATEGIES.items() if stage} for precision in PRECISIONS}
 
 
 def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
@@ -112,9 +125,20 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
              "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for precision, row in model_state_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(human_bytes(b) for b in row.values()) + " |")
+    offloaded = [name for name, stage in STRATEGIES.items() if stage]
+    lines += ["", "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and a "
+              "gradient copy on the host):", "", "| precision | " + " | ".join(offloaded) + " |",
+              "|---|" + "---|" * len(offloaded)]
+    for precision, cells in offload_table(num_params, world_size).items():
+        lines.append(f"| {precision} | " + " | ".join(f"{human_bytes(d)} + {human_bytes(h)} host"
+                                                      for d, h in cells.values()) + " |")
     if memory_bytes is not None:
         lines += ["", f"Largest model whose model states fit in {human_bytes(memory_bytes)} per rank:", "",
-                  "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
+                  "| precision | " + " | ".join(STRATEGIES) + " | " + " | ".join(f"{n}+offload" for n in offloaded)
+                  + " |", "|---|" + "---|" * (len(STRATEGIES) + len(offloaded))]
+        on_host = largest_offloaded_model(memory_bytes, world_size)
         for precision, row in largest_model(memory_bytes, world_size).items():
-            lines.append(f"| {precision} | " + " | ".join(human_count(n) for n in row.values()) + " |")
+            counts = [*row.values(), *on_host[precision].values()]
+            lines.append(f"| {precision} | " + " | ".join(human_count(n) for n in counts) + " |")
+        lines.append("(with offload, device memory only: the host holds the rest, see the table above)")
     return "\n".join(lines)

@@ -5,6 +5,8 @@ Every tensor is counted once per storage, so views of one flat buffer (the worki
 that aliases the working buffer are not counted twice. ``grads`` covers full ``.grad`` tensors, the gradient shard
 and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their high-water
 mark: they are freed before each optimizer step) are kept apart from the model states, as in DESIGN.md's table.
+With ``offload_optimizer``, ``host`` says how many of the model-state bytes are in host memory (the master shard,
+the host gradient buffer and the optimizer states); the rest are on the device.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from lightning_zero.optimizer import ShardedOptimizer
 
 #: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.
 BYTES_PER_PARAM = {"32-true": (4, 4, 8), "bf16-mixed": (2, 2, 12), "16-mixed": (2, 2, 12), "bf16-true": (2, 2, 4)}
+#: Bytes of one master weight, and the precisions whose masters are the working parameters (without offload).
+MASTER_BYTES = {"32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2}
+ALIASED_MASTERS = ("32-true", "bf16-true")
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,21 @@ class ModelStateBytes:
     """The module's buffers (running statistics ...)."""
     comm_buffers: int
     """Gradient bucket buffers: constant, independent of the model size."""
+    host: int = 0
+    """Of the model states, the bytes in host memory (``offload_optimizer``); the others are on the device."""
 
     @property
     def model_states(self) -> int:
         """Parameters + gradients + master weights + optimizer states: the paper's "model states"."""
         return self.params + self.grads + self.master + self.optimizer_states
 
+    @property
+    def device_model_states(self) -> int:
+        """The model states held on the device (all of them unless the optimizer is offloaded)."""
+        return self.model_states - self.host
+
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "model_states": self.model_states}
+        return {**asdict(self), "model_states": self.model_states, "device_model_states": self.device_model_states}
 
 
 class _Counter:
@@ -73,14 +85,18 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     counter = _Counter()
     master = counter.bytes(e.master_storage for e in engines)
     params = counter.bytes([p for p in module.parameters()] + [e.sharded.working_shard for e in engines if e.sharded])
+    host_grads = [e.host_grads.buffer for e in engines if e.host_grads is not None]
     grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in engines]
-                          + [m.grad for e in engines for m in e.masters])
+                          + [m.grad for e in engines for m in e.masters] + host_grads)
     states = counter.bytes(
         v for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)
     )
     buffers = counter.bytes(module.buffers())
     comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in engines)  # freed before a step
-    return ModelStateBytes(params, grads, master, states, buffers, comm)
+    offloaded = [e for e in engines if e.host_grads is not None]
+    host = _Counter().bytes([e.master_storage for e in offloaded] + host_grads + [
+        v for e in offloaded for st in e.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)])
+    return ModelStateBytes(params, grads, master, states, buffers, comm, host)
 
 
 def expected_model_state_bytes(num_params: int, world_size: int, stage: int, precision: str) -> float:
@@ -100,3 +116,20 @@ def expected_model_state_bytes(num_params: int, world_size: int, stage: int, pre
     if stage == 3:
         return (param_b + grad_b + opt_b) * psi / n
     raise ValueError(f"No ZeRO stage {stage}; use 0 (DDP), 1, 2 or 3.")
+
+
+def expected_offload_bytes(num_params: int, world_size: int, stage: int, precision: str) -> tuple[float, float]:
+    """``(device, host)`` bytes of model states per rank with ``offload_optimizer=True`` (Adam, stages 1 to 3).
+
+    Device: the working parameters (``/N`` at stage 3) and the gradients (``/N`` from stage 2). Host, all ``/N``:
+    the master shard (a copy of its own even where it could alias the working parameters), Adam's two states and
+    the host gradient buffer in the master dtype. Mixed precision and ``32-true``: ``16Ψ/N`` on the host.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"Offload needs a ZeRO stage (1, 2 or 3), got {stage}.")
+    psi, n = float(num_params), float(world_size)
+    param_b, grad_b, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
+    master_b = MASTER_BYTES.get(precision, 4)
+    states_b = opt_b if precision in ALIASED_MASTERS else opt_b - master_b
+    device = param_b * psi / (n if stage == 3 else 1) + grad_b * psi / (n if stage >= 2 else 1)
+    return device, (states_b + 2 * master_b) * psi / n

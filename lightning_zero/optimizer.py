@@ -37,12 +37,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero import collectives
+from lightning_zero import collectives, offload
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
 from lightning_zero.layout import Bucket, FlatLayout, plan_layout
 from lightning_zero.optimizer_support import (
+    backward_order,
     check_optimizer,
+    check_params,
     is_elementwise,
     optimizer_name,
     step_in_pieces,
@@ -89,13 +91,15 @@ class ShardedOptimizer:
         whole_params: Optional[bool] = None,
     ) -> None:
         check_optimizer(optimizer)
+        if config.offload_optimizer:
+            offload.check_steps_on_host(optimizer)
         self.optimizer = optimizer
         self.policy = policy
         self.group = group
         self.rank, self.world_size = collectives.rank(group), collectives.world_size(group)
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
-        _check_params(self.canonical, optimizer)
+        check_params(self.canonical, optimizer)
         members = split_members(self.canonical, owners)
         self.managed = members.managed
         """Canonical index (in the user's param groups) of each member: owned parameters first, then borrowed."""
@@ -115,23 +119,27 @@ class ShardedOptimizer:
             self.world_size,
             self.bucket_elements,
             whole_params=not is_elementwise(optimizer, config) if whole_params is None else whole_params,
-            ready_order=_backward_order(self.params, module),
+            ready_order=backward_order(self.params, module),
             units=self.param_units if policy.shards_params else None,
         )
         self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
         self.slots = self._plan_slots()
         self.device = device
-        aliased = working_dtype == master_dtype
+        moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
+        aliased = working_dtype == master_dtype and not moved
+        self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(self.layout.shard_size, master_dtype,
+                                                                         device) if moved else None
         self.flat: Optional[Tensor] = None
         self.sharded: Optional[ShardedParams] = None
         if policy.shards_params:  # stage 3: no full buffer; the strategy fills the shards unit by unit
-            self.master_storage = torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
-            working = self.master_storage if aliased else torch.zeros_like(self.master_storage, dtype=working_dtype)
+            self.master_storage = offload.allocate_master(self.layout.shard_size, master_dtype, device, moved)
+            working = self.master_storage if aliased else torch.zeros(self.layout.shard_size, dtype=working_dtype,
+                                                                      device=device)
             self.sharded = ShardedParams(self.layout, self.params, self.rank, working, group)
         else:
             self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=device)
-            self.master_storage = None if aliased else torch.zeros(self.layout.shard_size, dtype=master_dtype,
-                                                                   device=device)
+            self.master_storage = None if aliased else offload.allocate_master(self.layout.shard_size, master_dtype,
+                                                                               device, moved)
             self._fill_from_params()
         self.slot_sources: list[ShardedOptimizer] = [self] * len(self.slots)
         """The engine whose shard each slot's ``start`` refers to (``self``, or the owner of borrowed parameters)."""
@@ -143,6 +151,8 @@ class ShardedOptimizer:
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group,
             unit_names if policy.shards_params else (),
         )
+        if self.host_grads is not None:
+            self.host_grads.follow(self.reducer)
         self._hooks: list[Any] = []
         self._prepared = False
         self.uninstalled = False
@@ -244,7 +254,7 @@ class ShardedOptimizer:
 
     def reduce_grads(self) -> Tensor:
         """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
-        which keeps the sum until :meth:`zero_grad`."""
+        which keeps the sum until :meth:`zero_grad` (with ``offload_optimizer``: its host copy, see ``offload.py``)."""
         if not self.policy.shards_grads:
             for j in self._flat_order:
                 p = self.params[j]
@@ -254,7 +264,7 @@ class ShardedOptimizer:
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
         shard = self.reducer.finalize(force=not self.policy.shards_grads)
         self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
-        return shard
+        return shard if self.host_grads is None else self.host_grads.ready()
 
     def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
         """The slots in this engine's own shard (its owned parameters) with their master tensors."""
@@ -397,19 +407,3 @@ class ShardedOptimizer:
             for unit in list(self.sharded.buffers):
                 self.sharded.release(unit)
 
-
-def _backward_order(params: list[Tensor], module: Optional[torch.nn.Module]) -> list[int]:
-    """When backward should produce each parameter's gradient: the reverse of the module's registration order."""
-    registered = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
-    fallback = len(registered)
-    return [-registered.get(id(p), fallback + i) for i, p in enumerate(params)]
-
-
-def _check_params(params: list[Tensor], optimizer: Optimizer) -> None:
-    seen: set[int] = set()
-    for p in params:
-        if id(p) in seen:
-            raise ValueError(f"A parameter appears twice in the param groups of {optimizer_name(optimizer)}.")
-        seen.add(id(p))
-        if p.is_sparse or not p.is_floating_point():
-            raise TypeError(f"ZeroStrategy shards dense floating-point parameters only, got one of dtype {p.dtype}.")

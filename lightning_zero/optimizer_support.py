@@ -1,10 +1,13 @@
-"""Which optimizers ZeRO can shard and how (flat slices or whole tensors), and the subclass it swaps in for
-``zero_grad`` (see [Note: gradients live until zero_grad] in ``optimizer.py``)."""
+"""Which optimizers ZeRO can shard and how (flat slices or whole tensors), the subclass it swaps in for
+``zero_grad`` (see [Note: gradients live until zero_grad] in ``optimizer.py``), and the checks and ordering of the
+parameters an engine lays out."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
@@ -132,3 +135,21 @@ def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) ->
         for group, params in zip(groups, saved):
             group["params"] = params
     return output
+
+
+def backward_order(params: list[Tensor], module: Optional[torch.nn.Module]) -> list[int]:
+    """When backward should produce each parameter's gradient: the reverse of the module's registration order."""
+    registered = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
+    fallback = len(registered)
+    return [-registered.get(id(p), fallback + i) for i, p in enumerate(params)]
+
+
+def check_params(params: list[Tensor], optimizer: Optimizer) -> None:
+    """Refuse a parameter listed twice, or one ZeRO cannot flatten (sparse, integer)."""
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            raise ValueError(f"A parameter appears twice in the param groups of {optimizer_name(optimizer)}.")
+        seen.add(id(p))
+        if p.is_sparse or not p.is_floating_point():
+            raise TypeError(f"ZeroStrategy shards dense floating-point parameters only, got one of dtype {p.dtype}.")

@@ -57,11 +57,15 @@ class LossScaler:
         self.skipped_steps = 0
 
     def unscale_and_check(self, grads: list[Tensor], device: torch.device) -> bool:
-        """Divide ``grads`` by the scale in place; ``True`` when any rank saw an inf or NaN."""
-        found = torch.zeros(1, device=device)
+        """Divide ``grads`` by the scale in place; ``True`` when any rank saw an inf or NaN.
+
+        ``device`` is the collectives' device; the gradients may be elsewhere (on the host with offload).
+        """
+        at = grads[0].device if grads else device
+        found = torch.zeros(1, device=at)
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale, device=device))
-        collectives.all_reduce(found, op=collectives.MAX)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale, device=at))
+        found = collectives.all_reduce(found.to(device), op=collectives.MAX)
         return bool(found.item())
 
     def update(self, overflow: bool) -> None:
@@ -173,7 +177,7 @@ class ZeroPrecision(Precision):
             for g in grads:
                 g.clamp_(-clip_val, clip_val)
         elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            clip_grad_norm(grads, clip_val)
+            clip_grad_norm(grads, clip_val, engine.device)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -185,21 +189,24 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def global_grad_norm(grads: list[Tensor]) -> Tensor:
-    """The 2-norm of all gradients of all ranks (each rank passes its shard); identical on every rank."""
-    device = grads[0].device if grads else torch.device("cpu")
-    local = torch.zeros(1, dtype=torch.float32, device=device)
+def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None) -> Tensor:
+    """The 2-norm of all gradients of all ranks (each rank passes its shard); identical on every rank.
+
+    ``device``: where the all-reduce runs (the collectives' device), when the gradients are elsewhere (offload).
+    """
+    at = grads[0].device if grads else (device or torch.device("cpu"))
+    local = torch.zeros(1, dtype=torch.float32, device=at)
     for g in grads:
         local += g.detach().float().pow(2).sum()
-    return collectives.all_reduce(local).sqrt()
+    return collectives.all_reduce(local.to(device or at)).sqrt()
 
 
-def clip_grad_norm(grads: list[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm(grads: list[Tensor], max_norm: float, device: Optional[torch.device] = None) -> Tensor:
     """Scale ``grads`` in place so that their global norm is at most ``max_norm`` (``clip_grad_norm_``'s rule)."""
-    total = global_grad_norm(grads)
+    total = global_grad_norm(grads, device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -42,7 +42,8 @@ from lightning_zero.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.memory import expected_model_state_bytes
+from lightning_zero.memory import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.offload import fused_hint
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.host_memory import release_freed_memory
@@ -83,6 +84,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         activation_partition_group: Pa: ranks holding identical activations (a module's own tensor-parallel group;
             ZeRO's data-parallel ranks never do): a list of ranks, a list of such lists, or a callable giving a group.
         contiguous_checkpoints: MD: checkpointed block inputs live in one buffer preallocated after the first step.
+        offload_optimizer: ZeRO-Offload: the fp32 master shard, the optimizer states and the step live in host memory
+            (pinned on CUDA); gradient shards go to the host after their reduction, updates come back to the device.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -107,6 +110,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         activation_offload: bool = False,
         activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...]]] = None,
         contiguous_checkpoints: bool = False,
+        offload_optimizer: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -124,7 +128,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  state_dict_type=state_dict_type, activation_checkpointing=activation_checkpointing,
                                  activation_offload=activation_offload,
                                  activation_partition_group=activation_partition_group,
-                                 contiguous_checkpoints=contiguous_checkpoints)
+                                 contiguous_checkpoints=contiguous_checkpoints, offload_optimizer=offload_optimizer)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -270,9 +274,13 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         precision = self.precision_plugin.precision
         zero = expected_model_state_bytes(psi, self.world_size, self.config.stage, precision)
         ddp = expected_model_state_bytes(psi, self.world_size, 0, precision)
+        where = ""
+        if self.config.offload_optimizer:  # see [Note: what lives where with offload_optimizer=True] in offload.py
+            zero, host = expected_offload_bytes(psi, self.world_size, self.config.stage, precision)
+            where = f" on the device + {human_bytes(host)} in host memory (offload_optimizer)"
         return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
-                f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)} per rank "
-                f"(DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
+                f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)}{where} per "
+                f"rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
 
     def _evaluation_engine(self) -> ShardedOptimizer:
         """validate/test/predict under zero3 shard the weights too; an internal SGD (never stepped) holds them."""
@@ -295,6 +303,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
         for optimizer, whole_params in zip(self.optimizers, whole_params_per_optimizer(self.optimizers, self.config)):
             self.engines.append(self._make_engine(optimizer, whole_params))
+            hint = fused_hint(optimizer) if self.config.offload_optimizer else None
+            if hint:
+                rank_zero_warn(hint)
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
 

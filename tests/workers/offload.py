@@ -1,0 +1,168 @@
+"""One rank of the offload suite: every scenario with ``offload_optimizer=True`` next to its DDP (or non-offloaded)
+reference, all in one launch (each launch costs seconds of imports). Saves losses, final weights and what a
+callback saw of the host buffers."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import lightning_zero  # noqa: F401  (registers the strategy names)
+from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy, measure_model_states
+from tests.models import SharedOptimizers, TinyGAN, TinyLM
+
+warnings.filterwarnings("ignore")
+
+STAGES = (1, 2, 3)
+
+
+def strategy(name: str, model_numel: int, **options: Any) -> Any:
+    """``"ddp"``, or ``"zero<stage>"`` with ``"+offload"``: about 8 buckets, so parameters span buckets."""
+    if name == "ddp":
+        return "ddp_find_unused_parameters_true"
+    stage = int(name[4])
+    extra: dict[str, Any] = {"persistence_threshold": 0} if stage == 3 else {}  # tiny blocks stay real units
+    return ZeroStrategy(stage=stage, offload_optimizer=name.endswith("+offload"),
+                        reduce_bucket_size=max(200, model_numel // 8), **extra, **options)
+
+
+class HostBufferProbe(L.Callback):
+    """Before every optimizer step (gradients reduced and on the host, not yet clipped): checks that the host
+    buffers are storages of their own, on the CPU, and hold the device gradient shard's values."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, bool]] = []
+        self.states: dict[str, int] = {}
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step == 2 and not self.states:  # optimizer states exist, no master gradient is alive
+            self.states = measure_model_states(module, trainer.optimizers).as_dict()
+            self.states["numel"] = sum(p.numel() for o in trainer.optimizers for p in o._zero_engine.params)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        engine = getattr(optimizer, "_optimizer", optimizer)._zero_engine
+        working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
+        for t in (engine.flat, engine.sharded.working_shard if engine.sharded else None, engine.reducer.grad_shard):
+            if t is not None:
+                working.add(t.untyped_storage().data_ptr())
+        master = engine.master_storage
+        states = [v for m in engine.masters for v in optimizer.state.get(m, {}).values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        grads = [m.grad for m in engine.masters if m.grad is not None]
+        device_grads = engine.reducer.grad_shard.to(engine.host_grads.buffer.dtype)
+        self.seen.append({
+            "master_on_host": master is not None and master.device.type == "cpu" and not master.is_pinned(),
+            "master_separate": master is not None and master.untyped_storage().data_ptr() not in working,
+            "masters_view_it": all(m.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
+                                   for m in engine.masters),
+            "grads_in_host_buffer": bool(grads) and all(
+                g.untyped_storage().data_ptr() == engine.host_grads.buffer.untyped_storage().data_ptr() for g in grads),
+            "host_grads_copied": torch.equal(engine.host_grads.buffer, device_grads),
+            "states_separate": all(s.untyped_storage().data_ptr() not in working and s.device.type == "cpu"
+                                   for s in states),
+        })
+
+
+def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: bool = False,
+        validate: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
+    plugins = [precision] if isinstance(precision, ZeroPrecision) else []
+    callbacks = [HostBufferProbe()] if probe else []
+    trainer = L.Trainer(strategy=strategy(name, sum(p.numel() for p in model.parameters())), accelerator="cpu",
+                        devices=2, precision=None if plugins else precision, plugins=plugins or None,
+                        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(model)
+    out = {"losses": list(model.losses),
+           "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}}
+    if validate:  # zero3: a fresh setup that shards the trained weights again, outside fit
+        out["val_loss"] = trainer.validate(model, verbose=False)[0]["val_loss"]
+    if probe:
+        out["probe"] = callbacks[0].seen
+        out["states"] = callbacks[0].states
+    if isinstance(precision, ZeroPrecision) and precision.scaler is not None:
+        out["scaler"] = precision.scaler.state_dict()
+    return out
+
+
+class OverflowOnRank1(TinyLM):
+    """Rank 1 produces an infinite gradient at step 2: every rank must skip that step together."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2 and self.global_rank == 1:
+            loss = loss * torch.tensor(float("inf"))
+        return loss
+
+
+def round_trip(out: Path) -> dict[str, Any]:
+    """Offloaded (zero2) 1 epoch → save one full file → not offloaded (zero3) 1 more → save a sharded directory →
+    offloaded (zero1) 1 more, against 3 uninterrupted epochs without offload."""
+    fit = dict(limit_train_batches=4, accumulate_grad_batches=2, gradient_clip_val=0.05, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    def trainer(name: str, epochs: int, state_dict_type: str = "sharded") -> L.Trainer:
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in TinyLM().parameters())
+        return L.Trainer(strategy=strategy(name, numel, state_dict_type=state_dict_type), accelerator="cpu",
+                         devices=2, max_epochs=epochs, **fit)
+
+    legs = [("zero2+offload", 1, "full"), ("zero3", 2, "sharded"), ("zero1+offload", 3, "sharded")]
+    resumed: list[float] = []
+    ckpt = None
+    for i, (name, epochs, kind) in enumerate(legs):
+        L.seed_everything(0, verbose=False)
+        model = TinyLM()
+        t = trainer(name, epochs, kind)
+        t.fit(model, ckpt_path=ckpt)
+        resumed += model.losses
+        ckpt = out / f"leg{i}.ckpt"
+        t.save_checkpoint(ckpt)
+    L.seed_everything(0, verbose=False)
+    straight = TinyLM()
+    trainer("zero2", legs[-1][1]).fit(straight)
+    return {"resumed": resumed, "straight": straight.losses}
+
+
+def scenarios(out: Path) -> dict[str, dict[str, Any]]:
+    """``{scenario: {run name: thunk}}``; every scenario has its reference run first."""
+    fit = dict(max_steps=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
+    offloaded = [f"zero{s}+offload" for s in STAGES]
+    fp16 = lambda: ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))  # noqa: E731
+    return {
+        "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", validate=True, limit_val_batches=2,
+                                      val_check_interval=4, **fit)) for n in ["ddp", *offloaded]},
+        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded]},
+        # three optimizers sharing parameters, Adafactor (whole tensors) among them, closures, clipping
+        "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
+                             for n in ["ddp", "zero2+offload", "zero3+offload"]},
+        "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False), precision="bf16-mixed", probe=n != "ddp",
+                                            max_steps=4)) for n in ["ddp", *offloaded]},
+        "fp16_overflow": {"zero2+offload": lambda: run("zero2+offload", OverflowOnRank1(scheduler=False),
+                                                       precision=fp16(), max_steps=6)},
+        "round_trip": {"zero": lambda: round_trip(out)},
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    results: dict[str, dict[str, Any]] = {}
+    for scenario, runs in scenarios(out).items():
+        if wanted is not None and scenario not in wanted:
+            continue
+        for name, thunk in runs.items():
+            L.seed_everything(0, verbose=False)
+            start = time.perf_counter()
+            results.setdefault(scenario, {})[name] = thunk()
+            results[scenario][name]["seconds"] = time.perf_counter() - start
+    torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()
