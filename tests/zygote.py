@@ -235,31 +235,34 @@ def _finish() -> None:
 
 
 def _serve() -> None:
-    """The zygote's loop: fork a child per request, report each child's exit; end when stdin closes."""
+    """The zygote's loop: fork a child per request and report each child's exit, until stdin closes (the test run
+    ended); then kill what is still running (a test that timed out leaves it) and exit."""
     import lightning  # noqa: F401  (the imports every rank needs, done once)
     import torch  # noqa: F401
 
     import lightning_zero  # noqa: F401
 
     requests = Lines(0)
-    live: set[int] = set()
-    open_ = True
-    while open_ or live:
-        line = requests.next(0.2) if open_ else (time.sleep(0.2) or None)
+    live: dict[int, bool] = {}  # pid -> in a session of its own
+    while (line := requests.next(0.2)) != b"":
         if line is not None:
-            if not line:
-                open_ = False
-            else:
-                pid = os.fork()
-                if pid == 0:
-                    _run_child(json.loads(line))
-                live.add(pid)
-                _say({"pid": pid})
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _run_child(request)
+            live[pid] = request["session"]
+            _say({"pid": pid})
         for pid in list(live):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                live.discard(pid)
+                del live[pid]
                 _say({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    for pid, session in live.items():
+        try:
+            (os.killpg if session else os.kill)(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
 
 
 def _say(message: dict[str, Any]) -> None:
