@@ -128,7 +128,7 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     accelerator = "gpu" if cfg.get("gpu") else "cpu"
     device = torch.device("cuda", 0) if cfg.get("gpu") else torch.device("cpu")
     samples = size.batch * world_size * cfg["steps"]
-    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples)
+    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples, fused=cfg.get("fused", False))
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
     phases = PhaseProbe(baseline) if cfg.get("phases") and not cfg.get("gpu") else None
@@ -186,7 +186,7 @@ def main() -> None:
             dist.init_process_group("gloo")
             samples = size.batch * world_size * cfg["steps"]
             result = peers.run_deepspeed(int(cfg["strategy"][-1]), size, cfg["steps"], cfg["warmup"], samples,
-                                         cfg.get("bucket"))
+                                         cfg.get("bucket"), offload=cfg.get("options", {}).get("offload_optimizer", False))
         else:
             result = run_lightning(cfg, size, world_size, out, baseline)
     except Exception as error:  # the launcher reports the reason; the other configurations still run

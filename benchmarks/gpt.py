@@ -96,18 +96,22 @@ def token_data(size: GPTSize, samples: int, seed: int = 1234) -> TensorDataset:
     return TensorDataset(seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous())
 
 
-def make_optimizer(params: Any, lr: float = 3e-4) -> torch.optim.Optimizer:
-    """The one optimizer of every run: AdamW, fp32, no fused kernels."""
+def make_optimizer(params: Any, lr: float = 3e-4, fused: bool = False) -> torch.optim.Optimizer:
+    """The one optimizer of every run: AdamW, fp32, the foreach kernels (``fused``: the fused ones, what an
+    offloaded run's CPU step should use)."""
+    if fused:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
 
 
 class BenchGPT(L.LightningModule):
     """:class:`GPT` as an ordinary LightningModule, built in ``configure_model``."""
 
-    def __init__(self, size: GPTSize, samples: int) -> None:
+    def __init__(self, size: GPTSize, samples: int, fused: bool = False) -> None:
         super().__init__()
         self.size = size
         self.samples = samples
+        self.fused = fused
         self.last_loss = float("nan")
 
     def configure_model(self) -> None:
@@ -120,7 +124,7 @@ class BenchGPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.parameters())
+        return make_optimizer(self.parameters(), fused=self.fused)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(token_data(self.size, self.samples), batch_size=self.size.batch, shuffle=False)

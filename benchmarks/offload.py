@@ -97,16 +97,19 @@ def cpu_step(numel: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def training_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Whole steps of the benchmark GPT with and without ``offload_optimizer`` (compare_worker.py's probes)."""
+    """Whole steps of the benchmark GPT with and without ``offload_optimizer`` (compare_worker.py's probes); the
+    offloaded runs step with fused AdamW (what the strategy recommends), the others with the foreach kernels. With
+    ``--deepspeed``, DeepSpeed's ZeRO-Offload at the same stage (its ``DeepSpeedCPUAdam``) runs beside each."""
     rows = []
     for size in args.sizes:
         for strategy in args.strategies:
-            for offload in (False, True):
-                cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": args.steps, "warmup": args.warmup,
-                       "bucket": None, "gpu": args.gpu, "precision": args.precision,
+            runs = [(strategy, False), (strategy, True)] + ([(f"deepspeed{strategy[-1]}", True)] if args.deepspeed else [])
+            for name, offload in runs:
+                cfg = {"strategy": name, "size": SIZES[size].__dict__, "steps": args.steps, "warmup": args.warmup,
+                       "bucket": None, "gpu": args.gpu, "precision": args.precision, "fused": offload,
                        "options": {"offload_optimizer": offload}}
                 record = run_config(cfg, args.world_size, timeout=args.timeout)
-                rows.append({"size": size, "strategy": strategy, "offload": offload, **record})
+                rows.append({"size": size, "strategy": name, "offload": offload, **record})
     return rows
 
 
@@ -152,6 +155,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--gpu", action="store_true", help="train on CUDA devices (the offloaded step on the host)")
+    parser.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's ZeRO-Offload at each stage")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
     if args.threads is not None:

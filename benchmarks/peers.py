@@ -57,9 +57,13 @@ def fsdp2_model_states(module: torch.nn.Module, optimizers: list[Any]) -> dict[s
     return {"params": params, "grads": grads, "optimizer_states": states, "model_states": params + grads + states}
 
 
-def deepspeed_config(stage: int, size: GPTSize, world_size: int, bucket: Optional[int] = None) -> dict[str, Any]:
-    """fp32, ZeRO ``stage``, overlap on; DeepSpeed's own bucket sizes unless ``bucket`` (elements) is given."""
+def deepspeed_config(stage: int, size: GPTSize, world_size: int, bucket: Optional[int] = None,
+                     offload: bool = False) -> dict[str, Any]:
+    """fp32, ZeRO ``stage``, overlap on; DeepSpeed's own bucket sizes unless ``bucket`` (elements) is given;
+    ``offload``: ZeRO-Offload of the optimizer (``offload_optimizer`` to the CPU)."""
     zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if bucket is not None:
         zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if stage == 3:
@@ -70,22 +74,29 @@ def deepspeed_config(stage: int, size: GPTSize, world_size: int, bucket: Optiona
 
 
 def run_deepspeed(stage: int, size: GPTSize, steps: int, warmup: int, samples: int,
-                  bucket: Optional[int] = None) -> dict[str, Any]:
-    """Train :class:`GPT` with DeepSpeed's engine for ``steps`` steps; the same figures as the Lightning runs."""
+                  bucket: Optional[int] = None, offload: bool = False) -> dict[str, Any]:
+    """Train :class:`GPT` with DeepSpeed's engine for ``steps`` steps; the same figures as the Lightning runs.
+    With ``offload`` the optimizer is DeepSpeed's own ``DeepSpeedCPUAdam`` (AdamW mode), as its ZeRO-Offload wants."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
-    config = deepspeed_config(stage, size, world_size, bucket)
+    config = deepspeed_config(stage, size, world_size, bucket, offload)
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)  # DeepSpeed's view of the group
     torch.manual_seed(0)
     init = deepspeed.zero.Init(config_dict_or_path=config) if stage == 3 else nullcontext()
     with init:
         net = GPT(size)
-    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=make_optimizer(net.parameters()),
-                                                   config=config, dist_init_required=False)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(net.parameters(), lr=3e-4, weight_decay=0.1, adamw_mode=True)
+    else:
+        optimizer = make_optimizer(net.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=config,
+                                                   dist_init_required=False)
     data = token_data(size, samples)
     loader = DataLoader(data, batch_size=size.batch, shuffle=False,
                         sampler=DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False))
