@@ -188,8 +188,12 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ internals
     def _shard(self) -> torch.Tensor:
+        # [Note: the shard is not zeroed when made] Every slice is written before anything reads it: a bucket's
+        # first reduction overwrites its slice, and ``finalize`` zeros the slices no reduction reached. Left
+        # unwritten, a large CPU allocation costs no resident memory until its pages are written, so the shard
+        # grows bucket by bucket through backward (as activations are freed) instead of all at the first bucket.
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+            self.grad_shard = torch.empty(self.layout.shard_size, dtype=self.dtype, device=self.device)
         return self.grad_shard
 
     def _slot_for(self, bucket: Bucket) -> _Slot:

@@ -342,7 +342,10 @@ class ShardedOptimizer:
         if indices is None or len(set(indices)) == len(self.params):
             for p in self.params:
                 p.grad = None
-            self.reducer.clear(release=not self.policy.shards_grads)
+            # [Note: the gradient shard is freed at zero_grad] as ``set_to_none`` frees ``.grad``: Lightning calls
+            # zero_grad between forward and backward, so a kept shard (4Ψ/N bytes in fp32) would sit on top of the
+            # activations at the start of backward, the peak of a step; it is made again by the first reduction.
+            self.reducer.clear(release=True)
             return
         for j in indices:
             self.params[j].grad = None
