@@ -46,6 +46,8 @@ class ShardedParams:
         self.device = device if device is not None else working_shard.device
         self.asynchronous = offloaded and pins(self.device)
         self._uploads_pending = False
+        self.uploaded_bytes = 0
+        """Bytes copied from the host shard to the device since setup (0 unless ``offloaded``)."""
         self.buffers: dict[int, Tensor] = {}
         self._live_bytes = 0
         for unit in sorted({b.unit for b in layout.buckets}):
@@ -90,6 +92,7 @@ class ShardedParams:
         with torch.no_grad():
             chunk.copy_(source, non_blocking=self.asynchronous)
         self._uploads_pending = self._uploads_pending or self.asynchronous
+        self.uploaded_bytes += chunk.numel() * chunk.element_size()
         return chunk
 
     def settle(self) -> None:
