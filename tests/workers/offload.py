@@ -179,10 +179,10 @@ def scenarios(out: Path) -> dict[str, dict[str, Any]]:
     return {
         "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", validate=True, limit_val_batches=2,
                                       val_check_interval=4, **fit)) for n in ["ddp", *offloaded, *params]},
-        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded]},
+        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded, *params]},
         # three optimizers sharing parameters, Adafactor (whole tensors) among them, closures, clipping
         "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
-                             for n in ["ddp", "zero2+offload", "zero3+offload"]},
+                             for n in ["ddp", "zero2+offload", "zero3+offload", "zero3+offload+params"]},
         "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False), precision="bf16-mixed", probe=n != "ddp",
                                             max_steps=4)) for n in ["ddp", *offloaded, *params]},
         "fp16_overflow": {"zero2+offload": lambda: run("zero2+offload", OverflowOnRank1(scheduler=False),
