@@ -69,7 +69,7 @@ def test_validation_during_and_after_fit_matches_ddp(results, stage):
         assert rank["adamw"][stage]["val_loss"] == pytest.approx(rank["adamw"]["ddp"]["val_loss"], rel=RTOL)
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + PARAMS[1:])
 @pytest.mark.parametrize("scenario", ["adamw", "bf16_mixed"])
 def test_host_buffers_are_separate_and_carry_the_gradients(results, scenario, stage):
     # Checked before each optimizer step on every rank: the master shard and the optimizer states are CPU tensors

@@ -51,9 +51,12 @@ class HostBufferProbe(L.Callback):
         if engine.host_grads is None:
             return  # offload_params alone: ParamShardProbe checks it
         working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
-        for t in (engine.flat, engine.sharded.working_shard if engine.sharded else None, engine.reducer.grad_shard):
+        sharded = engine.sharded
+        device_shard = sharded.working_shard if sharded and not sharded.offloaded else None  # a host shard may alias
+        for t in (engine.flat, device_shard, engine.reducer.grad_shard, *(sharded.buffers.values() if sharded else ())):
             if t is not None:
                 working.add(t.untyped_storage().data_ptr())
+        working.discard(0)  # freed unit buffers
         master = engine.master_storage
         states = [v for m in engine.masters for v in optimizer.state.get(m, {}).values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
