@@ -158,9 +158,11 @@ def test_option_from_yaml(tmp_path: Path):
 
     config = tmp_path / "offload.yaml"
     config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n    class_path: "
-                      "lightning_zero.ZeroStrategy\n    init_args: {stage: 3, offload_optimizer: true}\n")
+                      "lightning_zero.ZeroStrategy\n    init_args: {stage: 3, offload_optimizer: true, offload_params: "
+                      "true}\n")
     cli = LightningCLI(TinyLM, args=["--config", str(config)], run=False, save_config_callback=None)
     assert cli.trainer.strategy.config.offload_optimizer is True
+    assert cli.trainer.strategy.config.offload_params is True
 
 
 def test_host_gradient_buffer_follows_every_write_of_the_device_shard():
