@@ -1,5 +1,5 @@
 """ZeRO-Offload measured: the CPU optimizer step against the memory-bandwidth bound, and whole training steps with and
-without ``offload_optimizer`` for a GPT of a chosen size.
+without ``offload_optimizer`` (and, under zero3, ``offload_params``) for a GPT of a chosen size.
 
     python benchmarks/offload.py --params 25M --threads 1                 # the CPU step alone
     python benchmarks/offload.py --sizes small --strategies zero2 zero3   # + training steps, 2 CPU ranks
@@ -96,18 +96,27 @@ def cpu_step(numel: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+#: What each training row offloads: ``(label, ZeroStrategy options)``; ``params`` rows run under zero3 only.
+OFFLOADS = (("no", {}), ("optimizer", {"offload_optimizer": True}),
+            ("params", {"offload_params": True}), ("both", {"offload_optimizer": True, "offload_params": True}))
+
+
 def training_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Whole steps of the benchmark GPT with and without ``offload_optimizer`` (compare_worker.py's probes); the
-    offloaded runs step with fused AdamW (what the strategy recommends), the others with the foreach kernels. With
-    ``--deepspeed``, DeepSpeed's ZeRO-Offload at the same stage (its ``DeepSpeedCPUAdam``) runs beside each."""
+    """Whole steps of the benchmark GPT without offload, with ``offload_optimizer``, and under zero3 with
+    ``offload_params`` alone and with both (compare_worker.py's probes). Runs that offload the optimizer step with
+    fused AdamW (what the strategy recommends), the others with the foreach kernels. With ``--deepspeed``, DeepSpeed's
+    ZeRO-Offload at the same stage (its ``DeepSpeedCPUAdam``) runs beside each."""
     rows = []
     for size in args.sizes:
         for strategy in args.strategies:
-            runs = [(strategy, False), (strategy, True)] + ([(f"deepspeed{strategy[-1]}", True)] if args.deepspeed else [])
-            for name, offload in runs:
+            runs = [(strategy, offload, options) for offload, options in OFFLOADS
+                    if "offload_params" not in options or strategy == "zero3"]
+            if args.deepspeed:
+                runs.append((f"deepspeed{strategy[-1]}", "optimizer", {"offload_optimizer": True}))
+            for name, offload, options in runs:
                 cfg = {"strategy": name, "size": SIZES[size].__dict__, "steps": args.steps, "warmup": args.warmup,
-                       "bucket": None, "gpu": args.gpu, "precision": args.precision, "fused": offload,
-                       "options": {"offload_optimizer": offload}}
+                       "bucket": None, "gpu": args.gpu, "precision": args.precision,
+                       "fused": bool(options.get("offload_optimizer")), "options": options}
                 record = run_config(cfg, args.world_size, timeout=args.timeout)
                 rows.append({"size": size, "strategy": name, "offload": offload, **record})
     return rows

@@ -84,13 +84,16 @@ class ZeroConfig:
     offload_optimizer: bool = False
     """ZeRO-Offload: the master shard, the optimizer states and the optimizer step live in (pinned) host memory; the
     device keeps the working parameters and gradients (see [Note: what lives where ...] in ``offload.py``)."""
+    offload_params: bool = False
+    """Stage 3 only: each rank's working parameter shard lives in (pinned) host memory and units are uploaded as they
+    are gathered (see [Note: offloaded parameter shards] in ``params.py``)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
-        for name in ("overlap_comm", "offload_optimizer"):
+        for name in ("overlap_comm", "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         if self.partition_whole_params not in (None, True, False):
@@ -110,6 +113,12 @@ class ZeroConfig:
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
         self._check_activations()
+        if self.offload_params and self.stage != 3:
+            # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
+            # device, which is what the user set it to avoid
+            raise ValueError(f"`offload_params=True` offloads stage 3's parameter shards, but stage {self.stage} keeps "
+                             "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
+                             "`offload_optimizer=True` alone to offload the optimizer at this stage.")
         self._warn_ignored()
 
     def bucket_elements(self, numel: int) -> int:

@@ -17,6 +17,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_zero.memory import BYTES_PER_PARAM, expected_model_state_bytes, expected_offload_bytes
 
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+#: Columns of the offload tables: ``(stage, offload_params)``, all with ``offload_optimizer=True``.
+OFFLOADED = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero3+params": (3, True)}
 PRECISIONS = tuple(BYTES_PER_PARAM)
 
 
@@ -45,16 +47,18 @@ def model_state_table(num_params: int, world_size: int) -> dict[str, dict[str, f
 
 
 def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float]]]:
-    """``{precision: {strategy: (device bytes, host bytes) per rank}}`` with ``offload_optimizer=True``."""
-    return {precision: {name: expected_offload_bytes(num_params, world_size, stage, precision)
-                        for name, stage in STRATEGIES.items() if stage} for precision in PRECISIONS}
+    """``{precision: {column: (device bytes, host bytes) per rank}}`` with ``offload_optimizer=True``, and for
+    ``"zero3+params"`` also ``offload_params=True`` (columns: :data:`OFFLOADED`)."""
+    return {precision: {name: expected_offload_bytes(num_params, world_size, stage, precision, offload_params=params)
+                        for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
 
 
 def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
-    """``{precision: {strategy: parameters}}`` whose device model states fit in ``memory_bytes`` per rank with
-    ``offload_optimizer=True`` (the host is assumed to hold its part)."""
-    return {precision: {name: int(memory_bytes / expected_offload_bytes(1, world_size, stage, precision)[0])
-                        for name, stage in STRATEGIES.items() if stage} for precision in PRECISIONS}
+    """``{precision: {column: parameters}}`` whose device model states fit in ``memory_bytes`` per rank with the
+    offload of each column of :data:`OFFLOADED` (the host is assumed to hold its part)."""
+    return {precision: {name: int(memory_bytes / expected_offload_bytes(1, world_size, stage, precision,
+                                                                        offload_params=params)[0])
+                        for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
 
 
 def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
@@ -125,9 +129,10 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
              "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for precision, row in model_state_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(human_bytes(b) for b in row.values()) + " |")
-    offloaded = [name for name, stage in STRATEGIES.items() if stage]
+    offloaded = list(OFFLOADED)
     lines += ["", "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and a "
-              "gradient copy on the host):", "", "| precision | " + " | ".join(offloaded) + " |",
+              "gradient copy on the host; `zero3+params`: also `offload_params=True`, the parameter shard on the "
+              "host):", "", "| precision | " + " | ".join(offloaded) + " |",
               "|---|" + "---|" * len(offloaded)]
     for precision, cells in offload_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(f"{human_bytes(d)} + {human_bytes(h)} host"

@@ -6,7 +6,8 @@ that aliases the working buffer are not counted twice. ``grads`` covers full ``.
 and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their high-water
 mark: they are freed before each optimizer step) are kept apart from the model states, as in DESIGN.md's table.
 With ``offload_optimizer``, ``host`` says how many of the model-state bytes are in host memory (the master shard,
-the host gradient buffer and the optimizer states); the rest are on the device.
+the host gradient buffer and the optimizer states), with ``offload_params`` also stage 3's working shard; the rest
+are on the device.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     buffers = counter.bytes(module.buffers())
     comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in engines)  # freed before a step
     offloaded = [e for e in engines if e.host_grads is not None]
-    host = _Counter().bytes([e.master_storage for e in offloaded] + host_grads + [
+    host_shards = [e.sharded.working_shard for e in engines if e.sharded is not None and e.sharded.offloaded]
+    host = _Counter().bytes([e.master_storage for e in offloaded] + host_grads + host_shards + [
         v for e in offloaded for st in e.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)])
     return ModelStateBytes(params, grads, master, states, buffers, comm, host)
 
@@ -118,18 +120,34 @@ def expected_model_state_bytes(num_params: int, world_size: int, stage: int, pre
     raise ValueError(f"No ZeRO stage {stage}; use 0 (DDP), 1, 2 or 3.")
 
 
-def expected_offload_bytes(num_params: int, world_size: int, stage: int, precision: str) -> tuple[float, float]:
-    """``(device, host)`` bytes of model states per rank with ``offload_optimizer=True`` (Adam, stages 1 to 3).
+def expected_offload_bytes(num_params: int, world_size: int, stage: int, precision: str,
+                           offload_optimizer: bool = True, offload_params: bool = False) -> tuple[float, float]:
+    """``(device, host)`` bytes of model states per rank with ``offload_optimizer`` and/or ``offload_params`` (Adam).
 
-    Device: the working parameters (``/N`` at stage 3) and the gradients (``/N`` from stage 2). Host, all ``/N``:
-    the master shard (a copy of its own even where it could alias the working parameters), Adam's two states and
-    the host gradient buffer in the master dtype. Mixed precision and ``32-true``: ``16Ψ/N`` on the host.
+    ``offload_optimizer`` (stages 1 to 3) moves to the host, all ``/N``: the master shard (a copy of its own even
+    where it could alias the working parameters), Adam's two states and the host gradient buffer in the master
+    dtype; mixed precision and ``32-true``: ``16Ψ/N``. The device keeps the working parameters (``/N`` at stage 3)
+    and the gradients (``/N`` from stage 2). ``offload_params`` (stage 3) moves the working shard (``2Ψ/N`` mixed,
+    ``4Ψ/N`` fp32) too; where it has the master's dtype and both are on the host it *is* the host master (no extra
+    host bytes), and without ``offload_optimizer`` such a master stays on the device for the device's step.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"Offload needs a ZeRO stage (1, 2 or 3), got {stage}.")
+    if offload_params and stage != 3:
+        raise ValueError(f"`offload_params` needs stage 3, got stage {stage}.")
     psi, n = float(num_params), float(world_size)
     param_b, grad_b, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
-    master_b = MASTER_BYTES.get(precision, 4)
-    states_b = opt_b if precision in ALIASED_MASTERS else opt_b - master_b
-    device = param_b * psi / (n if stage == 3 else 1) + grad_b * psi / (n if stage >= 2 else 1)
-    return device, (states_b + 2 * master_b) * psi / n
+    if offload_optimizer:
+        master_b = MASTER_BYTES.get(precision, 4)
+        states_b = opt_b if precision in ALIASED_MASTERS else opt_b - master_b
+        device = param_b * psi / (n if stage == 3 else 1) + grad_b * psi / (n if stage >= 2 else 1)
+        host = (states_b + 2 * master_b) * psi / n
+    else:
+        device, host = expected_model_state_bytes(num_params, world_size, stage, precision), 0.0
+    if offload_params:
+        aliased = precision in ALIASED_MASTERS  # the working shard is the master unless one side moved alone
+        if offload_optimizer or not aliased:
+            device -= param_b * psi / n
+        if not (offload_optimizer and aliased):
+            host += param_b * psi / n
+    return device, host

@@ -52,7 +52,8 @@ def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offload: bool) -> Tensor:
-    """The master shard: on the host (see [Note: what lives where ...]) with ``offload``, else on ``device``."""
+    """A shard (the master, or stage 3's working shard with ``offload_params``): on the host (see [Note: what lives
+    where ...]) with ``offload``, else on ``device``."""
     if offload:
         return host_zeros(numel, dtype, device)
     return torch.zeros(numel, dtype=dtype, device=device)

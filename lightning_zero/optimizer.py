@@ -126,16 +126,18 @@ class ShardedOptimizer:
         self.slots = self._plan_slots()
         self.device = device
         moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
-        aliased = working_dtype == master_dtype and not moved
+        params_moved = config.offload_params and policy.shards_params  # see [Note: offloaded parameter shards]
+        # the working shard doubles as the master where both have one dtype and live on the same side
+        aliased = working_dtype == master_dtype and moved == params_moved
         self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(self.layout.shard_size, master_dtype,
                                                                          device) if moved else None
         self.flat: Optional[Tensor] = None
         self.sharded: Optional[ShardedParams] = None
         if policy.shards_params:  # stage 3: no full buffer; the strategy fills the shards unit by unit
             self.master_storage = offload.allocate_master(self.layout.shard_size, master_dtype, device, moved)
-            working = self.master_storage if aliased else torch.zeros(self.layout.shard_size, dtype=working_dtype,
-                                                                      device=device)
-            self.sharded = ShardedParams(self.layout, self.params, self.rank, working, group)
+            working = self.master_storage if aliased else offload.allocate_master(
+                self.layout.shard_size, working_dtype, device, params_moved)
+            self.sharded = ShardedParams(self.layout, self.params, self.rank, working, group, device, params_moved)
         else:
             self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=device)
             self.master_storage = None if aliased else offload.allocate_master(self.layout.shard_size, master_dtype,
@@ -247,6 +249,9 @@ class ShardedOptimizer:
         if self._prepared:
             return
         self._prepared = True
+        for source in self.sources:  # the step may write a host master that is also the host parameter shard
+            if source.sharded is not None:
+                source.sharded.settle()
         shards = {id(source): source.reduce_grads() for source in self.sources}
         for slot, master, source in zip(self.slots, self.masters, self.slot_sources):
             grad = shards[id(source)][slot.start : slot.start + slot.length].view(slot.shape)
@@ -296,6 +301,7 @@ class ShardedOptimizer:
     def refresh_working(self) -> None:
         """Bring the master shard's values to the working parameters (after a step, or a checkpoint load)."""
         if self.sharded is not None:
+            self.sharded.settle()
             if self.sharded.working_shard is not self.master_storage:
                 with torch.no_grad():
                     self.sharded.working_shard.copy_(self.master_storage)

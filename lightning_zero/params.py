@@ -6,6 +6,17 @@ adjacent buckets of the layout. Its parameters are views of that buffer from set
 storage is resized to zero bytes, so the parameters keep their shapes but hold no memory. The only persistent copy
 is the working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master
 shard when the working and master dtypes are the same.
+
+[Note: offloaded parameter shards]
+With ``offload_params=True`` the working shard lives in host memory (pinned on CUDA, see ``offload.py``) and the
+device keeps no persistent copy of it: only the gathered units in flight. Gathering a unit first uploads this rank's
+chunk of each of its buckets from the host shard straight into that chunk's place in the unit's (device) buffer, then
+all-gathers in place, so no device staging buffer exists. The uploads are issued on the current stream before the
+all-gather (asynchronous from pinned memory, ordered before the collective that reads them) and run in the prefetch
+order of :mod:`lightning_zero.units`, so a prefetched unit's upload overlaps the current unit's compute. Before the
+host shard is written (the optimizer step on an aliased host master, the copy of an updated master, a load),
+:meth:`ShardedParams.settle` waits for uploads still reading it. On a CPU-only machine the host shard is still a
+storage of its own and every upload still happens, so CPU tests exercise this path.
 """
 
 from __future__ import annotations
@@ -17,23 +28,31 @@ from torch import Tensor
 
 from lightning_zero import collectives
 from lightning_zero.layout import FlatLayout
+from lightning_zero.offload import pins
 
 
 class ShardedParams:
     """The working shard and the per-unit gather buffers of one optimizer's parameters (see [Note: stage 3 storage])."""
 
     def __init__(self, layout: FlatLayout, params: list[Tensor], rank: int, working_shard: Tensor,
-                 group: Optional[Any] = None) -> None:
+                 group: Optional[Any] = None, device: Optional[torch.device] = None, offloaded: bool = False) -> None:
         self.layout = layout
         self.params = params
         self.rank = rank
         self.group = group
         self.working_shard = working_shard
+        self.offloaded = offloaded
+        """Whether ``working_shard`` is in host memory (see [Note: offloaded parameter shards])."""
+        self.device = device if device is not None else working_shard.device
+        self.asynchronous = offloaded and pins(self.device)
+        self._uploads_pending = False
+        self.uploaded_bytes = 0
+        """Bytes copied from the host shard to the device since setup (0 unless ``offloaded``)."""
         self.buffers: dict[int, Tensor] = {}
         self._live_bytes = 0
         for unit in sorted({b.unit for b in layout.buckets}):
             start, end = layout.unit_range(unit)
-            self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=working_shard.device)
+            self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=self.device)
             self.buffers[unit].untyped_storage().resize_(0)
 
     def unit_numel(self, unit: int) -> int:
@@ -60,10 +79,27 @@ class ShardedParams:
         for bucket in self.layout.unit_buckets(unit):
             b0, b1 = self.layout.bucket_range(bucket)
             source = self.working_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
+            if self.offloaded:  # upload into this rank's chunk of the buffer, then gather in place
+                source = self._upload(source, buffer, self.layout.chunk_range(bucket, self.rank)[0] - start)
             # gloo's own all-gather: ranks whose control flow diverges must fail, not sum units (collectives.py)
             works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group,
                                                 async_op=True, allow_all_reduce=False))
         return works
+
+    def _upload(self, source: Tensor, buffer: Tensor, at: int) -> Tensor:
+        """Copy a host chunk to ``buffer[at:]`` on the device; returns the device chunk."""
+        chunk = buffer[at : at + source.numel()]
+        with torch.no_grad():
+            chunk.copy_(source, non_blocking=self.asynchronous)
+        self._uploads_pending = self._uploads_pending or self.asynchronous
+        self.uploaded_bytes += chunk.numel() * chunk.element_size()
+        return chunk
+
+    def settle(self) -> None:
+        """Wait for the uploads still reading the host shard, before it is written (no-op unless pinned on CUDA)."""
+        if self._uploads_pending:
+            torch.cuda.synchronize(self.device)
+            self._uploads_pending = False
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""

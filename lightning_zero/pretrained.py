@@ -202,6 +202,9 @@ def fill_shards(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: A
     engines' working parameters and the gathered units are refreshed from the masters.
     """
     gc.collect()  # construction can leave whole units in reference cycles: free them before reading more
+    for engine in engines:  # a host master may be the host parameter shard an upload still reads (params.py)
+        if engine.sharded is not None:
+            engine.sharded.settle()
     dest = model_shards(root, list(engines), full_copies=True)
     done: set[int] = set()
     with torch.no_grad():

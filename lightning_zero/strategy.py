@@ -86,6 +86,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         contiguous_checkpoints: MD: checkpointed block inputs live in one buffer preallocated after the first step.
         offload_optimizer: ZeRO-Offload: the fp32 master shard, the optimizer states and the step live in host memory
             (pinned on CUDA); gradient shards go to the host after their reduction, updates come back to the device.
+        offload_params: stage 3 only: the parameter shards live in (pinned) host memory and each unit is uploaded
+            as it is gathered (in prefetch order); the device holds only the units in flight.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -111,6 +113,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...]]] = None,
         contiguous_checkpoints: bool = False,
         offload_optimizer: bool = False,
+        offload_params: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -128,7 +131,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  state_dict_type=state_dict_type, activation_checkpointing=activation_checkpointing,
                                  activation_offload=activation_offload,
                                  activation_partition_group=activation_partition_group,
-                                 contiguous_checkpoints=contiguous_checkpoints, offload_optimizer=offload_optimizer)
+                                 contiguous_checkpoints=contiguous_checkpoints, offload_optimizer=offload_optimizer,
+                                 offload_params=offload_params)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -275,9 +279,11 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         zero = expected_model_state_bytes(psi, self.world_size, self.config.stage, precision)
         ddp = expected_model_state_bytes(psi, self.world_size, 0, precision)
         where = ""
-        if self.config.offload_optimizer:  # see [Note: what lives where with offload_optimizer=True] in offload.py
-            zero, host = expected_offload_bytes(psi, self.world_size, self.config.stage, precision)
-            where = f" on the device + {human_bytes(host)} in host memory (offload_optimizer)"
+        moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
+        if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
+            zero, host = expected_offload_bytes(psi, self.world_size, self.config.stage, precision,
+                                                self.config.offload_optimizer, self.config.offload_params)
+            where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
         return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
                 f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)}{where} per "
                 f"rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")

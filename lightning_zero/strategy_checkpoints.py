@@ -101,6 +101,9 @@ class CheckpointHooks:
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        for engine in self.engines:  # a host master may be the host parameter shard an upload still reads
+            if engine.sharded is not None:
+                engine.sharded.settle()
         dest = model_shards(self.lightning_module, self.engines, full_copies=True)
         if _from_directory(checkpoint):
             path = Path(checkpoint[KEY]["path"])

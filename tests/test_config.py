@@ -68,11 +68,27 @@ def test_stage3_options_warn_below_stage3(kwargs, stage):
     assert all(f"`{name}`" in str(caught[0].message) for name in kwargs)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+def test_offload_params_below_stage3_is_an_error(stage, offload_optimizer):
+    # unlike the tuning options above it changes where the model lives: ignoring it would silently keep every
+    # parameter on the device, so it is refused, and the message says what to use instead
+    for make in (ZeroConfig, ZeroStrategy):
+        with pytest.raises(ValueError, match=rf"`offload_params=True` offloads stage 3's .* stage {stage} keeps full "
+                                             r"parameters.*`stage=3`.*`offload_optimizer=True` alone"):
+            make(stage=stage, offload_params=True, offload_optimizer=offload_optimizer)
+    with pytest.raises(TypeError, match="`offload_params` must be a bool"):
+        ZeroConfig(stage=3, offload_params=1)
+    assert ZeroStrategy(stage=3, offload_params=True).config.offload_params is True
+    assert ZeroConfig(stage=stage, offload_params=False).offload_params is False
+
+
 @pytest.mark.parametrize("kwargs", [
     {"stage": 3, "unit_classes": ["Block"], "prefetch_size": 0, "persistence_threshold": 0},
     {"stage": 2},
     {"stage": 1, "prefetch_size": 5_000_000},  # the default, written out
     {"stage": 2, "unit_classes": ["Block"], "activation_checkpointing": True},  # picks the blocks to recompute
+    {"stage": 3, "offload_params": True, "offload_optimizer": True},
 ])
 def test_no_warning_where_the_options_are_used_or_default(kwargs):
     with warnings.catch_warnings():

@@ -7,6 +7,7 @@ seconds per launch); the tests compare what it saved.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
@@ -22,6 +23,7 @@ from tests.launch import launch
 from tests.models import TinyLM
 
 STAGES = ["zero1+offload", "zero2+offload", "zero3+offload"]
+PARAMS = ["zero3+params", "zero3+offload+params"]  # offload_params without and with offload_optimizer
 RTOL = 1e-5  # fp32: only the reduction order differs from DDP (see test_parity.py)
 
 
@@ -46,7 +48,9 @@ def _assert_params_close(actual: dict, expected: dict, rtol: float) -> None:
 
 @pytest.mark.parametrize(("scenario", "stage"), [(scenario, stage) for scenario in ("adamw", "gan_manual")
                                                   for stage in STAGES]
-                         + [("shared_adafactor", stage) for stage in STAGES[1:]])
+                         + [("shared_adafactor", stage) for stage in STAGES[1:]]
+                         + [(scenario, p) for scenario in ("adamw", "gan_manual") for p in PARAMS]
+                         + [("shared_adafactor", PARAMS[1])])
 def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
     # adamw: two param groups, a frozen norm, an LR schedule, accumulation over 2 micro-batches, norm clipping;
     # gan_manual: manual optimization with two optimizers (Adam, SGD) and `clip_gradients`; shared_adafactor: three
@@ -58,14 +62,14 @@ def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
         assert torch.equal(value, results[0][scenario][stage]["params"][name]), f"{name} differs between ranks"
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + PARAMS)
 def test_validation_during_and_after_fit_matches_ddp(results, stage):
     # adamw validates every 4 batches during fit, then `trainer.validate` sets the (sharded) model up again
     for rank in results:
         assert rank["adamw"][stage]["val_loss"] == pytest.approx(rank["adamw"]["ddp"]["val_loss"], rel=RTOL)
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + PARAMS[1:])
 @pytest.mark.parametrize("scenario", ["adamw", "bf16_mixed"])
 def test_host_buffers_are_separate_and_carry_the_gradients(results, scenario, stage):
     # Checked before each optimizer step on every rank: the master shard and the optimizer states are CPU tensors
@@ -78,13 +82,28 @@ def test_host_buffers_are_separate_and_carry_the_gradients(results, scenario, st
         assert not failed, failed
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("scenario", ["adamw", "bf16_mixed"])
+@pytest.mark.parametrize("stage", PARAMS)
+def test_host_parameter_shards_are_separate_and_units_freed_after_each_step(results, scenario, stage):
+    # Checked after every training batch on every rank: the working parameter shard is a CPU tensor sharing no
+    # storage with the parameters, the unit buffers or the gradient shard; with the optimizer offloaded too in fp32
+    # it is the host master itself (no second host copy); every unit but the root holds no memory; the batch's
+    # gathers uploaded at least this rank's whole shard from the host.
+    for rank in results:
+        seen = rank[scenario][stage]["param_probe"]
+        assert len(seen) == (12 if scenario == "adamw" else 4)
+        failed = [(step, check) for step, checks in enumerate(seen) for check, ok in checks.items() if not ok]
+        assert not failed, failed
+
+
+@pytest.mark.parametrize("stage", STAGES + PARAMS)
 @pytest.mark.parametrize(("scenario", "precision"), [("adamw", "32-true"), ("bf16_mixed", "bf16-mixed")])
 def test_device_and_host_bytes_match_the_formula(results, scenario, precision, stage):
     # measured after the second backward (optimizer states exist); padding and a frozen norm stay within 5%
     for rank in results:
         states = rank[scenario][stage]["states"]
-        device, host = expected_offload_bytes(states["numel"], 2, int(stage[4]), precision)
+        device, host = expected_offload_bytes(states["numel"], 2, int(stage[4]), precision, "+offload" in stage,
+                                              "+params" in stage)
         assert abs(states["device_model_states"] - device) <= 0.05 * device, (states, device)
         assert abs(states["host"] - host) <= 0.05 * host, (states, host)
 
@@ -93,12 +112,15 @@ def test_bf16_mixed_offloaded_close_to_ddp_amp(results):
     # the bound of test_parity.py's bf16 test: bf16 working weights against DDP's fp32 weights under autocast
     for rank in results:
         runs = rank["bf16_mixed"]
-        for stage in STAGES:
+        for stage in STAGES + PARAMS:
             _assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())
         # stages 1 and 2 do the same arithmetic in the same order, offloaded or not
         _assert_losses_close(runs["zero2+offload"]["losses"], runs["zero1+offload"]["losses"], 1e-6)
         _assert_params_close(runs["zero2+offload"]["params"], runs["zero1+offload"]["params"], 1e-6)
+        # where the parameter shard lives changes no arithmetic: with the optimizer offloaded in both, bit for bit
+        assert runs["zero3+offload+params"]["losses"] == runs["zero3+offload"]["losses"]
+        _assert_params_close(runs["zero3+offload+params"]["params"], runs["zero3+offload"]["params"], 0.0)
 
 
 def test_fp16_loss_scaling_skips_the_overflowed_step_on_every_rank(results):
@@ -115,6 +137,14 @@ def test_checkpoint_round_trip_offloaded_plain_offloaded(results):
         _assert_losses_close(run["resumed"], run["straight"], RTOL)
 
 
+def test_checkpoint_round_trip_offloaded_params_plain_offloaded_params(results):
+    # zero3 + offload_params saves a sharded directory, zero2 resumes from it and saves one full file, zero3 with
+    # offload_params and offload_optimizer resumes from that: the same losses as three epochs in one run
+    for rank in results:
+        run = rank["round_trip"]["zero"]
+        _assert_losses_close(run["resumed_params"], run["straight"], RTOL)
+
+
 # ---------------------------------------------------------------------- one process
 def test_option_is_checked_and_reaches_the_config():
     assert ZeroStrategy(stage=3, offload_optimizer=True).config.offload_optimizer is True
@@ -128,9 +158,11 @@ def test_option_from_yaml(tmp_path: Path):
 
     config = tmp_path / "offload.yaml"
     config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n    class_path: "
-                      "lightning_zero.ZeroStrategy\n    init_args: {stage: 3, offload_optimizer: true}\n")
+                      "lightning_zero.ZeroStrategy\n    init_args: {stage: 3, offload_optimizer: true, offload_params: "
+                      "true}\n")
     cli = LightningCLI(TinyLM, args=["--config", str(config)], run=False, save_config_callback=None)
     assert cli.trainer.strategy.config.offload_optimizer is True
+    assert cli.trainer.strategy.config.offload_params is True
 
 
 def test_host_gradient_buffer_follows_every_write_of_the_device_shard():
@@ -191,23 +223,31 @@ def test_estimate_shows_device_and_host_bytes(capsys):
     assert cli(["estimate", "--params", "1B", "-n", "4", "--memory", "16GiB"]) == 0
     out = capsys.readouterr().out
     # bf16-mixed, N = 4: zero3+offload keeps 2Ψ/N + 2Ψ/N = 1 GB on the device and 16Ψ/N = 4 GB on the host
-    assert "| bf16-mixed | 3.7 GiB + 3.7 GiB host | 2.3 GiB + 3.7 GiB host | 953.7 MiB + 3.7 GiB host |" in out
-    # the device holds 4 of zero3's 16 bytes per parameter: 4x the model on the same device memory
-    assert "| bf16-mixed | 1.07B | 2.45B | 3.12B | 4.29B | 4.29B | 6.87B | 17.18B |" in out
+    # and with offload_params 2Ψ/N = 0.5 GB on the device, 18Ψ/N = 4.5 GB on the host
+    assert ("| bf16-mixed | 3.7 GiB + 3.7 GiB host | 2.3 GiB + 3.7 GiB host | 953.7 MiB + 3.7 GiB host | 476.8 MiB + "
+            "4.2 GiB host |\n") in out
+    # the device holds 4 of zero3's 16 bytes per parameter: 4x the model on the same device memory (8x with params)
+    assert "| bf16-mixed | 1.07B | 2.45B | 3.12B | 4.29B | 4.29B | 6.87B | 17.18B | 34.36B |\n" in out
 
 
-def test_fit_summary_shows_device_and_host_bytes(caplog):
+@pytest.mark.parametrize(("options", "device", "host", "share"), [
+    ({"offload_optimizer": True}, 8, 16, "50%"),
+    ({"offload_params": True}, 16, 4, "100%"),  # fp32: the device keeps the master for its own step
+    ({"offload_optimizer": True, "offload_params": True}, 4, 16, "25%"),  # the host shard is the host master
+])
+def test_fit_summary_shows_device_and_host_bytes(caplog, options, device, host, share):
     import logging
 
-    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match=r"torch.optim.AdamW\(\.\.\., fused=True\)"):
-        L.Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer=True), accelerator="cpu", devices=1, max_steps=1,
+    warns = pytest.warns(UserWarning, match=r"torch.optim.AdamW\(\.\.\., fused=True\)")
+    with caplog.at_level(logging.INFO), (warns if options.get("offload_optimizer") else nullcontext()):
+        L.Trainer(strategy=ZeroStrategy(stage=3, **options), accelerator="cpu", devices=1, max_steps=1,
                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(TinyLM(scheduler=False))
     psi = sum(p.numel() for p in TinyLM().parameters())
     lines = [r.getMessage() for r in caplog.records if "ZeRO stage" in r.getMessage()]
     assert lines == [f"ZeRO stage 3 on 1 rank, precision 32-true: {psi:,} trainable parameters; model states "
-                     f"{psi * 8 / 1024:.1f} KiB on the device + {psi * 16 / 1024:.1f} KiB in host memory "
-                     f"(offload_optimizer) per rank (DDP: {psi * 16 / 1024:.1f} KiB, 50% of it)"]
+                     f"{psi * device / 1024:.1f} KiB on the device + {psi * host / 1024:.1f} KiB in host memory "
+                     f"({', '.join(options)}) per rank (DDP: {psi * 16 / 1024:.1f} KiB, {share} of it)"]
 
 
 def test_offload_benchmark_measures_every_cpu_step_against_the_bound():

@@ -23,12 +23,13 @@ STAGES = (1, 2, 3)
 
 
 def strategy(name: str, model_numel: int, **options: Any) -> Any:
-    """``"ddp"``, or ``"zero<stage>"`` with ``"+offload"``: about 8 buckets, so parameters span buckets."""
+    """``"ddp"``, or ``"zero<stage>"`` with ``"+offload"`` (the optimizer) and/or ``"+params"`` (stage 3's parameter
+    shards): about 8 buckets, so parameters span buckets."""
     if name == "ddp":
         return "ddp_find_unused_parameters_true"
     stage = int(name[4])
     extra: dict[str, Any] = {"persistence_threshold": 0} if stage == 3 else {}  # tiny blocks stay real units
-    return ZeroStrategy(stage=stage, offload_optimizer=name.endswith("+offload"),
+    return ZeroStrategy(stage=stage, offload_optimizer="+offload" in name, offload_params="+params" in name,
                         reduce_bucket_size=max(200, model_numel // 8), **extra, **options)
 
 
@@ -47,10 +48,15 @@ class HostBufferProbe(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         engine = getattr(optimizer, "_optimizer", optimizer)._zero_engine
+        if engine.host_grads is None:
+            return  # offload_params alone: ParamShardProbe checks it
         working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
-        for t in (engine.flat, engine.sharded.working_shard if engine.sharded else None, engine.reducer.grad_shard):
+        sharded = engine.sharded
+        device_shard = sharded.working_shard if sharded and not sharded.offloaded else None  # a host shard may alias
+        for t in (engine.flat, device_shard, engine.reducer.grad_shard, *(sharded.buffers.values() if sharded else ())):
             if t is not None:
                 working.add(t.untyped_storage().data_ptr())
+        working.discard(0)  # freed unit buffers
         master = engine.master_storage
         states = [v for m in engine.masters for v in optimizer.state.get(m, {}).values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -69,10 +75,41 @@ class HostBufferProbe(L.Callback):
         })
 
 
+class ParamShardProbe(L.Callback):
+    """After every training batch (the step done) with ``offload_params``: the host parameter shard shares no storage
+    with anything the device side gathers into or computes with, the non-root units hold no memory, and the gathers
+    of the batch uploaded at least the whole shard (forward) from the host."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, bool]] = []
+        self._uploaded = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        engine = trainer.strategy.engines[0]
+        sharded = engine.sharded
+        host = sharded.working_shard
+        device_side = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *sharded.buffers.values(),
+                                                                   engine.reducer.grad_shard] if t is not None}
+        device_side.discard(0)  # freed storages
+        # fp32 with the optimizer offloaded too: the host shard *is* the host master (no second host copy)
+        aliased = engine.host_grads is not None and host.dtype == engine.master_storage.dtype
+        shard_bytes = host.numel() * host.element_size()
+        self.seen.append({
+            "host_shard_offloaded": sharded.offloaded and host.device.type == "cpu" and not host.is_pinned(),
+            "host_shard_separate": host.untyped_storage().data_ptr() not in device_side,
+            "master_alias_as_expected": (host is engine.master_storage) == aliased,
+            "units_freed": all(b.untyped_storage().nbytes() == 0 for u, b in sharded.buffers.items() if u != 0),
+            "uploaded": sharded.uploaded_bytes - self._uploaded >= shard_bytes,
+        })
+        self._uploaded = sharded.uploaded_bytes
+
+
 def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: bool = False,
         validate: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
     plugins = [precision] if isinstance(precision, ZeroPrecision) else []
-    callbacks = [HostBufferProbe()] if probe else []
+    callbacks: list[L.Callback] = [HostBufferProbe()] if probe else []
+    if probe and "+params" in name:
+        callbacks.append(ParamShardProbe())
     trainer = L.Trainer(strategy=strategy(name, sum(p.numel() for p in model.parameters())), accelerator="cpu",
                         devices=2, precision=None if plugins else precision, plugins=plugins or None,
                         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -85,6 +122,7 @@ def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: 
     if probe:
         out["probe"] = callbacks[0].seen
         out["states"] = callbacks[0].states
+        out["param_probe"] = callbacks[1].seen if len(callbacks) > 1 else None
     if isinstance(precision, ZeroPrecision) and precision.scaler is not None:
         out["scaler"] = precision.scaler.state_dict()
     return out
@@ -102,7 +140,8 @@ class OverflowOnRank1(TinyLM):
 
 def round_trip(out: Path) -> dict[str, Any]:
     """Offloaded (zero2) 1 epoch → save one full file → not offloaded (zero3) 1 more → save a sharded directory →
-    offloaded (zero1) 1 more, against 3 uninterrupted epochs without offload."""
+    offloaded (zero1) 1 more, against 3 uninterrupted epochs without offload; the same with stage 3's parameters
+    offloaded (``offload_params``) in the first and last legs."""
     fit = dict(limit_train_batches=4, accumulate_grad_batches=2, gradient_clip_val=0.05, logger=False,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
@@ -112,37 +151,43 @@ def round_trip(out: Path) -> dict[str, Any]:
         return L.Trainer(strategy=strategy(name, numel, state_dict_type=state_dict_type), accelerator="cpu",
                          devices=2, max_epochs=epochs, **fit)
 
-    legs = [("zero2+offload", 1, "full"), ("zero3", 2, "sharded"), ("zero1+offload", 3, "sharded")]
-    resumed: list[float] = []
-    ckpt = None
-    for i, (name, epochs, kind) in enumerate(legs):
-        L.seed_everything(0, verbose=False)
-        model = TinyLM()
-        t = trainer(name, epochs, kind)
-        t.fit(model, ckpt_path=ckpt)
-        resumed += model.losses
-        ckpt = out / f"leg{i}.ckpt"
-        t.save_checkpoint(ckpt)
+    def resume(legs: list[tuple[str, int, str]], tag: str) -> list[float]:
+        resumed: list[float] = []
+        ckpt = None
+        for i, (name, epochs, kind) in enumerate(legs):
+            L.seed_everything(0, verbose=False)
+            model = TinyLM()
+            t = trainer(name, epochs, kind)
+            t.fit(model, ckpt_path=ckpt)
+            resumed += model.losses
+            ckpt = out / f"{tag}{i}.ckpt"
+            t.save_checkpoint(ckpt)
+        return resumed
+
+    resumed = resume([("zero2+offload", 1, "full"), ("zero3", 2, "sharded"), ("zero1+offload", 3, "sharded")], "leg")
+    params = resume([("zero3+params", 1, "sharded"), ("zero2", 2, "full"), ("zero3+offload+params", 3, "sharded")],
+                    "params")
     L.seed_everything(0, verbose=False)
     straight = TinyLM()
-    trainer("zero2", legs[-1][1]).fit(straight)
-    return {"resumed": resumed, "straight": straight.losses}
+    trainer("zero2", 3).fit(straight)
+    return {"resumed": resumed, "resumed_params": params, "straight": straight.losses}
 
 
 def scenarios(out: Path) -> dict[str, dict[str, Any]]:
     """``{scenario: {run name: thunk}}``; every scenario has its reference run first."""
     fit = dict(max_steps=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
     offloaded = [f"zero{s}+offload" for s in STAGES]
+    params = ["zero3+params", "zero3+offload+params"]  # offload_params without and with offload_optimizer
     fp16 = lambda: ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))  # noqa: E731
     return {
         "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", validate=True, limit_val_batches=2,
-                                      val_check_interval=4, **fit)) for n in ["ddp", *offloaded]},
-        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded]},
+                                      val_check_interval=4, **fit)) for n in ["ddp", *offloaded, *params]},
+        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded, *params]},
         # three optimizers sharing parameters, Adafactor (whole tensors) among them, closures, clipping
         "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
-                             for n in ["ddp", "zero2+offload", "zero3+offload"]},
+                             for n in ["ddp", "zero2+offload", "zero3+offload", "zero3+offload+params"]},
         "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False), precision="bf16-mixed", probe=n != "ddp",
-                                            max_steps=4)) for n in ["ddp", *offloaded]},
+                                            max_steps=4)) for n in ["ddp", *offloaded, *params]},
         "fp16_overflow": {"zero2+offload": lambda: run("zero2+offload", OverflowOnRank1(scheduler=False),
                                                        precision=fp16(), max_steps=6)},
         "round_trip": {"zero": lambda: round_trip(out)},
