@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,8 +19,14 @@ def test_compare_writes_the_table_and_the_json(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--world-sizes", "2", "--sizes", "tiny",
            "--strategies", "ddp", "zero2", "--steps", "3", "--warmup", "1", "--repeats", "1", "--timeout", "180",
            "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=230)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    done = ZYGOTE.spawn(cmd[1:], dict(os.environ), tmp_path, out, err, session=True)  # its workers: fresh processes
+    try:
+        code = done.wait(timeout=230)
+    finally:
+        if done.poll() is None:
+            os.killpg(done.pid, 9)
+    assert code == 0, out.read_text()[-3000:] + err.read_text()[-3000:]
     table = (tmp_path / "compare.md").read_text()
     assert "| ddp |" in table and "| zero2 |" in table and "vs ddp" in table
     rows = {r["strategy"]: r for r in json.loads((tmp_path / "compare.json").read_text())["rows"]}

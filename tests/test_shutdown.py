@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from lightning_zero import inspect_checkpoint
 from tests.launch import ROOT, run_in_own_session
+from tests.zygote import ZYGOTE
 
 TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
 SHUTDOWN = 60
@@ -122,7 +122,9 @@ def test_slurm_requeue_signal_saves_on_every_rank_then_the_requeued_job_resumes(
 
 def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: int,
                   job: str) -> list[tuple[int, str]]:
-    """Start the two tasks of a SLURM job step the way ``srun`` would (one process group, SLURM's variables)."""
+    """Start the two tasks of a SLURM job step the way ``srun`` would: one process group apart from this test (the
+    fault point's ``target=group`` signal reaches both tasks and nothing else), SLURM's variables, each task forked
+    from the test zygote (tests/zygote.py)."""
     import socket
 
     with socket.socket() as s:
@@ -134,25 +136,19 @@ def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: i
                 SLURM_NODELIST="127.0.0.1", SLURM_NODEID="0", PYTHONFAULTHANDLER="1")
     if fault:
         base["LIGHTNING_ZERO_FAULT"] = fault
-    cmd = [sys.executable, str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), "2", "sharded",
-           str(max_steps), "slurm"]
-    # srun's tasks share a process group apart from this test: one shell in a session of its own starts both
-    import shlex
-
-    task = " ".join(shlex.quote(c) for c in cmd)
-    # the shells catch the job's signals (a handler, not "ignore": the tasks must start with the default handlers)
-    catch = "trap true USR1 TERM INT"
-    script = catch + "; " + " ".join(
-        f"({catch}; SLURM_PROCID={r} SLURM_LOCALID={r} {task} > {job}{r}.log 2>&1; echo $? > {job}{r}.code) &"
-        for r in range(2)) + f" while [ ! -f {job}0.code ] || [ ! -f {job}1.code ]; do wait; done"
-    shell = subprocess.Popen(["sh", "-c", script], cwd=tmp_path, env=base, start_new_session=True)
+    argv = [str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), "2", "sharded", str(max_steps), "slurm"]
+    tasks: list = []
+    for r in range(2):
+        env = dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))
+        leader = tasks[0].pid if tasks else 0
+        tasks.append(ZYGOTE.spawn(argv, env, tmp_path, tmp_path / f"{job}{r}.log", group=leader))
     try:
-        shell.wait(timeout=TIMEOUT)
+        codes = [task.wait(timeout=TIMEOUT) for task in tasks]
     finally:
-        if shell.poll() is None:
-            os.killpg(shell.pid, signal.SIGKILL)
-    return [(int((tmp_path / f"{job}{r}.code").read_text()), (tmp_path / f"{job}{r}.log").read_text())
-            for r in range(2)]
+        for task in tasks:
+            task.kill()
+            task.wait()
+    return [(code, (tmp_path / f"{job}{r}.log").read_text()) for r, code in enumerate(codes)]
 
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():

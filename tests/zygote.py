@@ -14,7 +14,7 @@ the other ranks) are ordinary ``python`` processes. Variables read only once at 
 environment, it reads when used, not at import.
 
 Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"argv", "env", "cwd", "stdout", "stderr",
-"session"}`` in, ``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children, the test cannot).
+"session", "group"}`` in, ``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children, the test cannot).
 """
 
 from __future__ import annotations
@@ -91,14 +91,15 @@ class Zygote:
         self.children: dict[int, Child] = {}
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Optional[Path] = None,
-              session: bool = False) -> Child:
+              session: bool = False, group: Optional[int] = None) -> Child:
         """Fork a process that runs like ``python *argv`` (``argv``: a script and its arguments, or ``-m``, a module
         and its arguments) with ``env`` as its whole environment, in ``cwd``, writing to ``stdout`` (and ``stderr``,
         the same file if not given); ``session``: in a session and process group of its own, as
-        ``start_new_session`` would do."""
+        ``start_new_session`` would do; ``group``: in the process group whose leader is ``group`` (``0``: a new one it
+        leads), as the tasks of one ``srun`` job step share one."""
         proc = self._running()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
-                   "stderr": str(stderr or stdout), "session": session}
+                   "stderr": str(stderr or stdout), "session": session, "group": group}
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
@@ -163,6 +164,8 @@ def _run_child(request: dict[str, Any]) -> None:
     try:
         if request["session"]:
             os.setsid()
+        elif request["group"] is not None:
+            _join_group(0, request["group"])
         # Ctrl-C raises KeyboardInterrupt, as in a Python started from a terminal, even if the test run ignores
         # SIGINT (a job in the background of a non-interactive shell does, and the zygote inherited that)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -250,7 +253,9 @@ def _serve() -> None:
             pid = os.fork()
             if pid == 0:
                 _run_child(request)
-            live[pid] = request["session"]
+            if request["group"] is not None:  # here too, so that the group exists before the next request
+                _join_group(pid, request["group"])
+            live[pid] = request["session"] or request["group"] == 0
             _say({"pid": pid})
         for pid in list(live):
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -263,6 +268,14 @@ def _serve() -> None:
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
+
+
+def _join_group(pid: int, leader: int) -> None:
+    """Put ``pid`` (0: this process) in the group led by ``leader`` (0: a new group that ``pid`` leads)."""
+    try:
+        os.setpgid(pid, leader)
+    except (PermissionError, ProcessLookupError):  # the child already did it, or already exec'd/exited
+        pass
 
 
 def _say(message: dict[str, Any]) -> None:
