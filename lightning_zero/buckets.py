@@ -145,8 +145,9 @@ class GradientReducer:
                 self._reduced(bucket)
         return shard
 
-    def clear(self, release: bool) -> None:
-        """Forget accumulated gradients without communicating; ``release`` also frees the shard's memory."""
+    def clear(self) -> None:
+        """Forget accumulated gradients without communicating and free the shard (see [Note: the gradient shard is
+        freed at zero_grad] in ``optimizer.py``)."""
         self.wait()
         self._free.extend(self._open.values())
         self._open.clear()
@@ -154,8 +155,7 @@ class GradientReducer:
         self._received = [0] * len(self.layout.buckets)
         self._next, self._pending = 0, False
         self._written = [False] * len(self.layout.buckets)
-        if release:
-            self.grad_shard = None
+        self.grad_shard = None
 
     def clear_params(self, params: Sequence[int]) -> None:
         """Zero the gradients of some parameters only, without communicating (``zero_grad`` of another optimizer

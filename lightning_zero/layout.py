@@ -262,3 +262,33 @@ def _deal(params: list[int], numels: Sequence[int], world_size: int) -> _BucketP
         begins[p] = r * chunk + cursor[r]
         cursor[r] += numels[p]
     return [p for p in params if numels[p] > 0], chunk, begins
+
+
+@dataclass(frozen=True)
+class MasterSlot:
+    """One tensor the user's optimizer steps on: a range of this rank's shard (see [Note: what the user's optimizer
+    sees] in ``optimizer.py``)."""
+
+    group: int
+    start: int
+    """Offset in the shard (of the engine owning the parameters: see ``ShardedOptimizer.slot_sources``)."""
+    length: int
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int, int], ...]
+    """``(member index, param_start, length, offset in this slot)`` of every parameter part inside."""
+
+
+def plan_master_slots(layout: FlatLayout, rank: int, shapes: Sequence[tuple[int, ...]]) -> list[MasterSlot]:
+    """The tensors ``rank``'s optimizer steps on: one flat slot per bucket, or one per whole parameter (shaped as
+    ``shapes[param]``) when the layout keeps parameters whole."""
+    slots = []
+    for bucket in layout.buckets:
+        pieces = layout.pieces(bucket, rank)
+        if layout.whole_params:
+            for pc in pieces:
+                slots.append(MasterSlot(bucket.group, bucket.shard_offset + pc.chunk_offset, pc.length,
+                                        tuple(shapes[pc.param]), ((pc.param, 0, pc.length, 0),)))
+        elif bucket.chunk_size:
+            parts = tuple((pc.param, pc.param_start, pc.length, pc.chunk_offset) for pc in pieces)
+            slots.append(MasterSlot(bucket.group, bucket.shard_offset, bucket.chunk_size, (bucket.chunk_size,), parts))
+    return slots

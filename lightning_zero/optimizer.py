@@ -30,7 +30,6 @@ shared by several optimizers] in ``sharing.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,32 +39,18 @@ from torch.optim import Optimizer
 from lightning_zero import collectives, offload
 from lightning_zero.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
-from lightning_zero.layout import Bucket, FlatLayout, plan_layout
+from lightning_zero.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
 from lightning_zero.optimizer_support import (
     backward_order,
     check_optimizer,
     check_params,
     is_elementwise,
-    optimizer_name,
     step_in_pieces,
     zero_subclass,
 )
 from lightning_zero.params import ShardedParams
 from lightning_zero.sharing import borrowed_slots, split_members
 from lightning_zero.stages import StagePolicy
-
-@dataclass(frozen=True)
-class MasterSlot:
-    """One tensor the user's optimizer steps on: a range of this rank's shard."""
-
-    group: int
-    start: int
-    """Offset in the shard (of the engine owning the parameters: see ``ShardedOptimizer.slot_sources``)."""
-    length: int
-    shape: tuple[int, ...]
-    pieces: tuple[tuple[int, int, int, int], ...]
-    """``(member index, param_start, length, offset in this slot)`` of every parameter part inside."""
-
 
 class ShardedOptimizer:
     """Installs ZeRO on one user optimizer: layout, flat working buffer, master shard, gradient reducer.
@@ -123,7 +108,7 @@ class ShardedOptimizer:
             units=self.param_units if policy.shards_params else None,
         )
         self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
-        self.slots = self._plan_slots()
+        self.slots = plan_master_slots(self.layout, self.rank, [tuple(p.shape) for p in self.params])
         self.device = device
         moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
         params_moved = config.offload_params and policy.shards_params  # see [Note: offloaded parameter shards]
@@ -170,20 +155,6 @@ class ShardedOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ setup
-    def _plan_slots(self) -> list[MasterSlot]:
-        slots = []
-        for bucket in self.layout.buckets:
-            pieces = self.layout.pieces(bucket, self.rank)
-            if self.layout.whole_params:
-                for pc in pieces:
-                    shape = tuple(self.params[pc.param].shape)
-                    slots.append(MasterSlot(bucket.group, bucket.shard_offset + pc.chunk_offset, pc.length, shape,
-                                            ((pc.param, 0, pc.length, 0),)))
-            elif bucket.chunk_size:
-                parts = tuple((pc.param, pc.param_start, pc.length, pc.chunk_offset) for pc in pieces)
-                slots.append(MasterSlot(bucket.group, bucket.shard_offset, bucket.chunk_size, (bucket.chunk_size,), parts))
-        return slots
-
     def _fill_from_params(self) -> None:
         """Copy the parameters into the flat buffer and the master shard, then make them views of the buffer."""
         assert self.flat is not None
@@ -351,7 +322,7 @@ class ShardedOptimizer:
             # [Note: the gradient shard is freed at zero_grad] as ``set_to_none`` frees ``.grad``: Lightning calls
             # zero_grad between forward and backward, so a kept shard (4Ψ/N bytes in fp32) would sit on top of the
             # activations at the start of backward, the peak of a step; it is made again by the first reduction.
-            self.reducer.clear(release=True)
+            self.reducer.clear()
             return
         for j in indices:
             self.params[j].grad = None

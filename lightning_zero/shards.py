@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.optimizer import MasterSlot, ShardedOptimizer
+from lightning_zero.layout import MasterSlot
+from lightning_zero.optimizer import ShardedOptimizer
 
 
 @dataclass

@@ -29,10 +29,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.layout import MasterSlot
 from lightning_zero.optimizer_support import check_optimizer, is_elementwise
 
 if TYPE_CHECKING:
-    from lightning_zero.optimizer import MasterSlot, ShardedOptimizer
+    from lightning_zero.optimizer import ShardedOptimizer
 
 
 def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConfig) -> list[bool]:
@@ -85,7 +86,7 @@ def split_members(canonical: Sequence[Tensor], owners: Sequence["ShardedOptimize
 
 
 def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int],
-                   owners: Sequence["ShardedOptimizer"]) -> list[tuple["ShardedOptimizer", "MasterSlot"]]:
+                   owners: Sequence["ShardedOptimizer"]) -> list[tuple["ShardedOptimizer", MasterSlot]]:
     """The master tensors a borrowing engine steps on for ``members[first_borrowed:]``, with the engine owning each.
 
     Each is a :class:`MasterSlot` whose ``start`` is an offset in the *owner's* shard and whose pieces index
@@ -112,9 +113,8 @@ def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dic
     return out
 
 
-def _slot_of(run: list[tuple[int, int, int, int]], slot: "MasterSlot", group: int, whole: bool) -> "MasterSlot":
+def _slot_of(run: list[tuple[int, int, int, int]], slot: MasterSlot, group: int, whole: bool) -> MasterSlot:
     """A run of adjacent pieces of the owner's ``slot`` as one master tensor (a whole parameter keeps its shape)."""
-    from lightning_zero.optimizer import MasterSlot  # optimizer.py imports this module
 
     if whole:
         return MasterSlot(group, slot.start, slot.length, slot.shape, tuple(run))

@@ -82,6 +82,16 @@ class TinyLM(L.LightningModule):
         return DataLoader(token_data(n=24, seed=99), batch_size=self.hparams.batch_size)
 
 
+class OverflowOnRank1(TinyLM):
+    """Rank 1 produces an infinite gradient at step 2: every rank must skip that step together."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2 and self.global_rank == 1:
+            loss = loss * torch.tensor(float("inf"))
+        return loss
+
+
 def _make_optimizer(name: str, decay: list, no_decay: list, lr: float) -> torch.optim.Optimizer:
     makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "adamw": lambda: torch.optim.AdamW(

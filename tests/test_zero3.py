@@ -22,7 +22,7 @@ def test_configure_model_never_materializes_the_full_model_and_validation_stays_
 
 
 def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
-    # rank 1 skips a block at step 2; with a 10 s process-group timeout the job must end, not hang
+    # rank 1 skips a block at step 2; with a 20 s process-group timeout the job must end, not hang
     ranks = launch("diverge.py", 2, tmp_path, timeout=150)
     errors = [rank["error"] for rank in ranks]
     assert all(errors), errors  # every rank stopped with an error

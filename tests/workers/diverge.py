@@ -31,7 +31,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     L.seed_everything(0, verbose=False)
     # timeout in plain seconds, as a YAML file gives it: ZeroStrategy hands torch the timedelta it requires
-    trainer = L.Trainer(strategy=ZeroStrategy(stage=3, persistence_threshold=0, timeout=10),
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=3, persistence_threshold=0, timeout=20),
                         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     message: Any = None

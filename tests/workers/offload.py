@@ -15,7 +15,7 @@ import torch
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy, measure_model_states
-from tests.models import SharedOptimizers, TinyGAN, TinyLM
+from tests.models import OverflowOnRank1, SharedOptimizers, TinyGAN, TinyLM
 
 warnings.filterwarnings("ignore")
 
@@ -126,16 +126,6 @@ def run(name: str, model: L.LightningModule, precision: Any = "32-true", probe: 
     if isinstance(precision, ZeroPrecision) and precision.scaler is not None:
         out["scaler"] = precision.scaler.state_dict()
     return out
-
-
-class OverflowOnRank1(TinyLM):
-    """Rank 1 produces an infinite gradient at step 2: every rank must skip that step together."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        if self.global_step == 2 and self.global_rank == 1:
-            loss = loss * torch.tensor(float("inf"))
-        return loss
 
 
 def round_trip(out: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy
-from tests.models import TinyGAN, TinyGPT, TinyLM
+from tests.models import OverflowOnRank1, TinyGAN, TinyGPT, TinyLM
 
 warnings.filterwarnings("ignore")
 
@@ -51,16 +51,6 @@ def run(name: str, model: L.LightningModule, world_size: int, precision: Any = "
         "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()},
         "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
     }
-
-
-class OverflowOnRank1(TinyLM):
-    """Rank 1 produces an infinite gradient at step 2: every rank must skip that step together."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        if self.global_step == 2 and self.global_rank == 1:
-            loss = loss * torch.tensor(float("inf"))
-        return loss
 
 
 def run_fp16_overflow(name: str, world_size: int) -> dict:
