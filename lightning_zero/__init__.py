@@ -1,11 +1,13 @@
-"""lightning-zero: ZeRO (arXiv:1910.02054) as a PyTorch Lightning strategy.
+"""lightning-zero: ZeRO (arXiv:1910.02054) as a PyTorch Lightning strategy, a Fabric strategy and a plain engine.
 
-Importing the package registers ``zero1``, ``zero2`` (and ``_spawn`` / ``_fork`` variants) with Lightning, so that
-``Trainer(strategy="zero2")`` works. Sharded checkpoints are read back with :func:`load_from_checkpoint`,
+Importing the package registers ``zero1``, ``zero2``, ``zero3`` (and ``_spawn`` / ``_fork`` variants) with the
+Trainer and with Fabric, so that ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` work;
+:class:`ZeroEngine` runs the same steps from a plain PyTorch loop. Sharded checkpoints are read back with :func:`load_from_checkpoint`,
 :func:`consolidate` (or ``lightning-zero consolidate``) and, under other strategies, :class:`ZeroCheckpointIO`. :func:`load_pretrained` fills a model (sharded or not) from a
 Hugging Face ``save_pretrained`` directory, safetensors files or a ``torch.save`` state dict, a tensor at a time.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointError
@@ -18,12 +20,15 @@ from lightning_zero.consolidate import (
     load_from_checkpoint,
     load_full_checkpoint,
 )
+from lightning_zero.engine import ZeroEngine, sharded_construction
+from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.precision import LossScaler, ZeroPrecision
 from lightning_zero.pretrained import LoadResult, load_pretrained
 from lightning_zero.strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
+ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __version__ = "0.1.0"
 
@@ -41,8 +46,12 @@ __all__ = [
     "ModelStateBytes",
     "Traffic",
     "ZeroConfig",
+    "ZeroEngine",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
     "expected_model_state_bytes",
     "measure_model_states",
+    "sharded_construction",
 ]

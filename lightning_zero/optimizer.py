@@ -142,6 +142,7 @@ class ShardedOptimizer:
             self.host_grads.follow(self.reducer)
         self._hooks: list[Any] = []
         self._prepared = False
+        self._overflow = False
         self.uninstalled = False
         self._install_into(optimizer)
         if policy.shards_grads and not policy.shards_params:
@@ -210,15 +211,16 @@ class ShardedOptimizer:
             self.reducer.flush(force=True)
             self.reducer.wait()
 
-    def prepare_step(self) -> None:
+    def prepare_step(self, unscale: Optional[Callable[[list[Tensor]], bool]] = None) -> bool:
         """Reduce what is left (here and in the engines lending parameters) and give every master tensor its averaged
-        gradient (in the master dtype).
+        gradient (in the master dtype); ``unscale`` (``16-mixed``) then unscales them and tells whether any rank
+        overflowed, which is returned.
 
         Idempotent until the step: manual optimization may clip (which needs the reduced gradients) before
         ``optimizer.step()`` prepares again.
         """
         if self._prepared:
-            return
+            return self._overflow
         self._prepared = True
         for source in self.sources:  # the step may write a host master that is also the host parameter shard
             if source.sharded is not None:
@@ -227,6 +229,8 @@ class ShardedOptimizer:
         for slot, master, source in zip(self.slots, self.masters, self.slot_sources):
             grad = shards[id(source)][slot.start : slot.start + slot.length].view(slot.shape)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        self._overflow = unscale(self.grads()) if unscale is not None else False
+        return self._overflow
 
     def reduce_grads(self) -> Tensor:
         """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
@@ -356,6 +360,12 @@ class ShardedOptimizer:
             collectives.all_gather(full[b0:b1], full[c0 : c0 + bucket.chunk_size], group=self.group)
         return full
 
+    def remove_hooks(self) -> None:
+        """Remove the gradient hooks (the shards stay as they are)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def uninstall(self, gather: bool = True) -> None:
         """Remove the hooks and, with ``gather`` (a collective), give the parameters their full fp32 storage back.
 
@@ -366,9 +376,7 @@ class ShardedOptimizer:
         if self.uninstalled:
             return
         self.uninstalled = True
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.remove_hooks()
         if not gather:
             if self.sharded is not None:  # stage 3: never leave a view of freed storage behind (reading it crashes)
                 for p in self.params:

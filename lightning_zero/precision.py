@@ -1,92 +1,28 @@
-"""The Lightning precision plugin of ZeRO: 16-bit working parameters, master shards, the step's order of events.
+"""The Trainer's precision plugin of ZeRO: a thin adapter that hands Lightning's optimizer step to the engine.
 
-[Note: the order of one optimizer step]
-``ZeroPrecision.optimizer_step`` runs, for the optimizer at hand:
-1. the closure (forward and backward; stage 2 reduce-scatters buckets during backward),
-2. ``prepare_step``: stage 1 reduce-scatters the full ``.grad`` now; every master tensor gets its averaged gradient,
-3. for ``16-mixed``: unscale the master gradients and agree on overflow across ranks (one all-reduce of a flag),
-4. Lightning's ``on_before_optimizer_step`` hooks and gradient clipping (global norm over all shards),
-5. the user's ``optimizer.step()``, skipped on every rank or none when the loss scaler found an overflow,
-6. ``after_step``: the master gradients are dropped (the reduced ones stay in the shard until ``zero_grad``) and the
-   updated shards all-gathered into the working parameters (of every engine the optimizer stepped on).
+Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.amp.PrecisionMode`'s;
+the order of one optimizer step is :meth:`ZeroEngine.step`'s (see [Note: the order of one optimizer step] in
+``engine.py``). Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping run as the step's
+``before_step``, after the gradients were reduced and unscaled.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Literal, Optional, Union
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import collectives
+from lightning_zero.amp import LossScaler, PrecisionInput, PrecisionMode
 
-ZeroPrecisionInput = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
-_WORKING_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-                  "bf16-true": torch.bfloat16}
-
-
-def normalize_precision(precision: Union[str, int]) -> str:
-    """Map Lightning's precision spellings to ours; raise for what ZeRO does not support."""
-    value = _ALIASES.get(precision, precision)
-    if value not in SUPPORTED_PRECISION:
-        raise ValueError(
-            f"ZeroStrategy does not support precision={precision!r}. Choose one of {', '.join(SUPPORTED_PRECISION)}."
-        )
-    return str(value)
-
-
-class LossScaler:
-    """Dynamic loss scaling for ``16-mixed``, with the overflow decision shared by all ranks."""
-
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
-        self.scale = init_scale
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.good_steps = 0
-        self.skipped_steps = 0
-
-    def unscale_and_check(self, grads: list[Tensor], device: torch.device) -> bool:
-        """Divide ``grads`` by the scale in place; ``True`` when any rank saw an inf or NaN.
-
-        ``device`` is the collectives' device; the gradients may be elsewhere (on the host with offload).
-        """
-        at = grads[0].device if grads else device
-        found = torch.zeros(1, device=at)
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale, device=at))
-        found = collectives.all_reduce(found.to(device), op=collectives.MAX)
-        return bool(found.item())
-
-    def update(self, overflow: bool) -> None:
-        """Back off after an overflow; grow after ``growth_interval`` clean steps."""
-        if overflow:
-            self.scale *= self.backoff_factor
-            self.good_steps = 0
-            self.skipped_steps += 1
-        else:
-            self.good_steps += 1
-            if self.good_steps % self.growth_interval == 0:
-                self.scale *= self.growth_factor
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
-                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+if TYPE_CHECKING:
+    from lightning_zero.engine import ZeroEngine
 
 
 class ZeroPrecision(Precision):
@@ -100,69 +36,52 @@ class ZeroPrecision(Precision):
         loss_scaler: the scaler for ``"16-mixed"``; a default dynamic one is made when omitted.
     """
 
-    def __init__(self, precision: ZeroPrecisionInput = "32-true", device_type: str = "cpu",
+    def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
                  loss_scaler: Optional[LossScaler] = None) -> None:
-        self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.mode = PrecisionMode(precision, loss_scaler)
+        self.precision = self.mode.precision  # type: ignore[assignment]
         self.device_type = device_type
-        self.scaler = loss_scaler if loss_scaler is not None or self.precision != "16-mixed" else LossScaler()
+        self.engine: Optional["ZeroEngine"] = None
+        """Set by the strategy at setup."""
+
+    @property
+    def scaler(self) -> Optional[LossScaler]:
+        return self.mode.scaler
 
     @property
     def working_dtype(self) -> torch.dtype:
         """dtype of the parameters the model computes with."""
-        return _WORKING_DTYPE[self.precision]
+        return self.mode.working_dtype
 
     @property
     def master_dtype(self) -> torch.dtype:
         """dtype of the weights and states the optimizer steps on."""
-        return torch.float32 if self.precision in ("32-true", "bf16-mixed", "16-mixed") else self.working_dtype
-
-    @property
-    def is_mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
+        return self.mode.master_dtype
 
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        # Mixed: parameters managed by an optimizer are cast into the engine's 16-bit buffer; the rest stay fp32 and
-        # autocast handles them. True: the whole module is converted, as Lightning's HalfPrecision does.
-        if self.precision == "bf16-true":
-            return module.to(dtype=self.working_dtype)
-        return module
+        return self.mode.convert_module(module)
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self.precision == "bf16-true":
-            return apply_to_collection(data, Tensor, lambda t: t.to(self.working_dtype) if t.is_floating_point() else t)
-        return data
+        return self.mode.convert_input(data)
 
     @override
     def forward_context(self) -> AbstractContextManager:
-        if self.is_mixed:
-            return torch.autocast(self.device_type, dtype=self.working_dtype)
-        return nullcontext()
+        return self.mode.forward_context(self.device_type)
 
     @override
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        tensor = super().pre_backward(tensor, module)
-        return tensor * self.scaler.scale if self.scaler is not None else tensor
+        return self.mode.scale_loss(super().pre_backward(tensor, module))
 
     @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        """See [Note: the order of one optimizer step]."""
-        engine = _engine_of(optimizer)
+        """The closure (forward and backward), then the engine's step with Lightning's hooks as ``before_step``."""
         closure_result = closure()
-        engine.prepare_step()
-        overflow = False
-        if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check(engine.grads(), engine.device)
-        self._after_closure(model, optimizer)
-        step_output = None
-        if not overflow:
-            step_output = engine.step(lambda: optimizer.step(**kwargs))
-        if self.scaler is not None:
-            self.scaler.update(overflow)
-        engine.after_step(stepped=not overflow)
+        step_output = self._engine().step(optimizer, before_step=lambda: self._after_closure(model, optimizer),
+                                          zero_grad=False, **kwargs)
         return closure_result if step_output is None else step_output
 
     @override
@@ -170,54 +89,24 @@ class ZeroPrecision(Precision):
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if clip_val <= 0:
             return
-        engine = _engine_of(optimizer)
-        engine.prepare_step()
-        grads = engine.grads()
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            for g in grads:
-                g.clamp_(-clip_val, clip_val)
+            self._engine().clip_grad_value(clip_val, optimizer)
         elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            clip_grad_norm(grads, clip_val, engine.device)
+            self._engine().clip_grad_norm(clip_val, optimizer)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        return self.mode.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
+        self.mode.load_state_dict(state_dict)
 
-
-def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None) -> Tensor:
-    """The 2-norm of all gradients of all ranks (each rank passes its shard); identical on every rank.
-
-    ``device``: where the all-reduce runs (the collectives' device), when the gradients are elsewhere (offload).
-    """
-    at = grads[0].device if grads else (device or torch.device("cpu"))
-    local = torch.zeros(1, dtype=torch.float32, device=at)
-    for g in grads:
-        local += g.detach().float().pow(2).sum()
-    return collectives.all_reduce(local.to(device or at)).sqrt()
-
-
-def clip_grad_norm(grads: list[Tensor], max_norm: float, device: Optional[torch.device] = None) -> Tensor:
-    """Scale ``grads`` in place so that their global norm is at most ``max_norm`` (``clip_grad_norm_``'s rule)."""
-    total = global_grad_norm(grads, device)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    return total
-
-
-def _engine_of(optimizer: Optimizer) -> Any:
-    engine = getattr(optimizer, "_zero_engine", None)
-    if engine is None:
-        raise RuntimeError(
-            f"{type(optimizer).__name__} was not set up by ZeroStrategy. Create optimizers in `configure_optimizers`;"
-            " ZeroPrecision only works together with ZeroStrategy."
-        )
-    return engine
+    def _engine(self) -> "ZeroEngine":
+        if self.engine is None:
+            raise RuntimeError("ZeroPrecision only works together with ZeroStrategy, which sets it up; create the "
+                               "optimizers in `configure_optimizers`.")
+        return self.engine
 
 
 def to_zero_precision(plugin: Precision) -> ZeroPrecision:

@@ -45,9 +45,10 @@ class LoadResult(NamedTuple):
 
 
 class ShardOwner(Protocol):
-    """What holds a model's shards after setup (``ZeroStrategy``): its engines and the stage 3 unit runtime."""
+    """What holds a model's shards after setup (a :class:`~lightning_zero.engine.ZeroEngine`): the shards of its
+    optimizers and the stage 3 unit runtime."""
 
-    engines: list[ShardedOptimizer]
+    optimizers: list[ShardedOptimizer]
     runtime: Any
 
 
@@ -91,7 +92,7 @@ def load_pretrained(module: nn.Module, source: Union[str, os.PathLike], *, prefi
     found = _owner_of(module)
     if found is not None:
         root, name, owner = found
-        fill_shards(root, owner.engines, owner.runtime, [(name, plan)])
+        fill_shards(root, owner.optimizers, owner.runtime, [(name, plan)])
     elif _deferring:  # inside zero3's `configure_model` (recorded on the meta device): setup fills it
         module.__dict__.setdefault(_PENDING, []).append(plan)
     elif _on_meta(module):

@@ -24,35 +24,24 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import collectives, pretrained
-from lightning_zero.activations import ActivationCheckpointing, activations_from_config
+from lightning_zero import collectives
+from lightning_zero.activations import ActivationCheckpointing
 from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.config import ZeroConfig, process_group_timeout
-from lightning_zero.construction import Recording, record_construction
-from lightning_zero.estimate import human_bytes
-from lightning_zero.materialize import (
-    broadcast_module_states,
-    drop_meta,
-    move_materialized,
-    shard_by_units,
-    warn_if_built_in_full,
-)
-from lightning_zero.memory import expected_model_state_bytes, expected_offload_bytes
-from lightning_zero.offload import fused_hint
+from lightning_zero.construction import Recording
+from lightning_zero.engine import ZeroEngine, sharded_construction
+from lightning_zero.host_memory import release_freed_memory
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.host_memory import release_freed_memory
 from lightning_zero.shutdown import GUARD
-from lightning_zero.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
 from lightning_zero.strategy_checkpoints import CheckpointHooks
 from lightning_zero.strategy_steps import StepHooks
-from lightning_zero.units import UnitPlan, UnitRuntime, plan_units
+from lightning_zero.units import UnitRuntime
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -143,10 +132,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._timeout = process_group_timeout(timeout)
         self._start_method = start_method
         self.num_nodes = 1
-        self.engines: list[ShardedOptimizer] = []
-        self.runtime: Optional[UnitRuntime] = None
-        self.activations: Optional[ActivationCheckpointing] = None
-        self._unit_plan = UnitPlan()
+        self.engine: Optional[ZeroEngine] = None
+        """The engine of the last setup (see ``engine.py``); it stays after teardown for ``save_checkpoint``."""
         self._recording: Optional[Recording] = None
         self._ranks_in_step = True
 
@@ -231,89 +218,43 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     # ------------------------------------------------------------------ setup
+    @property
+    def engines(self) -> list[ShardedOptimizer]:
+        """The shards of each optimizer (those of the last setup: a checkpoint can still be saved after fit)."""
+        return self.engine.optimizers if self.engine is not None else []
+
+    @property
+    def runtime(self) -> Optional[UnitRuntime]:
+        """Stage 3's unit runtime while set up."""
+        return self.engine.runtime if self.engine is not None else None
+
+    @property
+    def activations(self) -> Optional[ActivationCheckpointing]:
+        return self.engine.activations if self.engine is not None else None
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
+        """Make the engine over the LightningModule and the optimizers of ``configure_optimizers`` (none outside
+        fit: stage 3 still shards the weights for validate, test and predict)."""
+        assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if self._recording is not None:
-            self._recording.keep(self.model)  # before the precision plugin converts the module
         self.precision_plugin.device_type = self.root_device.type
-        self.model = self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._ranks_in_step = True
-        assert self.lightning_module is not None
-        self.activations = activations_from_config(self.lightning_module, self.config)
-        if not fitting:
-            self.engines = []  # those of an earlier fit were uninstalled at its teardown
-        if self.policy.shards_params:
-            self._setup_sharded_params(trainer, fitting)
-        else:
+        if not self.policy.shards_params:
             self.model_to_device()
-            broadcast_module_states(self.model)
-            if fitting:
-                self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        pretrained.attach(self.lightning_module, self)  # `load_pretrained` after setup writes into the shards
         if fitting:
-            rank_zero_info(self._summary())
-
-    def _setup_sharded_params(self, trainer: "pl.Trainer", fitting: bool) -> None:
-        """Stage 3: plan the units, make the optimizers' engines, then shard the model unit by unit."""
-        assert self.model is not None and self.lightning_module is not None
-        warn_if_built_in_full(self.model)
-        move_materialized(self.model, self.root_device)
-        self._unit_plan = plan_units(self.lightning_module, self.config.unit_classes, self.config.persistence_threshold)
-        if fitting:
-            self.setup_optimizers(trainer)
-        elif any(p.requires_grad for p in self.model.parameters()):
-            self.engines = [self._evaluation_engine()]
-        shard_by_units(self.model, self._unit_plan, self.engines, self.root_device, self._recording)
+            super().setup_optimizers(trainer)
+        self.engine = ZeroEngine(self.lightning_module, self.optimizers if fitting else [],
+                                 precision=self.precision_plugin.mode, device=self.root_device, config=self.config,
+                                 recording=self._recording)
         self._recording = None  # construction is replayed once; the log holds no memory worth keeping
-        self.runtime = UnitRuntime(self._unit_plan, self.engines, self.config.prefetch_size)
-        pretrained.fill_pending(self.lightning_module, self.engines, self.runtime)  # loads from configure_model
-
-    def _summary(self) -> str:
-        """One line for the start of fit: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
-        psi = sum(p.numel() for engine in self.engines for p in engine.params)
-        precision = self.precision_plugin.precision
-        zero = expected_model_state_bytes(psi, self.world_size, self.config.stage, precision)
-        ddp = expected_model_state_bytes(psi, self.world_size, 0, precision)
-        where = ""
-        moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
-        if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
-            zero, host = expected_offload_bytes(psi, self.world_size, self.config.stage, precision,
-                                                self.config.offload_optimizer, self.config.offload_params)
-            where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
-        return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
-                f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)}{where} per "
-                f"rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
-
-    def _evaluation_engine(self) -> ShardedOptimizer:
-        """validate/test/predict under zero3 shard the weights too; an internal SGD (never stepped) holds them."""
-        assert self.model is not None
-        return self._make_engine(torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.0))
-
-    def _make_engine(self, optimizer: Optimizer, whole_params: Optional[bool] = None) -> ShardedOptimizer:
-        """The engine of ``optimizer``; it borrows the parameters the engines made before it already hold."""
-        precision = self.precision_plugin
-        unit_of = self._unit_plan.unit if self.policy.shards_params else None
-        return ShardedOptimizer(optimizer, self.policy, self.config, precision.working_dtype, precision.master_dtype,
-                                self.root_device, module=self.lightning_module, unit_of=unit_of,
-                                unit_names=self._unit_plan.names, owners=list(self.engines), whole_params=whole_params)
-
-    @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        self._uninstall_engines()
-        self.engines = []
-        super().setup_optimizers(trainer)
-        # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
-        for optimizer, whole_params in zip(self.optimizers, whole_params_per_optimizer(self.optimizers, self.config)):
-            self.engines.append(self._make_engine(optimizer, whole_params))
-            hint = fused_hint(optimizer) if self.config.offload_optimizer else None
-            if hint:
-                rank_zero_warn(hint)
+        self.precision_plugin.engine = self.engine
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
+        self.setup_precision_plugin()
+        if fitting:
+            rank_zero_info(self.engine.summary(self.world_size))
 
     @override
     def model_to_device(self) -> None:
@@ -329,7 +270,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         if not self.policy.shards_params:
             yield
             return
-        with record_construction(self.root_device) as recording, pretrained.deferring():
+        with sharded_construction(self.root_device) as recording:
             yield
         self._recording = recording
 
@@ -341,33 +282,13 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        # [Note: teardown after an exception]
-        # A normal teardown gathers the full weights back into the module, which takes every rank. After an
-        # exception or Ctrl-C the ranks stopped at different points (a peer may be gone), so a collective would be
-        # matched against a different one or hang: teardown then only removes the hooks, and stage 3's parameters
-        # become empty tensors (their gathered storage is gone). The last checkpoint is the state to resume or load
-        # from. A single rank, and a checkpoint every rank refused, still gather.
-        gather = self._ranks_in_step
-        if self.runtime is not None:
-            if gather:
-                self.runtime.release_all(include_root=True)
-            self.runtime.remove()
-            self.runtime = None
-        if self.activations is not None:
-            self.activations.remove()
-        self._uninstall_engines(gather)
-        if not gather and self.model is not None:
-            drop_meta(self.model, self.root_device)
-        if self.lightning_module is not None:
-            pretrained.detach(self.lightning_module)
+        # see [Note: teardown after an exception] in engine.py: a single rank, and a checkpoint every rank refused,
+        # still gather
+        if self.engine is not None:
+            self.engine.teardown(gather=self._ranks_in_step)
         super().teardown()
         GUARD.remove()
         GUARD.raise_pending()  # a Ctrl-C during the last checkpoint write still stops the script
-
-    def _uninstall_engines(self, gather: bool = True) -> None:
-        # The engines stay reachable after teardown: `trainer.save_checkpoint` after `fit` still needs their shards.
-        for engine in self.engines:
-            engine.uninstall(gather)
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

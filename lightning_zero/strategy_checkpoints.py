@@ -1,9 +1,8 @@
-"""The checkpoint half of :class:`~lightning_zero.ZeroStrategy`: Lightning's save and load hooks.
+"""The checkpoint half of :class:`~lightning_zero.ZeroStrategy`: Lightning's save and load hooks, handed to the
+engine's checkpoint functions (``engine_checkpoint.py``; see [Note: one checkpoint format for every way in]).
 
-Kept apart from ``strategy.py`` so that each file stays readable; the data path behind it is ``shards.py`` (this
-rank's pieces) → ``checkpoint_state.py`` (Lightning's checkpoint dict ↔ keys) → ``checkpoint.py`` (DCP, atomic
-writes, checks). ``ZeroStrategy`` lists this class first among its bases, so these hooks override
-``ParallelStrategy``'s and ``super()`` here reaches Lightning's.
+Kept apart from ``strategy.py`` so that each file stays readable. ``ZeroStrategy`` lists this class first among its
+bases, so these hooks override ``ParallelStrategy``'s and ``super()`` here reaches Lightning's.
 """
 
 from __future__ import annotations
@@ -12,27 +11,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
-from lightning_zero.checkpoint_state import (
-    check_optimizer_count,
-    copy_full_state,
-    load_model_from_dir,
-    load_optimizers_from_dir,
-    split_checkpoint,
+from lightning_zero import engine_checkpoint
+from lightning_zero.checkpoint import KEY
+
+#: Refusal of ``storage_options``, shared with the Fabric strategy.
+STORAGE_OPTIONS_ERROR = (
+    "ZeRO does not take `storage_options`: no rank holds the whole model, so the checkpoint is not handed to a "
+    "CheckpointIO; every rank writes its own pieces with torch.distributed.checkpoint (with "
+    "`state_dict_type='full'`, rank 0 writes one file with torch.save). Save without `storage_options`, on a path "
+    "every rank can reach; to store it elsewhere, copy the directory (or the full file) afterwards."
 )
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.shards import model_shards, optimizer_shards, param_groups
-from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state, optimizer_state
 
 
 class CheckpointHooks:
     """Sharded (a directory, every rank writes its pieces) or full (one file on rank 0) checkpoints for ZeroStrategy.
 
-    Uses the strategy's ``config``, ``engines``, ``runtime`` and Lightning's strategy attributes.
+    Uses the strategy's ``engine`` and Lightning's strategy attributes.
     """
 
     @property
@@ -43,44 +42,18 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """``"sharded"``: this rank's pieces (``Shard``) of every entry; ``"full"``: full weights in the master
-        precision (fp32 under mixed precision) on rank 0."""
-        assert self.lightning_module is not None
-        if self.config.state_dict_type == "full":
-            return full_model_state_dict(self.lightning_module, self.engines)
-        return model_shards(self.lightning_module, self.engines, full_copies=self.is_global_zero)
+        return engine_checkpoint.model_state(self.engine)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """``"sharded"``: this rank's pieces; ``"full"``: gathered to rank 0 in the per-parameter form DDP uses."""
-        engine = self._engine_for(getattr(optimizer, "_optimizer", optimizer))
-        if self.config.state_dict_type == "full":
-            state = optimizer_state(engine)
-            return state if self.is_global_zero else {}
-        return {"state": optimizer_shards(engine), "param_groups": param_groups(engine)}
+        return engine_checkpoint.optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
-        """Write a sharded checkpoint directory (every rank) or, with ``state_dict_type="full"``, one file (rank 0);
-        either appears complete or not at all."""
         if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
-            raise TypeError(
-                "ZeroStrategy does not take `storage_options`: no rank holds the whole model, so the checkpoint is "
-                "not handed to the Trainer's CheckpointIO; every rank writes its own pieces with "
-                "torch.distributed.checkpoint (with `state_dict_type='full'`, rank 0 writes one file with "
-                "torch.save). Call `save_checkpoint` without `storage_options`, on a path every rank can reach; to "
-                "store it elsewhere, copy the directory (or the full file) afterwards."
-            )
-        if self.config.state_dict_type == "full":
-            if self.is_global_zero:
-                save_file(checkpoint, Path(filepath))
-            return
-        info = {"stage": self.config.stage, "world_size": self.world_size,
-                "precision": self.precision_plugin.precision,
-                "num_parameters": sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0}
-        objects, shards, meta = split_checkpoint(checkpoint, self.engines, info)
-        save_sharded(Path(filepath), objects, shards, meta)
+            raise TypeError(STORAGE_OPTIONS_ERROR)
+        engine_checkpoint.save(self.engine, checkpoint, Path(filepath), writer="trainer")
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -93,47 +66,17 @@ class CheckpointHooks:
         and the tensors are read later, straight into this rank's shards."""
         if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta = read_meta(Path(checkpoint_path))
-        check_files(Path(checkpoint_path), meta, collective=True)
-        meta[KEY]["path"] = str(checkpoint_path)
+        meta = engine_checkpoint.read(Path(checkpoint_path))
+        if meta[KEY].get("writer") == "fabric":
+            # Fabric's loop state is the user's own entries: the Trainer's loops start afresh, with no schedulers
+            meta.setdefault("lr_schedulers", [])
+            meta.setdefault("pytorch-lightning_version", lightning.__version__)
         return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        for engine in self.engines:  # a host master may be the host parameter shard an upload still reads
-            if engine.sharded is not None:
-                engine.sharded.settle()
-        dest = model_shards(self.lightning_module, self.engines, full_copies=True)
-        if _from_directory(checkpoint):
-            path = Path(checkpoint[KEY]["path"])
-            load_model_from_dir(path, dict(checkpoint), dest, strict, collective=True)
-        else:
-            copy_full_state(checkpoint["state_dict"], dest, strict, source="the checkpoint file")
-        for engine in self.engines:
-            engine.refresh_working()
-        if self.runtime is not None:
-            self.runtime.refresh()
+        engine_checkpoint.load_model(self.engine, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states")
-        if not states:
-            return
-        if _from_directory(checkpoint):
-            load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), self.engines, collective=True)
-            return
-        check_optimizer_count(len(states), self.engines, "file")
-        for engine, state in zip(self.engines, states):
-            load_optimizer_state(engine, state)
-
-    def _engine_for(self, optimizer: Optimizer) -> ShardedOptimizer:
-        for engine in self.engines:
-            if engine.optimizer is optimizer:
-                return engine
-        raise ValueError("This optimizer was not set up by ZeroStrategy; return it from `configure_optimizers`.")
-
-
-def _from_directory(checkpoint: Mapping[str, Any]) -> bool:
-    """Whether ``checkpoint`` is the metadata of a sharded directory (its tensors still to be read)."""
-    return KEY in checkpoint and "path" in checkpoint[KEY] and "state_dict" not in checkpoint
+        engine_checkpoint.load_optimizers(self.engine, checkpoint)

@@ -1,0 +1,346 @@
+"""``ZeroEngine``: ZeRO on one module and its optimizers, and one training step in one place, without Lightning.
+
+The Trainer's :class:`~lightning_zero.ZeroStrategy` and Fabric's :class:`~lightning_zero.ZeroFabricStrategy` are
+adapters over it; a plain PyTorch loop with ``torch.distributed`` initialized uses it directly::
+
+    engine = ZeroEngine(model, [optimizer], stage=2, precision="bf16-mixed")
+    for x, y in loader:
+        with engine.forward_context():
+            loss = loss_fn(model(x), y)
+        engine.backward(loss)
+        engine.step(clip_grad_norm=1.0)  # reduce, unscale, clip, step, gather, zero_grad
+
+[Note: the order of one optimizer step]
+For one optimizer, :meth:`ZeroEngine.step` runs:
+1. ``prepare``: what backward has not reduced yet is reduced (stage 1 reduce-scatters its full ``.grad`` now, stages
+   2 and 3 flushed at the end of each backward) and waited for; every master tensor gets its averaged gradient;
+   under ``16-mixed`` the gradients are unscaled and every rank agrees on overflow (one all-reduce of a flag);
+2. ``before_step`` (the Trainer's ``on_before_optimizer_step`` hooks and its clipping), then clipping by global norm
+   or value over all shards;
+3. the user's ``optimizer.step()``, skipped on every rank or none when the loss scaler found an overflow;
+4. ``after_step``: the master gradients are dropped (the reduced ones stay in the shard until ``zero_grad``) and the
+   updated shards reach the working parameters (stages 1 and 2 all-gather them; stage 3 casts the shard and
+   gathers again whatever unit is gathered at that moment);
+5. with ``zero_grad=True``, the gradients are dropped.
+Step 1 is idempotent until the step, so clipping before ``step`` (Fabric's ``clip_gradients``, manual optimization)
+reduces once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero import collectives, pretrained
+from lightning_zero.activations import ActivationCheckpointing, activations_from_config
+from lightning_zero.amp import PrecisionMode, clip_grad_norm, clip_grad_value
+from lightning_zero.config import ZeroConfig
+from lightning_zero.construction import Recording, record_construction
+from lightning_zero.estimate import human_bytes
+from lightning_zero.materialize import (
+    broadcast_module_states,
+    drop_meta,
+    move_materialized,
+    shard_by_units,
+    warn_if_built_in_full,
+)
+from lightning_zero.memory import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.offload import fused_hint
+from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.sharing import whole_params_per_optimizer
+from lightning_zero.stages import policy_for
+from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
+
+
+class ZeroEngine:
+    """Installs ZeRO on ``module`` and the user's ``optimizers`` and runs their steps.
+
+    Args:
+        module: the model. Under stage 3 it may have been built under :func:`sharded_construction` (pass the
+            recording as ``recording``), so that no rank ever holds it whole.
+        optimizers: the user's optimizers over ``module``'s parameters (their objects, classes and hyperparameters
+            stay theirs). None: evaluation only (stage 3 then still shards the weights).
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``, or a :class:`PrecisionMode`.
+        device: this rank's device (default: the current CUDA device, else the CPU).
+        config: the options as a :class:`~lightning_zero.ZeroConfig`, or give them as keyword arguments instead
+            (``stage=3, offload_optimizer=True``, ...).
+        recording: stage 3: the construction recorded by :func:`sharded_construction`, replayed unit by unit.
+    """
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = (), *,
+                 precision: Union[str, PrecisionMode] = "32-true", device: Optional[torch.device] = None,
+                 config: Optional[ZeroConfig] = None, recording: Optional[Recording] = None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError(f"Give the options either as `config=ZeroConfig(...)` or as keyword arguments, not both "
+                            f"(got config and {sorted(options)}).")
+        self.config = config if config is not None else ZeroConfig(**options)
+        self.policy = policy_for(self.config.stage)
+        self.precision = precision if isinstance(precision, PrecisionMode) else PrecisionMode(precision)
+        self.device = device if device is not None else _default_device()
+        self.module = self.precision.convert_module(module)
+        self.optimizers: list[ShardedOptimizer] = []
+        """One :class:`ShardedOptimizer` per user optimizer, in their order (plus stage 3's evaluation holder)."""
+        self.runtime: Optional[UnitRuntime] = None
+        self.activations: Optional[ActivationCheckpointing] = None
+        self.unit_plan = UnitPlan()
+        self._root_hook: Optional[Any] = None
+        self.torn_down = False
+        self._user_optimizers: list[Optimizer] = []
+        self._setup(list(optimizers), recording)
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
+        if recording is not None:
+            recording.keep(self.module)
+        self.activations = activations_from_config(self.module, self.config)
+        if self.policy.shards_params:
+            self._setup_sharded_params(optimizers, recording)
+        else:
+            self.module.to(self.device)
+            broadcast_module_states(self.module)
+            self._add_optimizers(optimizers)
+        pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
+
+    def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
+        """Stage 3: plan the units, make the optimizers' shards, then shard the model unit by unit."""
+        warn_if_built_in_full(self.module)
+        move_materialized(self.module, self.device)
+        self.unit_plan = plan_units(self.module, self.config.unit_classes, self.config.persistence_threshold)
+        if optimizers:
+            self._add_optimizers(optimizers)
+        elif any(p.requires_grad for p in self.module.parameters()):
+            # evaluation: an internal SGD (never stepped) holds the shards of the weights
+            trainable = [p for p in self.module.parameters() if p.requires_grad]
+            self.optimizers = [self._make_sharded(torch.optim.SGD(trainable, lr=0.0))]
+        shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
+        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
+        self._root_hook = self.module.register_forward_pre_hook(lambda *_: self.begin_step())
+        pretrained.fill_pending(self.module, self.optimizers, self.runtime)  # loads recorded at construction
+
+    def add_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Take optimizers made after the engine (Fabric's ``setup_module`` then ``setup_optimizers``).
+
+        Stages 1 and 2 lay them out over the parameters as they are. Stage 3's weights are then held by the
+        evaluation holder: they move into the new optimizers' shards one unit at a time (gathered from the holder,
+        filled into the new shards, freed), so no rank holds more than one unit in full.
+        """
+        if not self.policy.shards_params:
+            self._add_optimizers(list(optimizers))
+            return
+        holders = [sharded for sharded in self.optimizers if sharded.optimizer not in self._user_optimizers]
+        if len(holders) != len(self.optimizers):
+            raise RuntimeError("Under stage 3 the optimizers are set up together, once: pass all of them to "
+                               "`fabric.setup_optimizers(...)` (or `fabric.setup(model, *optimizers)`) in one call.")
+        assert self.runtime is not None
+        self.runtime.release_all(include_root=True)
+        self.runtime.remove()
+        self.optimizers = []
+        self._add_optimizers(list(optimizers))
+        managed = {id(p) for sharded in self.optimizers for p in sharded.params}
+        for unit in [*range(1, len(self.unit_plan.names)), ROOT]:
+            for holder in holders:
+                for work in holder.gather_unit(unit):
+                    collectives.wait(work, f"move stage 3 unit '{self.unit_plan.names[unit]}' to the optimizers")
+                with torch.no_grad():  # trainable but in no optimizer: kept whole, as at setup
+                    for p, p_unit in zip(holder.params, holder.param_units):
+                        if p_unit == unit and id(p) not in managed:
+                            p.data = p.detach().clone()
+            for sharded in self.optimizers:
+                if sharded.sharded is not None and unit in sharded.sharded.buffers:
+                    sharded.fill_unit(unit)
+            for holder in holders:
+                holder.release_unit(unit)
+        for holder in holders:
+            holder.remove_hooks()
+        for sharded in self.optimizers:
+            sharded.install_grad_hooks()
+        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
+
+    def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
+        self._user_optimizers.extend(optimizers)
+        # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
+        for optimizer, whole_params in zip(optimizers, whole_params_per_optimizer(optimizers, self.config)):
+            self.optimizers.append(self._make_sharded(optimizer, whole_params))
+            hint = fused_hint(optimizer) if self.config.offload_optimizer else None
+            if hint and collectives.rank() == 0:
+                warnings.warn(hint, UserWarning, stacklevel=4)
+
+    def _make_sharded(self, optimizer: Optimizer, whole_params: Optional[bool] = None) -> ShardedOptimizer:
+        """The shards of ``optimizer``; it borrows the parameters the ones made before it already hold."""
+        unit_of = self.unit_plan.unit if self.policy.shards_params else None
+        return ShardedOptimizer(optimizer, self.policy, self.config, self.precision.working_dtype,
+                                self.precision.master_dtype, self.device, module=self.module, unit_of=unit_of,
+                                unit_names=self.unit_plan.names, owners=list(self.optimizers),
+                                whole_params=whole_params)
+
+    # ------------------------------------------------------------------ forward and backward
+    def forward_context(self) -> AbstractContextManager:
+        """Autocast for the mixed precisions (the Trainer and Fabric enter it for you)."""
+        return self.precision.forward_context(self.device.type)
+
+    def begin_step(self) -> None:
+        """Stage 3: gather the root unit (the module's own and shared parameters) for the step; the module's forward
+        does it too, so only code that reads those parameters before any forward needs to call it."""
+        if self.runtime is not None:
+            self.runtime.gather(ROOT)
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` (scaled under ``16-mixed``), then :meth:`finish_backward`."""
+        self.precision.scale_loss(loss).backward(*args, **kwargs)
+        self.finish_backward()
+
+    def finish_backward(self, include_root: bool = True) -> None:
+        """After one backward: stages 2 and 3 launch the partly filled buckets and wait for them; stage 3 frees the
+        units still gathered (with ``include_root`` the root too: a step that runs more forwards before its
+        ``optimizer.step``, as manual optimization may, passes ``False`` and calls :meth:`end_step`)."""
+        for sharded in self.optimizers:
+            sharded.finish_backward()
+        if self.runtime is not None:
+            self.runtime.end_backward(include_root=include_root)
+
+    def end_step(self) -> None:
+        """Stage 3: free everything gathered, the root too (after an evaluation or manual-optimization step)."""
+        if self.runtime is not None:
+            self.runtime.end_step()
+
+    # ------------------------------------------------------------------ the optimizer step
+    def sharded(self, optimizer: Optional[Optimizer] = None) -> ShardedOptimizer:
+        """The shards of ``optimizer`` (the only one when ``None``)."""
+        if optimizer is None:
+            if len(self.optimizers) != 1:
+                raise ValueError(f"This engine has {len(self.optimizers)} optimizers: name the one to step, clip or "
+                                 "zero (`engine.step(optimizer)`).")
+            return self.optimizers[0]
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's and Fabric's wrappers
+        for sharded in self.optimizers:
+            if sharded.optimizer is optimizer:
+                return sharded
+        raise ValueError(f"{type(optimizer).__name__} was not set up by this ZeRO engine: pass the optimizers to "
+                         "`ZeroEngine(module, [optimizer, ...])` (the Trainer: return them from `configure_optimizers`;"
+                         " Fabric: `fabric.setup(model, optimizer)`).")
+
+    def prepare(self, optimizer: Optional[Optimizer] = None) -> bool:
+        """Step 1 of [Note: the order of one optimizer step]; returns whether the ``16-mixed`` loss scaler found an
+        overflow (the step is then skipped on every rank). Idempotent until the step or ``zero_grad``."""
+        scaler = self.precision.scaler
+        sharded = self.sharded(optimizer)
+        unscale = (lambda grads: scaler.unscale_and_check(grads, self.device)) if scaler is not None else None
+        return sharded.prepare_step(unscale)
+
+    def clip_grad_norm(self, max_norm: float, optimizer: Optional[Optimizer] = None, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False) -> Tensor:
+        """Clip ``optimizer``'s gradients (all shards together) to a global ``norm_type``-norm of ``max_norm``;
+        returns the norm before clipping. A non-finite norm raises with ``error_if_nonfinite``, unless the loss
+        scaler found an overflow (that step is skipped anyway)."""
+        overflow = self.prepare(optimizer)
+        total = clip_grad_norm(self.sharded(optimizer).grads(), max_norm, self.device, norm_type)
+        if error_if_nonfinite and not overflow and not torch.isfinite(total).all():
+            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
+                               " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
+        return total
+
+    def clip_grad_value(self, clip_val: float, optimizer: Optional[Optimizer] = None) -> None:
+        """Clamp ``optimizer``'s gradients into ``[-clip_val, clip_val]``."""
+        self.prepare(optimizer)
+        clip_grad_value(self.sharded(optimizer).grads(), clip_val)
+
+    def step(self, optimizer: Optional[Optimizer] = None, *, clip_grad_norm: Optional[float] = None,
+             clip_grad_value: Optional[float] = None, before_step: Optional[Callable[[], Any]] = None,
+             zero_grad: bool = True, **step_kwargs: Any) -> Any:
+        """One optimizer step in [Note: the order of one optimizer step]; ``optimizer`` ``None``: every optimizer
+        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped)."""
+        targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
+        output = None
+        for sharded in targets:
+            overflow = self.prepare(sharded.optimizer)
+            if before_step is not None:
+                before_step()
+            if clip_grad_norm is not None:
+                self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
+            if clip_grad_value is not None:
+                self.clip_grad_value(clip_grad_value, sharded.optimizer)
+            if not overflow:
+                output = sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+            if self.precision.scaler is not None:
+                self.precision.scaler.update(overflow)
+            sharded.after_step(stepped=not overflow)
+            if self.runtime is not None:
+                self.runtime.refresh()
+            if zero_grad:
+                sharded.optimizer.zero_grad()
+        return output
+
+    def zero_grad(self, optimizer: Optional[Optimizer] = None) -> None:
+        """Drop the gradients of ``optimizer`` (every optimizer when ``None``), as ``optimizer.zero_grad()`` does."""
+        for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
+            sharded.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ reports and teardown
+    def summary(self, world_size: Optional[int] = None) -> str:
+        """One line: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
+        n = world_size if world_size is not None else collectives.world_size()
+        psi = sum(p.numel() for sharded in self.optimizers for p in sharded.params)
+        mode = self.precision.precision
+        zero = expected_model_state_bytes(psi, n, self.config.stage, mode)
+        ddp = expected_model_state_bytes(psi, n, 0, mode)
+        if not ddp:
+            return "no trainable parameters"
+        where = ""
+        moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
+        if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
+            zero, host = expected_offload_bytes(psi, n, self.config.stage, mode, self.config.offload_optimizer,
+                                                self.config.offload_params)
+            where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
+        return (f"ZeRO stage {self.config.stage} on {n} rank{'s' if n != 1 else ''}, precision {mode}: {psi:,} "
+                f"trainable parameters; model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, "
+                f"{zero / ddp:.0%} of it)")
+
+    def teardown(self, gather: bool = True) -> None:
+        """Remove every hook and, with ``gather`` (a collective), give the parameters their full fp32 values back.
+
+        [Note: teardown after an exception]
+        A normal teardown gathers the full weights back into the module, which takes every rank. After an exception
+        or Ctrl-C the ranks stopped at different points (a peer may be gone), so a collective would be matched
+        against a different one or hang: teardown then only removes the hooks, and stage 3's parameters become empty
+        tensors (their gathered storage is gone). The last checkpoint is the state to resume or load from. The
+        optimizers' shards stay reachable (a checkpoint can still be saved after ``fit`` returns).
+        """
+        if self.torn_down:
+            return
+        self.torn_down = True
+        if self.runtime is not None:
+            if gather:
+                self.runtime.release_all(include_root=True)
+            self.runtime.remove()
+            self.runtime = None
+        if self._root_hook is not None:
+            self._root_hook.remove()
+            self._root_hook = None
+        if self.activations is not None:
+            self.activations.remove()
+        for sharded in self.optimizers:
+            sharded.uninstall(gather)
+        if not gather:
+            drop_meta(self.module, self.device)
+        pretrained.detach(self.module)
+
+
+@contextmanager
+def sharded_construction(device: torch.device) -> Iterator[Recording]:
+    """Build a model for stage 3 without holding it whole: inside, modules are made on the meta device and their
+    construction recorded; pass the recording to :class:`ZeroEngine` (``recording=``), which replays it one unit at
+    a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup."""
+    with record_construction(device) as recording, pretrained.deferring():
+        yield recording
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

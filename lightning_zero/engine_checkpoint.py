@@ -1,0 +1,124 @@
+"""A :class:`~lightning_zero.engine.ZeroEngine`'s states to and from checkpoints, without Lightning.
+
+[Note: one checkpoint format for every way in]
+The Trainer's checkpoint hooks, Fabric's ``save``/``load`` and a plain loop all write Lightning's checkpoint dict:
+the model's entries under ``state_dict``, each optimizer's under ``optimizer_states`` (in the engine's order, which
+is the order the optimizers were given to it), everything else as objects. ``"sharded"`` writes it as a directory
+(``checkpoint_state.py``: every rank its pieces), ``"full"`` as one file on rank 0 in ``ddp``'s form. The metadata
+records which API wrote it (``writer``), so that a checkpoint written by one resumes under another at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_zero import collectives
+from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
+from lightning_zero.checkpoint_state import (
+    check_optimizer_count,
+    copy_full_state,
+    load_model_from_dir,
+    load_optimizers_from_dir,
+    split_checkpoint,
+)
+from lightning_zero.shards import model_shards, optimizer_shards, param_groups
+from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state
+from lightning_zero.state_dict import optimizer_state as full_optimizer_state
+
+if TYPE_CHECKING:
+    from lightning_zero.engine import ZeroEngine
+
+Writer = Literal["trainer", "fabric", "engine"]
+#: Keys of a checkpoint dict that belong to the format, not to the user's own entries.
+INTERNAL_KEYS = (KEY, "state_dict", "optimizer_states")
+
+
+def model_state(engine: "ZeroEngine") -> dict[str, Any]:
+    """``"sharded"``: this rank's pieces (``Shard``) of every entry; ``"full"``: full weights in the master precision
+    (fp32 under mixed precision) on rank 0 (a collective)."""
+    if engine.config.state_dict_type == "full":
+        return full_model_state_dict(engine.module, engine.optimizers)
+    return model_shards(engine.module, engine.optimizers, full_copies=collectives.rank() == 0)
+
+
+def optimizer_state(engine: "ZeroEngine", optimizer: Optimizer) -> dict[str, Any]:
+    """``"sharded"``: this rank's pieces; ``"full"``: gathered to rank 0 in the per-parameter form DDP uses."""
+    sharded = engine.sharded(optimizer)
+    if engine.config.state_dict_type == "full":
+        state = full_optimizer_state(sharded)
+        return state if collectives.rank() == 0 else {}
+    return {"state": optimizer_shards(sharded), "param_groups": param_groups(sharded)}
+
+
+def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: Writer) -> None:
+    """Write ``checkpoint`` (``state_dict`` from :func:`model_state`, ``optimizer_states`` from
+    :func:`optimizer_state`, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
+    one file (rank 0); either appears complete or not at all."""
+    if engine.config.state_dict_type == "full":
+        if collectives.rank() == 0:
+            save_file(checkpoint, Path(path))
+        return
+    info = {"stage": engine.config.stage, "world_size": collectives.world_size(),
+            "precision": engine.precision.precision, "writer": writer,
+            "num_parameters": sum(p.numel() for p in engine.module.parameters())}
+    objects, shards, meta = split_checkpoint(checkpoint, engine.optimizers, info)
+    save_sharded(Path(path), objects, shards, meta)
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A directory gives its ``meta.pt`` once every file was checked (by all ranks together; the tensors are read
+    later, straight into the shards); a file is read whole."""
+    path = Path(path)
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=False)
+    meta = read_meta(path)
+    check_files(path, meta, collective=True)
+    meta[KEY]["path"] = str(path)
+    return meta
+
+
+def is_directory(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether ``checkpoint`` is the metadata of a sharded directory (its tensors still to be read)."""
+    return KEY in checkpoint and "path" in checkpoint[KEY] and "state_dict" not in checkpoint
+
+
+def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    """Load the model part of ``checkpoint`` (from :func:`read`) into this rank's shards, then refresh the working
+    parameters (and the gathered units of stage 3)."""
+    for sharded in engine.optimizers:  # a host master may be the host parameter shard an upload still reads
+        if sharded.sharded is not None:
+            sharded.sharded.settle()
+    dest = model_shards(engine.module, engine.optimizers, full_copies=True)
+    if is_directory(checkpoint):
+        load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True)
+    else:
+        state_dict = checkpoint["state_dict"] if "state_dict" in checkpoint else checkpoint
+        copy_full_state(state_dict, dest, strict, source="the checkpoint file")
+    for sharded in engine.optimizers:
+        sharded.refresh_working()
+    if engine.runtime is not None:
+        engine.runtime.refresh()
+
+
+def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None:
+    """Load every optimizer's state of ``checkpoint`` into the engine's optimizers (the same number, in order)."""
+    states = checkpoint.get("optimizer_states")
+    if not states:
+        return
+    if is_directory(checkpoint):
+        load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), engine.optimizers, collective=True)
+        return
+    check_optimizer_count(len(states), engine.optimizers, "file")
+    for sharded, state in zip(engine.optimizers, states):
+        load_optimizer_state(sharded, state)
+
+
+def load_one_optimizer(engine: "ZeroEngine", optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a single optimizer's full state dict (``optimizer.state_dict()`` of an unsharded run)."""
+    load_optimizer_state(engine.sharded(optimizer), dict(state))
+

@@ -1,0 +1,445 @@
+"""``ZeroFabricStrategy``: ZeRO under Lightning Fabric (``Fabric(strategy="zero1" | "zero2" | "zero3")``).
+
+A thin adapter over :class:`~lightning_zero.engine.ZeroEngine`: ``fabric.setup`` makes the engine,
+``fabric.backward`` and ``optimizer.step()`` are the engine's, ``fabric.save`` / ``fabric.load`` write and read the
+Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``engine_checkpoint.py``), and
+``fabric.init_module()`` under zero3 builds the model sharded, as the Trainer's ``configure_model`` does.
+
+[Note: the Fabric state dict in the Trainer's format]
+``fabric.save(path, {"model": model, "optimizer": opt, "step": 7})`` writes the module under ``state_dict`` and the
+optimizers under ``optimizer_states`` in the engine's order; every other entry is stored as itself (objects with a
+``state_dict`` as their state dict), and the names of the module and optimizer entries are recorded, so that
+``fabric.load`` puts each back under its name. A Trainer checkpoint loads the same way (its ``epoch``,
+``global_step``, ``loops``... come back as the remainder), and a Fabric checkpoint resumes under the Trainer.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero import collectives, engine_checkpoint
+from lightning_zero.amp import LossScaler, PrecisionInput, PrecisionMode
+from lightning_zero.config import ZeroConfig, process_group_timeout
+from lightning_zero.construction import Recording
+from lightning_zero.consolidate import load_full_checkpoint
+from lightning_zero.engine import ZeroEngine, sharded_construction
+from lightning_zero.host_memory import release_freed_memory
+from lightning_zero.materialize import move_materialized
+from lightning_zero.stages import policy_for
+from lightning_zero.strategy_checkpoints import STORAGE_OPTIONS_ERROR
+
+#: Where ``fabric.save`` records the names of the module and optimizer entries (see the note above).
+FABRIC_NAMES = "fabric_names"
+#: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
+PRECISION_KEY = "ZeroPrecision"
+
+
+class ZeroFabricPrecision(Precision):
+    """Fabric's precision plugin for :class:`ZeroFabricStrategy` (the numerics are :class:`PrecisionMode`'s).
+
+    Inputs and outputs are cast as Fabric's own ``MixedPrecision`` / ``HalfPrecision`` cast them.
+    """
+
+    def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
+                 loss_scaler: Optional[LossScaler] = None) -> None:
+        self.mode = PrecisionMode(precision, loss_scaler)
+        self.precision = self.mode.precision  # type: ignore[assignment]
+        self.device_type = device_type
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        return self.mode.convert_module(module)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _DtypeContextManager(self.mode.working_dtype) if self.precision == "bf16-true" else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return self.mode.forward_context(self.device_type)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision == "32-true":
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.mode.working_dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        if self.precision == "32-true":
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.mode.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.mode.load_state_dict(state_dict)
+
+
+def to_fabric_precision(plugin: Precision, device_type: str) -> ZeroFabricPrecision:
+    """Fabric builds its own plugin from ``Fabric(precision=...)``; translate it to ours, or refuse it."""
+    if isinstance(plugin, ZeroFabricPrecision):
+        return plugin
+    if isinstance(plugin, (MixedPrecision, HalfPrecision)) or type(plugin) is Precision:
+        return ZeroFabricPrecision(getattr(plugin, "precision", "32-true"), device_type=device_type)
+    raise ValueError(
+        f"ZeroFabricStrategy does not support the precision plugin {type(plugin).__name__} "
+        f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision='32-true', 'bf16-mixed', '16-mixed' or "
+        "'bf16-true'."
+    )
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: nothing to skip. Stage 1 reduces at the optimizer step anyway; stages 2 and 3
+    reduce each backward into the gradient shard, which is what keeps a rank's gradients at 1/N (skipping it would
+    keep full gradients, the memory ZeRO removes). The gradients are the same either way."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
+
+
+class ZeroFabricStrategy(ParallelStrategy, _Sharded):
+    """ZeRO under Lightning Fabric: ``Fabric(strategy="zero2")``, or ``Fabric(strategy=ZeroFabricStrategy(...))``.
+
+    Args:
+        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
+        timeout: the process group's timeout, in seconds or as a ``timedelta``.
+        start_method: ``"popen"`` (Fabric's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
+        **options: every other option of :class:`~lightning_zero.ZeroConfig` (``reduce_bucket_size``,
+            ``offload_optimizer``, ``state_dict_type``, ...), the same as ``ZeroStrategy``'s.
+    """
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
+    ) -> None:
+        self.config = ZeroConfig(stage=stage, **options)
+        self.policy = policy_for(stage)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = process_group_timeout(timeout)
+        self._start_method = start_method
+        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self.engine: Optional[ZeroEngine] = None
+        self._recording: Optional[Recording] = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    @override
+    def precision(self) -> ZeroFabricPrecision:
+        if self._precision is None:
+            self._precision = ZeroFabricPrecision("32-true")
+        return self._precision  # type: ignore[return-value]
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._precision = None if precision is None else to_fabric_precision(precision, device_type)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.root_device.type == "cpu":
+            release_freed_memory(self.config.host_mmap_threshold)
+        reset_seed()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.precision.device_type = self.root_device.type
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        self._make_engine(module, optimizers)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        self._make_engine(module, [])
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.engine is None:
+            raise RuntimeError("Set up the model first: `model = fabric.setup_module(model)`, then create the "
+                               "optimizer from its parameters and call `fabric.setup_optimizers(optimizer)`.")
+        self.engine.add_optimizers([optimizer])
+        return optimizer
+
+    def _make_engine(self, module: Module, optimizers: list[Optimizer]) -> None:
+        if self.engine is not None:
+            raise RuntimeError("ZeroFabricStrategy sets up one model: call `fabric.setup` (or `setup_module`) once, "
+                               "with every optimizer of the model.")
+        self.engine = ZeroEngine(module, optimizers, precision=self.precision.mode, device=self.root_device,
+                                 config=self.config, recording=self._recording)
+        self._recording = None
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        if self.policy.shards_params:
+            move_materialized(module, self.root_device)  # the rest is built unit by unit at setup
+        else:
+            module.to(self.root_device)
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """Under zero3 the model is built on the meta device and its construction recorded; setup replays it one unit
+        at a time, so no rank holds it whole and the values are those of eager construction (``empty_init`` does not
+        change them). Stages 1 and 2 build on the device, as ``ddp``."""
+        if not self.policy.shards_params:
+            return super().module_init_context(empty_init)
+        return self._recorded_construction()
+
+    @contextmanager
+    def _recorded_construction(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.precision.module_init_context())
+            recording = stack.enter_context(sharded_construction(self.root_device))
+            yield
+        self._recording = recording
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return self.module_init_context()
+
+    # ------------------------------------------------------------------ the step
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        self._engine().backward(tensor, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The engine's step (reduce, unscale, step, gather); a ``closure`` runs first, as ``optimizer.step`` would."""
+        closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        output = self._engine().step(optimizer, zero_grad=False, **kwargs)
+        return loss if closure is not None else output
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        return self._engine().clip_grad_norm(float(max_norm), optimizer, float(norm_type), error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self._engine().clip_grad_value(float(clip_val), optimizer)
+
+    def _engine(self) -> ZeroEngine:
+        if self.engine is None:
+            raise RuntimeError("Set up the model with `fabric.setup(model, optimizer)` first.")
+        return self.engine
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
+                   reduce_op: Optional[Union[Any, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        collectives.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return collectives.broadcast_object(obj, src)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """See [Note: the Fabric state dict in the Trainer's format]."""
+        if storage_options is not None:
+            raise TypeError(STORAGE_OPTIONS_ERROR)
+        if filter:
+            raise ValueError("ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
+                             "any world size and stage): remove `filter=` from `fabric.save`.")
+        engine = self._engine()
+        checkpoint: dict[str, Any] = {}
+        names: dict[str, Any] = {"model": None, "optimizers": {}}
+        states: dict[int, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                self._check_module(obj)
+                checkpoint["state_dict"] = engine_checkpoint.model_state(engine)
+                names["model"] = key
+            elif isinstance(obj, Optimizer):
+                index = engine.optimizers.index(engine.sharded(obj))
+                states[index] = engine_checkpoint.optimizer_state(engine, obj)
+                names["optimizers"][key] = index
+            else:
+                checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        if states:
+            if sorted(states) != list(range(len(engine.optimizers))):
+                raise ValueError(f"`fabric.save` got {len(states)} of the model's {len(engine.optimizers)} optimizers:"
+                                 " save all of them (or none), so that the checkpoint resumes.")
+            checkpoint["optimizer_states"] = [states[k] for k in range(len(states))]
+        if "state_dict" not in checkpoint:
+            raise ValueError("`fabric.save` under ZeroFabricStrategy needs the model in the state: "
+                             "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
+        checkpoint[PRECISION_KEY] = self.precision.state_dict()
+        checkpoint[FABRIC_NAMES] = names
+        engine_checkpoint.save(engine, checkpoint, Path(path), writer="fabric")
+
+    @override
+    def load_checkpoint(self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restore ``state`` in place from a checkpoint of any writer (Fabric, Trainer, full file); the rest of the
+        checkpoint is returned. A bare module or optimizer (``fabric.load_raw``) takes a raw state dict file too."""
+        path = Path(path)
+        if not state:
+            return load_full_checkpoint(path) if path.is_dir() else torch.load(path, map_location="cpu",
+                                                                                weights_only=bool(weights_only))
+        engine = self._engine()
+        checkpoint = engine_checkpoint.read(path)
+        if isinstance(state, Module):
+            self._check_module(state)
+            engine_checkpoint.load_model(engine, checkpoint, strict)
+            return {}
+        if isinstance(state, Optimizer):
+            engine_checkpoint.load_one_optimizer(engine, state, checkpoint)
+            return {}
+        return self._restore(engine, checkpoint, state, strict)
+
+    def _restore(self, engine: ZeroEngine, checkpoint: dict[str, Any], state: dict[str, Any],
+                 strict: bool) -> dict[str, Any]:
+        names = checkpoint.get(FABRIC_NAMES, {"model": None, "optimizers": {}})
+        modules = [key for key, obj in state.items() if isinstance(obj, Module)]
+        optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
+        if optimizers and len(optimizers) != len(engine.optimizers):
+            raise ValueError(f"`fabric.load` got {len(optimizers)} of the model's {len(engine.optimizers)} "
+                             "optimizers: pass all of them (or none).")
+        others = [key for key in state if key not in modules and key not in optimizers]
+        missing = [key for key in others if key not in checkpoint]
+        if strict and missing:
+            raise KeyError(f"The requested state contains keys that are not present in the checkpoint: {missing}. "
+                           "Pass `strict=False` to load what is there.")
+        for key in modules:
+            self._check_module(state[key])
+            engine_checkpoint.load_model(engine, checkpoint, strict)
+        if optimizers:
+            engine_checkpoint.load_optimizers(engine, checkpoint)
+        self.precision.load_state_dict(checkpoint.get(PRECISION_KEY, {}))
+        for key in others:
+            if key in checkpoint:
+                obj = state[key]
+                if isinstance(obj, _Stateful):
+                    obj.load_state_dict(checkpoint[key])
+                else:
+                    state[key] = checkpoint[key]
+        used = set(engine_checkpoint.INTERNAL_KEYS) | set(others) | {FABRIC_NAMES, PRECISION_KEY}
+        return {key: value for key, value in checkpoint.items()
+                if key not in used and key not in (names["model"], *names["optimizers"])}
+
+    def _check_module(self, module: Module) -> None:
+        if module is not self._engine().module:
+            raise ValueError("ZeroFabricStrategy saves and loads the model it set up: pass the module returned by "
+                             "`fabric.setup`.")
+
+    # ------------------------------------------------------------------ teardown and registration
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.teardown(gather=True)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (1, 2, 3):
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                strategy_registry.register(
+                    f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
+                    override=True, stage=stage, start_method=start_method,
+                )
