@@ -87,12 +87,18 @@ class ZeroConfig:
     offload_params: bool = False
     """Stage 3 only: each rank's working parameter shard lives in (pinned) host memory and units are uploaded as they
     are gathered (see [Note: offloaded parameter shards] in ``params.py``)."""
+    shard_group_size: Optional[int] = None
+    """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
+    [Note: hybrid sharding and its traffic] in ``collectives.py``). ``None``: the devices of one node when
+    ``num_nodes > 1``, else the whole world. Must divide the world size."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
+        if self.shard_group_size is not None:
+            _check_positive_int("shard_group_size", self.shard_group_size, "ranks")
         for name in ("overlap_comm", "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
@@ -167,6 +173,19 @@ def process_group_timeout(value: object) -> Optional[timedelta]:
         raise ValueError(f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
                          f" got {value!r}. Leave it out for the default of 30 minutes.")
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
+                             num_nodes: int) -> int:
+    """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
+    the whole world. Raises a ``ValueError`` if it does not divide ``world_size``."""
+    k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
+    if k < 1 or world_size % k:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
+                         f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
+                         f"{divisors} (e.g. the devices per node), or leave it out.")
+    return k
 
 
 def _check_stage(stage: object) -> None:

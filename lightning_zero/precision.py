@@ -177,7 +177,7 @@ class ZeroPrecision(Precision):
             for g in grads:
                 g.clamp_(-clip_val, clip_val)
         elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            clip_grad_norm(grads, clip_val, engine.device)
+            clip_grad_norm(grads, clip_val, engine.device, engine.group)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -189,21 +189,27 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None) -> Tensor:
+def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None, group: Optional[Any] = None,
+                     ) -> Tensor:
     """The 2-norm of all gradients of all ranks (each rank passes its shard); identical on every rank.
 
     ``device``: where the all-reduce runs (the collectives' device), when the gradients are elsewhere (offload).
+    ``group``: the shard group (``None``: the world). [Note: the norm over the shard group] Under hybrid sharding
+    every shard group holds all gradients once and its replicas hold the same again, so the squares are summed over
+    the shard group only: summed over the world, each would count N/k times.
     """
     at = grads[0].device if grads else (device or torch.device("cpu"))
     local = torch.zeros(1, dtype=torch.float32, device=at)
     for g in grads:
         local += g.detach().float().pow(2).sum()
-    return collectives.all_reduce(local.to(device or at)).sqrt()
+    return collectives.all_reduce(local.to(device or at), group=group).sqrt()
 
 
-def clip_grad_norm(grads: list[Tensor], max_norm: float, device: Optional[torch.device] = None) -> Tensor:
-    """Scale ``grads`` in place so that their global norm is at most ``max_norm`` (``clip_grad_norm_``'s rule)."""
-    total = global_grad_norm(grads, device)
+def clip_grad_norm(grads: list[Tensor], max_norm: float, device: Optional[torch.device] = None,
+                   group: Optional[Any] = None) -> Tensor:
+    """Scale ``grads`` in place so that their global norm is at most ``max_norm`` (``clip_grad_norm_``'s rule);
+    ``group``: the shard group the grads are sharded over (see :func:`global_grad_norm`)."""
+    total = global_grad_norm(grads, device, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))

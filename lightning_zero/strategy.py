@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_zero import collectives, pretrained
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.config import ZeroConfig, process_group_timeout
+from lightning_zero.config import ZeroConfig, process_group_timeout, resolve_shard_group_size
 from lightning_zero.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
@@ -88,6 +88,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             (pinned on CUDA); gradient shards go to the host after their reduction, updates come back to the device.
         offload_params: stage 3 only: the parameter shards live in (pinned) host memory and each unit is uploaded
             as it is gathered (in prefetch order); the device holds only the units in flight.
+        shard_group_size: hybrid sharding (HSDP, MiCS): shard over groups of this many ranks and replicate across
+            the groups, so that only one all-reduce of the gradient shard crosses nodes. Default: the devices of
+            one node when ``num_nodes > 1``, else all ranks. Must divide the world size.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -114,6 +117,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         contiguous_checkpoints: bool = False,
         offload_optimizer: bool = False,
         offload_params: bool = False,
+        shard_group_size: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -132,7 +136,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
                                  activation_offload=activation_offload,
                                  activation_partition_group=activation_partition_group,
                                  contiguous_checkpoints=contiguous_checkpoints, offload_optimizer=offload_optimizer,
-                                 offload_params=offload_params)
+                                 offload_params=offload_params, shard_group_size=shard_group_size)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -149,6 +153,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._unit_plan = UnitPlan()
         self._recording: Optional[Recording] = None
         self._ranks_in_step = True
+        self.shard_groups = collectives.ShardGroups()
+        """The process groups the engines shard over and replicate across (made in :meth:`setup_environment`)."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -200,10 +206,18 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
+    @property
+    def shard_group_size(self) -> int:
+        """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
+        per_node = max(1, self.num_processes)
+        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
+                                        self.num_nodes)
+
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.shard_group_size  # a bad `shard_group_size` fails before any process starts
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -222,6 +236,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""
@@ -276,15 +291,18 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         """One line for the start of fit: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
         psi = sum(p.numel() for engine in self.engines for p in engine.params)
         precision = self.precision_plugin.precision
-        zero = expected_model_state_bytes(psi, self.world_size, self.config.stage, precision)
+        zero = expected_model_state_bytes(psi, self.shard_group_size, self.config.stage, precision)
         ddp = expected_model_state_bytes(psi, self.world_size, 0, precision)
         where = ""
         moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
         if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
-            zero, host = expected_offload_bytes(psi, self.world_size, self.config.stage, precision,
+            zero, host = expected_offload_bytes(psi, self.shard_group_size, self.config.stage, precision,
                                                 self.config.offload_optimizer, self.config.offload_params)
             where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
-        return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
+        k = self.shard_group_size
+        hybrid = f" (sharded over groups of {k}, replicated {self.world_size // k}x)" if k != self.world_size else ""
+        return (f"ZeRO stage {self.config.stage} on {self.world_size} rank{'s' if self.world_size != 1 else ''}"
+                f"{hybrid}, "
                 f"precision {precision}: {psi:,} trainable parameters; model states {human_bytes(zero)}{where} per "
                 f"rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)" if ddp else "no trainable parameters")
 
@@ -299,7 +317,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         unit_of = self._unit_plan.unit if self.policy.shards_params else None
         return ShardedOptimizer(optimizer, self.policy, self.config, precision.working_dtype, precision.master_dtype,
                                 self.root_device, module=self.lightning_module, unit_of=unit_of,
-                                unit_names=self._unit_plan.names, owners=list(self.engines), whole_params=whole_params)
+                                unit_names=self._unit_plan.names, owners=list(self.engines), whole_params=whole_params,
+                                groups=self.shard_groups)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:

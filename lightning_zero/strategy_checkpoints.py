@@ -32,7 +32,7 @@ from lightning_zero.state_dict import full_model_state_dict, load_optimizer_stat
 class CheckpointHooks:
     """Sharded (a directory, every rank writes its pieces) or full (one file on rank 0) checkpoints for ZeroStrategy.
 
-    Uses the strategy's ``config``, ``engines``, ``runtime`` and Lightning's strategy attributes.
+    Uses the strategy's ``config``, ``engines``, ``runtime``, ``shard_groups`` and Lightning's strategy attributes.
     """
 
     @property
@@ -80,6 +80,11 @@ class CheckpointHooks:
                 "precision": self.precision_plugin.precision,
                 "num_parameters": sum(p.numel() for p in self.model.parameters()) if self.model is not None else 0}
         objects, shards, meta = split_checkpoint(checkpoint, self.engines, info)
+        if not self.shard_groups.first_replica:
+            # [Note: one replica writes] Under hybrid sharding the replicas of a shard group hold the same pieces;
+            # those of the first shard group (which holds rank 0, the writer of whole tensors) are written, the
+            # others write none. The directory is the one a plain run writes: any layout loads it.
+            shards = {}
         save_sharded(Path(filepath), objects, shards, meta)
 
     @override
