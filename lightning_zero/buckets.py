@@ -263,7 +263,7 @@ class GradientReducer:
         if self.groups.replicate is not None:  # hybrid sharding: sum the N/k replicas' chunks
             collectives.all_reduce(reduced, group=self.groups.replicate)
         if accumulate:
-            self._shard_slice(bucket).add_(slot.output(bucket, self.layout.world_size))
+            self._shard_slice(bucket).add_(reduced)
         self._free.append(slot)
         self._reduced(bucket)
 

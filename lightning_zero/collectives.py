@@ -297,20 +297,20 @@ class ShardGroups:
         return self.replicate is None or rank(self.replicate) == 0
 
 
-_HYBRID: dict[tuple[int, int], ShardGroups] = {}
+_HYBRID: dict[tuple[int, int, int], ShardGroups] = {}
 
 
 def make_shard_groups(shard_group_size: int) -> ShardGroups:
     """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks.
 
     Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
-    requires; made once per process and world size (a second ``fit`` reuses them). A group size equal to the world
-    size is plain ZeRO and makes no group.
+    requires; made once per default process group and size (a second ``fit`` reuses them). A group size equal to
+    the world size is plain ZeRO and makes no group.
     """
     world = world_size()
     if shard_group_size == world:
         return ShardGroups()
-    key = (world, shard_group_size)
+    key = (id(dist.group.WORLD), world, shard_group_size)
     if key not in _HYBRID:
         shard_lists, replica_lists = hybrid_rank_lists(world, shard_group_size)
         shard, replicate = new_group(shard_lists), new_group(replica_lists)
