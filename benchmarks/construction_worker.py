@@ -56,7 +56,7 @@ class Probe(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
         engines = strategy.engines
-        plan = strategy._unit_plan
+        plan = strategy.engine.unit_plan
         unit_bytes: dict[int, int] = {}
         for p in {id(p): p for e in engines for p in e.params}.values():
             unit_bytes[plan.unit(p)] = unit_bytes.get(plan.unit(p), 0) + p.numel() * 4

@@ -19,7 +19,11 @@ way in (one pass, ``torch.div(..., out=)``), and only what no gradient wrote, th
 parameters that got no gradient this round, is zeroed at launch. The values are those of "zero, copy, divide".
 
 [Note: averaging and accumulation]
-Each bucket is divided by the world size before the reduce-scatter, so the sum is DDP's mean gradient. The first
+Each bucket is divided by the world size before the reduce-scatter, so the sum is DDP's mean gradient. Under hybrid
+sharding the divisor is the whole job's N (not the shard group's k), the reduce-scatter runs inside the shard group,
+and each reduced chunk is then all-reduced (summed) across the replica group as soon as it is waited for, before it
+is added to the shard: so every replica holds the same N-rank mean, and an accumulated shard is never all-reduced
+twice (see [Note: hybrid sharding and its traffic] in ``collectives.py``). The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
 accumulation) land in a side buffer and are added, so the shard accumulates exactly as ``.grad`` does under DDP.
 """
@@ -65,7 +69,7 @@ class GradientReducer:
         device: torch.device,
         max_buffers: int,
         overlap: bool,
-        group: Optional[Any] = None,
+        groups: Optional[collectives.ShardGroups] = None,
         unit_names: Sequence[str] = (),
     ) -> None:
         self.layout = layout
@@ -76,7 +80,9 @@ class GradientReducer:
         self.device = device
         self.max_buffers = max_buffers
         self.overlap = overlap
-        self.group = group
+        self.groups = groups if groups is not None else collectives.ShardGroups()
+        self.group = self.groups.shard
+        self._divisor = layout.world_size * self.groups.replicas  # N: see [Note: averaging and accumulation]
         self.grad_shard: Optional[torch.Tensor] = None
         self._written = [False] * len(layout.buckets)  # shard slice holds gradients since the last clear
         self._expected = [sum(length for _, _, length, _ in layout.bucket_pieces(b)) for b in layout.buckets]
@@ -108,7 +114,7 @@ class GradientReducer:
         self._pending = True
         for bucket, start, length, offset in self._param_parts[param_index]:
             view = self._slot_for(bucket).input(bucket, self.layout.world_size)
-            _scaled_copy(view[offset : offset + length], flat[start : start + length], self.layout.world_size)
+            _scaled_copy(view[offset : offset + length], flat[start : start + length], self._divisor)
             self._got[bucket.index].add(param_index)
             self._received[bucket.index] += length
             # launch before filling the next part: a parameter spanning many buckets needs no more buffers
@@ -253,8 +259,11 @@ class GradientReducer:
     def _finish_oldest(self) -> None:
         bucket, work, slot, accumulate = self._in_flight.popleft()
         collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index}{self._unit_label(bucket)}")
+        reduced = slot.output(bucket, self.layout.world_size) if accumulate else self._shard_slice(bucket)
+        if self.groups.replicate is not None:  # hybrid sharding: sum the N/k replicas' chunks
+            collectives.all_reduce(reduced, group=self.groups.replicate)
         if accumulate:
-            self._shard_slice(bucket).add_(slot.output(bucket, self.layout.world_size))
+            self._shard_slice(bucket).add_(reduced)
         self._free.append(slot)
         self._reduced(bucket)
 

@@ -23,6 +23,23 @@ all-gather, +3 MiB for an all-reduce of the same buffer), so stage 3 gathers a u
 temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the unit's.
 Bucket reduce-scatters and the after-step gathers are issued in a fixed order by every rank. NCCL keeps its native collectives, and
 ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
+
+[Note: hybrid sharding and its traffic]
+With ``shard_group_size=k`` (k divides N) the N ranks form N/k *shard groups* of k consecutive ranks (a node, by
+default) and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
+:func:`make_shard_groups`. Model states are sharded over the shard group exactly as over N ranks without hybrid
+sharding and are replicated across the replica group. Per step and per rank, with Ψ the (padded) parameter count,
+the counters count (logical payload, see [Note: what the counters count]):
+
+- inside the shard group (scope ``"shard"``): reduce-scatter Ψ, all-gather Ψ (stages 1-2: the updated params; stage 3:
+  twice, forward and backward), i.e. 2Ψ or 3Ψ as in the paper's table with k in place of N. A ring moves
+  (k-1)/k of each payload per rank: 2Ψ(k-1)/k or 3Ψ(k-1)/k elements on the wire.
+- across shard groups (scope ``"replicate"``): one all-reduce of each reduced bucket chunk, Ψ/k elements in all
+  (the gradient shard). A ring all-reduce moves 2(Ψ/k)(R-1)/R elements per rank.
+
+Only the second term crosses nodes when k is the node size. Collectives over the whole job (loss-scale overflow,
+signal agreement, checkpoints) count under ``"world"``. Without hybrid sharding the shard group *is* the world and
+everything counts under ``"world"``.
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.faults import fault_point
+from lightning_zero.layout import hybrid_rank_lists
 
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,22 +67,40 @@ class Traffic:
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"other"``) and kind: see [Note: hybrid
+    sharding and its traffic]. ``elements`` is their sum over scopes."""
 
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        """Count ``tensor`` as the payload of one ``kind`` collective."""
+    def add(self, kind: str, tensor: torch.Tensor, group: Optional[Any] = None) -> None:
+        """Count ``tensor`` as the payload of one ``kind`` collective over ``group`` (``None``: the world)."""
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.elements[kind] += tensor.numel()
         self.calls[kind] += 1
+        self.scopes[scope_of(group)][kind] += tensor.numel()
 
     def reset(self) -> None:
         """Start counting from zero."""
         self.bytes.clear()
         self.elements.clear()
         self.calls.clear()
+        self.scopes.clear()
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """A plain copy: ``{"bytes": {...}, "elements": {...}, "calls": {...}}``."""
-        return {"bytes": dict(self.bytes), "elements": dict(self.elements), "calls": dict(self.calls)}
+    def snapshot(self) -> dict[str, Any]:
+        """A plain copy: ``{"bytes": {...}, "elements": {...}, "calls": {...}, "scopes": {scope: {...}}}``."""
+        return {"bytes": dict(self.bytes), "elements": dict(self.elements), "calls": dict(self.calls),
+                "scopes": {scope: dict(kinds) for scope, kinds in self.scopes.items()}}
+
+
+#: The scope label of each process group made by :func:`make_shard_groups`, by ``id``.
+_SCOPES: dict[int, str] = {}
+
+
+def scope_of(group: Optional[Any]) -> str:
+    """The traffic scope of ``group``: ``"world"`` for the default group, ``"shard"`` / ``"replicate"`` for hybrid
+    sharding's groups, ``"other"`` for any other group (Pa's, for instance)."""
+    if group is None:
+        return "world"
+    return _SCOPES.get(id(group), "other")
 
 
 #: Counters of this process. Tests and benchmarks reset and read them around the steps they measure.
@@ -136,7 +172,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[An
         output.copy_(input)
         return _DoneWork()
     fault_point("collective.reduce_scatter")
-    TRAFFIC.add("reduce_scatter", input)
+    TRAFFIC.add("reduce_scatter", input, group)
     if not _via_all_reduce(group):
         work = _reduce_scatter_single(output, input, group=group, async_op=async_op)
         return work if async_op else _DoneWork()
@@ -158,7 +194,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DoneWork()
-    TRAFFIC.add("all_gather", output)
+    TRAFFIC.add("all_gather", output, group)
     if allow_all_reduce and _via_all_reduce(group):
         n, r = input.numel(), rank(group)
         mine = output[r * n : (r + 1) * n]
@@ -175,7 +211,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
 def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None) -> torch.Tensor:
     """In-place all-reduce (sum unless ``op`` says otherwise); returns ``tensor``."""
     if is_distributed(group):
-        TRAFFIC.add("all_reduce", tensor)
+        TRAFFIC.add("all_reduce", tensor, group)
         dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
     return tensor
 
@@ -183,7 +219,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional[Any] = None) -> torch.Tensor:
     """In-place broadcast from global rank ``src``; returns ``tensor``."""
     if is_distributed(group):
-        TRAFFIC.add("broadcast", tensor)
+        TRAFFIC.add("broadcast", tensor, group)
         dist.broadcast(tensor, src=src, group=group)
     return tensor
 
@@ -238,6 +274,49 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
         if me in ranks:
             mine = group
     return mine
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The process groups one engine talks over: see [Note: hybrid sharding and its traffic].
+
+    The default (``ShardGroups()``) is plain ZeRO: the whole world shards, nothing replicates.
+    """
+
+    shard: Optional[Any] = None
+    """The group model states are sharded over (reduce-scatter, all-gather, clipping norm); ``None``: the world."""
+    replicate: Optional[Any] = None
+    """The ranks holding the same shard (the gradient shards are all-reduced over it); ``None``: no replicas."""
+    replicas: int = 1
+    """R, the size of ``replicate``: the world size is ``replicas`` times the shard group's size."""
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank is the replica that writes its shard's pieces of a checkpoint (position 0 of
+        ``replicate``, i.e. in the first shard group)."""
+        return self.replicate is None or rank(self.replicate) == 0
+
+
+_HYBRID: dict[tuple[int, int, int], ShardGroups] = {}
+
+
+def make_shard_groups(shard_group_size: int) -> ShardGroups:
+    """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks.
+
+    Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
+    requires; made once per default process group and size (a second ``fit`` reuses them). A group size equal to
+    the world size is plain ZeRO and makes no group.
+    """
+    world = world_size()
+    if shard_group_size == world:
+        return ShardGroups()
+    key = (id(dist.group.WORLD), world, shard_group_size)
+    if key not in _HYBRID:
+        shard_lists, replica_lists = hybrid_rank_lists(world, shard_group_size)
+        shard, replicate = new_group(shard_lists), new_group(replica_lists)
+        _SCOPES[id(shard)], _SCOPES[id(replicate)] = "shard", "replicate"
+        _HYBRID[key] = ShardGroups(shard, replicate, world // shard_group_size)
+    return _HYBRID[key]
 
 
 _CONTROL_GROUP: Optional[Any] = None

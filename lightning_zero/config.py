@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from difflib import get_close_matches
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -87,12 +88,18 @@ class ZeroConfig:
     offload_params: bool = False
     """Stage 3 only: each rank's working parameter shard lives in (pinned) host memory and units are uploaded as they
     are gathered (see [Note: offloaded parameter shards] in ``params.py``)."""
+    shard_group_size: Optional[int] = None
+    """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
+    [Note: hybrid sharding and its traffic] in ``collectives.py``). ``None``: the devices of one node when
+    ``num_nodes > 1``, else the whole world. Must divide the world size."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
+        if self.shard_group_size is not None:
+            _check_positive_int("shard_group_size", self.shard_group_size, "ranks")
         for name in ("overlap_comm", "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
@@ -154,6 +161,18 @@ class ZeroConfig:
                           "`stage=3` (`strategy='zero3'`) for them, or leave them out.", UserWarning, stacklevel=3)
 
 
+def check_option_names(options: dict[str, Any]) -> None:
+    """Refuse options :class:`ZeroConfig` does not have, naming the ones it has (before the dataclass's bare error)."""
+    known = [f.name for f in fields(ZeroConfig)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        close = {name: get_close_matches(name, known, n=1) for name in unknown}
+        hints = "; ".join(f"`{name}`: did you mean `{match[0]}`?" for name, match in close.items() if match)
+        raise TypeError(f"Unknown ZeRO option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                        f"{' (' + hints + ')' if hints else ''}. The options are: {', '.join(known)} (see "
+                        "lightning_zero.ZeroConfig).")
+
+
 def process_group_timeout(value: object) -> Optional[timedelta]:
     """The ``timeout`` option as the :class:`~datetime.timedelta` ``torch.distributed`` wants: seconds (an int or a
     float, as a YAML file gives them) or a ``timedelta``; ``None`` keeps torch's default."""
@@ -167,6 +186,19 @@ def process_group_timeout(value: object) -> Optional[timedelta]:
         raise ValueError(f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
                          f" got {value!r}. Leave it out for the default of 30 minutes.")
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
+                             num_nodes: int) -> int:
+    """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
+    the whole world. Raises a ``ValueError`` if it does not divide ``world_size``."""
+    k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
+    if k < 1 or world_size % k:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
+                         f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
+                         f"{divisors} (e.g. the devices per node), or leave it out.")
+    return k
 
 
 def _check_stage(stage: object) -> None:

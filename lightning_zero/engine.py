@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from lightning_zero import collectives, pretrained
 from lightning_zero.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.amp import PrecisionMode, clip_grad_norm, clip_grad_value
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
 from lightning_zero.materialize import (
@@ -71,19 +71,27 @@ class ZeroEngine:
         config: the options as a :class:`~lightning_zero.ZeroConfig`, or give them as keyword arguments instead
             (``stage=3, offload_optimizer=True``, ...).
         recording: stage 3: the construction recorded by :func:`sharded_construction`, replayed unit by unit.
+        shard_groups: hybrid sharding: the groups to shard over and replicate across (default: made from
+            ``shard_group_size``, or plain ZeRO over every rank; see [Note: hybrid sharding and its traffic]).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = (), *,
                  precision: Union[str, PrecisionMode] = "32-true", device: Optional[torch.device] = None,
-                 config: Optional[ZeroConfig] = None, recording: Optional[Recording] = None, **options: Any) -> None:
+                 config: Optional[ZeroConfig] = None, recording: Optional[Recording] = None,
+                 shard_groups: Optional[collectives.ShardGroups] = None, **options: Any) -> None:
         if config is not None and options:
             raise TypeError(f"Give the options either as `config=ZeroConfig(...)` or as keyword arguments, not both "
                             f"(got config and {sorted(options)}).")
+        check_option_names(options)
         self.config = config if config is not None else ZeroConfig(**options)
         self.policy = policy_for(self.config.stage)
         self.precision = precision if isinstance(precision, PrecisionMode) else PrecisionMode(precision)
         self.device = device if device is not None else _default_device()
         self.module = self.precision.convert_module(module)
+        if shard_groups is None:
+            size = self.config.shard_group_size
+            shard_groups = collectives.make_shard_groups(size if size is not None else collectives.world_size())
+        self.shard_groups = shard_groups
         self.optimizers: list[ShardedOptimizer] = []
         """One :class:`ShardedOptimizer` per user optimizer, in their order (plus stage 3's evaluation holder)."""
         self.runtime: Optional[UnitRuntime] = None
@@ -177,7 +185,7 @@ class ZeroEngine:
         return ShardedOptimizer(optimizer, self.policy, self.config, self.precision.working_dtype,
                                 self.precision.master_dtype, self.device, module=self.module, unit_of=unit_of,
                                 unit_names=self.unit_plan.names, owners=list(self.optimizers),
-                                whole_params=whole_params)
+                                whole_params=whole_params, groups=self.shard_groups)
 
     # ------------------------------------------------------------------ forward and backward
     def forward_context(self) -> AbstractContextManager:
@@ -239,7 +247,9 @@ class ZeroEngine:
         returns the norm before clipping. A non-finite norm raises with ``error_if_nonfinite``, unless the loss
         scaler found an overflow (that step is skipped anyway)."""
         overflow = self.prepare(optimizer)
-        total = clip_grad_norm(self.sharded(optimizer).grads(), max_norm, self.device, norm_type)
+        # [Note: the norm over the shard group] under hybrid sharding the replicas hold the same shards again
+        total = clip_grad_norm(self.sharded(optimizer).grads(), max_norm, self.device, norm_type,
+                               self.shard_groups.shard)
         if error_if_nonfinite and not overflow and not torch.isfinite(total).all():
             raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
                                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
@@ -282,24 +292,27 @@ class ZeroEngine:
             sharded.optimizer.zero_grad()
 
     # ------------------------------------------------------------------ reports and teardown
-    def summary(self, world_size: Optional[int] = None) -> str:
-        """One line: what each rank holds, next to what DDP would hold (DESIGN.md's table)."""
-        n = world_size if world_size is not None else collectives.world_size()
+    def summary(self) -> str:
+        """One line: what each rank holds, next to what DDP would hold (DESIGN.md's table, with the shard group's
+        size k in place of N under hybrid sharding)."""
+        n = collectives.world_size()
+        k = n // self.shard_groups.replicas
         psi = sum(p.numel() for sharded in self.optimizers for p in sharded.params)
         mode = self.precision.precision
-        zero = expected_model_state_bytes(psi, n, self.config.stage, mode)
+        zero = expected_model_state_bytes(psi, k, self.config.stage, mode)
         ddp = expected_model_state_bytes(psi, n, 0, mode)
         if not ddp:
             return "no trainable parameters"
         where = ""
         moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
         if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
-            zero, host = expected_offload_bytes(psi, n, self.config.stage, mode, self.config.offload_optimizer,
+            zero, host = expected_offload_bytes(psi, k, self.config.stage, mode, self.config.offload_optimizer,
                                                 self.config.offload_params)
             where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
-        return (f"ZeRO stage {self.config.stage} on {n} rank{'s' if n != 1 else ''}, precision {mode}: {psi:,} "
-                f"trainable parameters; model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, "
-                f"{zero / ddp:.0%} of it)")
+        hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
+        return (f"ZeRO stage {self.config.stage} on {n} rank{'s' if n != 1 else ''}{hybrid}, precision {mode}: "
+                f"{psi:,} trainable parameters; model states {human_bytes(zero)}{where} per rank (DDP: "
+                f"{human_bytes(ddp)}, {zero / ddp:.0%} of it)")
 
     def teardown(self, gather: bool = True) -> None:
         """Remove every hook and, with ``gather`` (a collective), give the parameters their full fp32 values back.

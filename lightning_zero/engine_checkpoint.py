@@ -67,6 +67,11 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
             "precision": engine.precision.precision, "writer": writer,
             "num_parameters": sum(p.numel() for p in engine.module.parameters())}
     objects, shards, meta = split_checkpoint(checkpoint, engine.optimizers, info)
+    if not engine.shard_groups.first_replica:
+        # [Note: one replica writes] Under hybrid sharding the replicas of a shard group hold the same pieces;
+        # those of the first shard group (which holds rank 0, the writer of whole tensors) are written, the others
+        # write none. The directory is the one a plain run writes: any layout loads it.
+        shards = {}
     save_sharded(Path(path), objects, shards, meta)
 
 

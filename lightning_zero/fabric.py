@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from lightning_zero import collectives, engine_checkpoint
 from lightning_zero.amp import LossScaler, PrecisionInput, PrecisionMode
-from lightning_zero.config import ZeroConfig, process_group_timeout
+from lightning_zero.config import ZeroConfig, check_option_names, process_group_timeout, resolve_shard_group_size
 from lightning_zero.construction import Recording
 from lightning_zero.consolidate import load_full_checkpoint
 from lightning_zero.engine import ZeroEngine, sharded_construction
@@ -158,6 +158,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
+        check_option_names(options)
         self.config = ZeroConfig(stage=stage, **options)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
@@ -171,6 +172,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl()
         self.engine: Optional[ZeroEngine] = None
         self._recording: Optional[Recording] = None
+        self.shard_groups = collectives.ShardGroups()
+        """The process groups the engine shards over and replicates across (made in :meth:`setup_environment`)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -208,10 +211,18 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
+    @property
+    def shard_group_size(self) -> int:
+        """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
+        per_node = max(1, self.num_processes)
+        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
+                                        self.num_nodes)
+
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.shard_group_size  # a bad `shard_group_size` fails before any process starts
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -231,6 +242,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
         self.precision.device_type = self.root_device.type
 
     # ------------------------------------------------------------------ setup
@@ -258,7 +270,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             raise RuntimeError("ZeroFabricStrategy sets up one model: call `fabric.setup` (or `setup_module`) once, "
                                "with every optimizer of the model.")
         self.engine = ZeroEngine(module, optimizers, precision=self.precision.mode, device=self.root_device,
-                                 config=self.config, recording=self._recording)
+                                 config=self.config, recording=self._recording, shard_groups=self.shard_groups)
         self._recording = None
 
     @override

@@ -292,3 +292,18 @@ def plan_master_slots(layout: FlatLayout, rank: int, shapes: Sequence[tuple[int,
             parts = tuple((pc.param, pc.param_start, pc.length, pc.chunk_offset) for pc in pieces)
             slots.append(MasterSlot(bucket.group, bucket.shard_offset, bucket.chunk_size, (bucket.chunk_size,), parts))
     return slots
+
+
+def hybrid_rank_lists(world_size: int, shard_group_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The shard groups and replica groups of hybrid sharding, as lists of global ranks.
+
+    Shard group ``g`` is the ``shard_group_size`` consecutive ranks ``g*k .. g*k + k - 1`` (one node when ``k`` is
+    the devices per node, since launchers number a node's ranks consecutively); replica group ``i`` holds the ranks
+    at position ``i`` of every shard group. ``shard_group_size`` must divide ``world_size``.
+    """
+    k = shard_group_size
+    if k < 1 or world_size % k:
+        raise ValueError(f"shard_group_size {k} does not divide the world size {world_size}.")
+    shards = [list(range(g * k, (g + 1) * k)) for g in range(world_size // k)]
+    replicas = [list(range(i, world_size, k)) for i in range(k)]
+    return shards, replicas

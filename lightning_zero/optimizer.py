@@ -57,7 +57,9 @@ class ShardedOptimizer:
 
     ``owners`` are the engines of earlier optimizers: parameters one of them already holds are borrowed from it,
     not laid out again (see [Note: parameters shared by several optimizers] in ``sharing.py``). ``whole_params``
-    overrides whether the optimizer gets whole tensors (default: unless it is elementwise).
+    overrides whether the optimizer gets whole tensors (default: unless it is elementwise). ``groups`` are the
+    process groups it shards over and replicates across (default: shard over the world; see [Note: hybrid sharding
+    and its traffic] in ``collectives.py``).
     """
 
     def __init__(
@@ -70,7 +72,7 @@ class ShardedOptimizer:
         device: torch.device,
         module: Optional[torch.nn.Module] = None,
         unit_of: Optional[Callable[[Tensor], int]] = None,
-        group: Optional[Any] = None,
+        groups: Optional[collectives.ShardGroups] = None,
         unit_names: Sequence[str] = (),
         owners: Sequence["ShardedOptimizer"] = (),
         whole_params: Optional[bool] = None,
@@ -80,7 +82,8 @@ class ShardedOptimizer:
             offload.check_steps_on_host(optimizer)
         self.optimizer = optimizer
         self.policy = policy
-        self.group = group
+        self.groups = groups if groups is not None else collectives.ShardGroups()
+        self.group = group = self.groups.shard
         self.rank, self.world_size = collectives.rank(group), collectives.world_size(group)
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
@@ -135,7 +138,7 @@ class ShardedOptimizer:
             self.slot_sources.append(source)
         self.masters = [source._master_view(s) for source, s in zip(self.slot_sources, self.slots)]
         self.reducer = GradientReducer(
-            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, group,
+            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
             unit_names if policy.shards_params else (),
         )
         if self.host_grads is not None:

@@ -31,10 +31,11 @@ from typing_extensions import override
 from lightning_zero import collectives
 from lightning_zero.activations import ActivationCheckpointing
 from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.config import ZeroConfig, process_group_timeout
+from lightning_zero.config import ZeroConfig, check_option_names, process_group_timeout, resolve_shard_group_size
 from lightning_zero.construction import Recording
 from lightning_zero.engine import ZeroEngine, sharded_construction
 from lightning_zero.host_memory import release_freed_memory
+from lightning_zero.materialize import drop_meta
 from lightning_zero.optimizer import ShardedOptimizer
 from lightning_zero.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.shutdown import GUARD
@@ -54,32 +55,15 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
 
     Args:
         stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters.
-        reduce_bucket_size: elements per gradient bucket (constant memory: ``bucket_buffers`` of them); ``None``:
-            from the model, ``clamp(Ψ / 32, 1M, 4M)`` (see [Note: the default bucket size] in ``config.py``).
-        overlap_comm: stage 2 launches each bucket's reduce-scatter asynchronously during backward.
-        bucket_buffers: bucket-sized buffers that may be in flight at once.
-        partition_whole_params: give each rank whole tensors (``None``: only for non-elementwise optimizers).
-        elementwise_optimizers: extra optimizer class names that may be stepped on flat slices.
-        unit_classes: stage 3: module classes (or names) gathered as one unit; default: repeated blocks.
-        persistence_threshold: stage 3: units with at most this many elements are gathered once per step.
-        prefetch_size: stage 3: elements of upcoming units all-gathered ahead of their use.
-        host_mmap_threshold: CPU runs on glibc: bytes above which freed tensors go back to the OS (the process's
-            ``mallopt(M_MMAP_THRESHOLD)``; 0 leaves the allocator alone). See ``host_memory.py``.
-        state_dict_type: ``"sharded"`` (default): checkpoints are directories, every rank writes its own pieces and
-            any world size or stage loads them; ``"full"``: one file gathered on rank 0, in ``ddp``'s form.
-        activation_checkpointing: recompute blocks in backward (non-reentrant, RNG preserved): ``True`` for the
-            repeated blocks (``unit_classes`` if set), or a list of block classes / names. The module is unchanged.
-        activation_offload: Pa+cpu: checkpointed block inputs wait in pinned host memory (no effect on CPU).
-        activation_partition_group: Pa: ranks holding identical activations (a module's own tensor-parallel group;
-            ZeRO's data-parallel ranks never do): a list of ranks, a list of such lists, or a callable giving a group.
-        contiguous_checkpoints: MD: checkpointed block inputs live in one buffer preallocated after the first step.
-        offload_optimizer: ZeRO-Offload: the fp32 master shard, the optimizer states and the step live in host memory
-            (pinned on CUDA); gradient shards go to the host after their reduction, updates come back to the device.
-        offload_params: stage 3 only: the parameter shards live in (pinned) host memory and each unit is uploaded
-            as it is gathered (in prefetch order); the device holds only the units in flight.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
+        **options: the engine's options, each defined once in :class:`~lightning_zero.ZeroConfig` (one line each
+            there): ``reduce_bucket_size``, ``overlap_comm``, ``bucket_buffers``, ``partition_whole_params``,
+            ``elementwise_optimizers``, ``unit_classes``, ``persistence_threshold``, ``prefetch_size``,
+            ``host_mmap_threshold``, ``state_dict_type``, ``activation_checkpointing``, ``activation_offload``,
+            ``activation_partition_group``, ``contiguous_checkpoints``, ``offload_optimizer``, ``offload_params``,
+            ``shard_group_size``. LightningCLI reads their types and help from there too.
     """
 
     strategy_name = "zero"
@@ -87,22 +71,6 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def __init__(
         self,
         stage: Literal[1, 2, 3] = 2,
-        reduce_bucket_size: Optional[int] = None,
-        overlap_comm: bool = True,
-        bucket_buffers: int = 2,
-        partition_whole_params: Optional[bool] = None,
-        elementwise_optimizers: tuple[str, ...] = (),
-        unit_classes: tuple[Union[type, str], ...] = (),
-        persistence_threshold: int = 100_000,
-        prefetch_size: int = 5_000_000,
-        host_mmap_threshold: int = 131_072,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        activation_checkpointing: Union[bool, tuple[Union[type, str], ...]] = False,
-        activation_offload: bool = False,
-        activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...]]] = None,
-        contiguous_checkpoints: bool = False,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -111,17 +79,10 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
         start_method: StartMethod = "popen",
+        **options: Any,
     ) -> None:
-        self.config = ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
-                                 bucket_buffers=bucket_buffers, partition_whole_params=partition_whole_params,
-                                 elementwise_optimizers=elementwise_optimizers, unit_classes=unit_classes,
-                                 persistence_threshold=persistence_threshold, prefetch_size=prefetch_size,
-                                 host_mmap_threshold=host_mmap_threshold,
-                                 state_dict_type=state_dict_type, activation_checkpointing=activation_checkpointing,
-                                 activation_offload=activation_offload,
-                                 activation_partition_group=activation_partition_group,
-                                 contiguous_checkpoints=contiguous_checkpoints, offload_optimizer=offload_optimizer,
-                                 offload_params=offload_params)
+        check_option_names(options)
+        self.config = ZeroConfig(stage=stage, **options)
         self.policy = policy_for(stage)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
@@ -136,6 +97,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         """The engine of the last setup (see ``engine.py``); it stays after teardown for ``save_checkpoint``."""
         self._recording: Optional[Recording] = None
         self._ranks_in_step = True
+        self.shard_groups = collectives.ShardGroups()
+        """The process groups the engines shard over and replicate across (made in :meth:`setup_environment`)."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -187,10 +150,18 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
+    @property
+    def shard_group_size(self) -> int:
+        """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
+        per_node = max(1, self.num_processes)
+        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
+                                        self.num_nodes)
+
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.shard_group_size  # a bad `shard_group_size` fails before any process starts
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -209,6 +180,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""
@@ -247,14 +219,14 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
             super().setup_optimizers(trainer)
         self.engine = ZeroEngine(self.lightning_module, self.optimizers if fitting else [],
                                  precision=self.precision_plugin.mode, device=self.root_device, config=self.config,
-                                 recording=self._recording)
+                                 recording=self._recording, shard_groups=self.shard_groups)
         self._recording = None  # construction is replayed once; the log holds no memory worth keeping
         self.precision_plugin.engine = self.engine
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
         self.setup_precision_plugin()
         if fitting:
-            rank_zero_info(self.engine.summary(self.world_size))
+            rank_zero_info(self.engine.summary())
 
     @override
     def model_to_device(self) -> None:
@@ -286,6 +258,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         # still gather
         if self.engine is not None:
             self.engine.teardown(gather=self._ranks_in_step)
+        elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
+            drop_meta(self.model, self.root_device)
         super().teardown()
         GUARD.remove()
         GUARD.raise_pending()  # a Ctrl-C during the last checkpoint write still stops the script

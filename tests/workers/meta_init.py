@@ -64,7 +64,7 @@ def main() -> None:
                           limit_val_batches=2)
     val_loss = validator.validate(model, verbose=False)[0]["val_loss"]
     result: dict[str, Any] = {"growth": probe.growth, "full_bytes": full_bytes, "gathered": probe.gathered,
-                              "loss": model.losses[0], "units": len(trainer.strategy._unit_plan.names),
+                              "loss": model.losses[0], "units": len(trainer.strategy.engine.unit_plan.names),
                               "val_loss": val_loss, "val_gathered": validation.most,
                               "blocks_bytes": sum(p.numel() * 4 for p in model.blocks.parameters())}
     torch.save(result, out / f"rank{torch.distributed.get_rank()}.pt")

@@ -1,0 +1,177 @@
+"""Hybrid sharding (``shard_group_size=k``): sharded over groups of k ranks, replicated across the N/k groups.
+
+One 4-rank launch (k=2, tests/workers/hybrid.py) runs ddp and zero1-3 on the same seed and data, with clipping by
+norm and gradient accumulation, and a chain of checkpoints across layouts (zero3 k=2 -> plain zero1 k=4 -> zero2 k=2,
+next to ddp resuming its own). The rest are pure unit tests: group arithmetic, options and their errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_zero import ZeroConfig, ZeroStrategy, load_full_checkpoint
+from lightning_zero.collectives import ShardGroups, Traffic
+from lightning_zero.config import resolve_shard_group_size
+from lightning_zero.layout import hybrid_rank_lists
+from tests.launch import launch
+from tests.models import TinyGPT
+
+WORLD, K = 4, 2
+R = WORLD // K  # replicas
+MICRO = 2  # micro-batches per optimizer step (accumulate_grad_batches in the worker)
+RTOL = 1e-5  # fp32 against DDP: only the order of the gradient sums differs (see tests/test_parity.py)
+STAGES = ["zero1", "zero2", "zero3"]
+
+
+# ---------------------------------------------------------------------- unit tests
+@pytest.mark.parametrize(("world", "k", "shards", "replicas"), [
+    (4, 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    (6, 3, [[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]]),
+    (4, 4, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    (3, 1, [[0], [1], [2]], [[0, 1, 2]]),
+])
+def test_groups_are_consecutive_ranks_and_their_positions(world, k, shards, replicas):
+    assert hybrid_rank_lists(world, k) == (shards, replicas)
+
+
+@pytest.mark.parametrize(("configured", "world", "per_node", "nodes", "expected"), [
+    (None, 8, 4, 2, 4),  # several nodes: one node's devices
+    (None, 4, 4, 1, 4),  # one node: the whole world
+    (2, 4, 4, 1, 2),
+    (8, 8, 4, 2, 8),  # the whole world across nodes: plain ZeRO
+])
+def test_the_default_group_is_one_node(configured, world, per_node, nodes, expected):
+    assert resolve_shard_group_size(configured, world, per_node, nodes) == expected
+
+
+def test_a_group_size_that_does_not_divide_the_world_fails_before_launch():
+    with pytest.raises(ValueError, match=r"`shard_group_size=3` does not divide the world size 4.*\[1, 2, 4\]"):
+        resolve_shard_group_size(3, 4, 4, 1)
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        L.Trainer(strategy=ZeroStrategy(shard_group_size=3), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match="divide"):
+        hybrid_rank_lists(4, 3)
+
+
+@pytest.mark.parametrize(("value", "error", "match"), [(0, ValueError, "positive number of ranks"),
+                                                       (-2, ValueError, "positive number of ranks"),
+                                                       ("2", TypeError, "positive int"),
+                                                       (True, TypeError, "positive int")])
+def test_a_bad_group_size_fails_at_construction(value, error, match):
+    with pytest.raises(error, match=f"shard_group_size.*{match}"):
+        ZeroConfig(shard_group_size=value)
+    with pytest.raises(error, match=match):
+        ZeroStrategy(shard_group_size=value)
+
+
+def test_plain_zero_has_one_group_and_counts_the_world():
+    groups = ShardGroups()
+    assert (groups.shard, groups.replicate, groups.replicas, groups.first_replica) == (None, None, 1, True)
+    traffic = Traffic()
+    traffic.add("all_reduce", torch.zeros(3))
+    assert traffic.snapshot()["scopes"] == {"world": {"all_reduce": 3}}
+
+
+def test_yaml_sets_the_group_size(tmp_path):
+    config = tmp_path / "hybrid.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 4\n  strategy:\n"
+                      "    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n"
+                      "      shard_group_size: 2\n")
+    cli = LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
+    assert cli.trainer.strategy.config.shard_group_size == 2 and cli.trainer.strategy.shard_group_size == 2
+
+
+# ---------------------------------------------------------------------- the 4-rank launch
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return launch("hybrid.py", WORLD, tmp_path_factory.mktemp("hybrid"), timeout=240)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    return float((torch.as_tensor(actual, dtype=torch.float64) - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_matches_ddp_step_for_step(ranks, stage):
+    for rank in ranks:
+        ddp, zero = rank["ddp"], rank[stage]
+        assert len(zero["losses"]) == len(ddp["losses"]) == 3 * MICRO
+        for step, (a, e) in enumerate(zip(zero["losses"], ddp["losses"])):
+            assert abs(a - e) <= RTOL * abs(e), f"step {step}: loss {a} vs DDP {e}"
+        for name, expected in ddp["params"].items():
+            assert _relative(zero["params"][name], expected) <= RTOL, name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_replicas_end_bitwise_identical(ranks, stage):
+    for rank in ranks[1:]:
+        for name, value in rank[stage]["params"].items():
+            assert torch.equal(value, ranks[0][stage]["params"][name]), name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_traffic_inside_and_across_groups(ranks, stage):
+    """Per optimizer step and rank (see [Note: hybrid sharding and its traffic] in collectives.py), T the padded
+    flat size (Ψ rounded up per bucket to a multiple of k): inside the shard group, reduce-scatters of T per
+    reduction (stage 1 reduces once per step, stages 2-3 once per micro-batch) and all-gathers of T (stage 3: T for
+    forward and T for backward per micro-batch); across groups one all-reduce of the T/k shard per reduction, i.e.
+    2(T/k)(R-1)/R elements on a ring's wire. The clipping norm (1 element) stays inside; only the signal agreement
+    (3 int32 flags) spans the world."""
+    reductions = 1 if stage == "zero1" else MICRO
+    gathers = 2 * MICRO if stage == "zero3" else 1
+    for rank in ranks:
+        run = rank[stage]
+        padded, shard = run["padded"], run["shard"]
+        assert padded == K * shard and 0 <= padded - sum(p.numel() for p in run["params"].values()) < 12 * K
+        batches = run["traffic"]
+        for first, second in zip(batches[::2], batches[1::2]):  # the micro-batches of one optimizer step
+            scopes: dict[str, dict[str, int]] = {}
+            for batch in (first, second):
+                for scope, kinds in batch["scopes"].items():
+                    for kind, n in kinds.items():
+                        scopes.setdefault(scope, {}).setdefault(kind, 0)
+                        scopes[scope][kind] += n
+            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathers * padded,
+                                       "all_reduce": 1}, scopes
+            assert scopes["replicate"] == {"all_reduce": reductions * shard}, scopes
+            assert scopes["world"] == {"control": 3 * MICRO}, scopes
+            wire_across = 2 * scopes["replicate"]["all_reduce"] * (R - 1) / R
+            assert math.isclose(wire_across, reductions * 2 * (padded / K) * (R - 1) / R)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_hybrid_checkpoint_loads_in_one_process(ranks, stage):
+    """The directory written by 4 ranks in groups of 2 loads at world size 1 (the in-process loader): exactly the
+    weights the run ended with, and DDP's checkpoint content within fp32 rounding."""
+    run, ddp = ranks[0][stage], torch.load(ranks[0]["ddp"]["ckpt"], weights_only=False)
+    full = load_full_checkpoint(run["ckpt"])
+    for name, value in run["params"].items():
+        assert torch.equal(full["state_dict"][name], value), name
+        assert _relative(full["state_dict"][name], ddp["state_dict"][name]) <= RTOL, name
+    ddp_state, zero_state = ddp["optimizer_states"][0]["state"], full["optimizer_states"][0]["state"]
+    assert zero_state.keys() == ddp_state.keys()
+    for index, expected in ddp_state.items():
+        for key, value in expected.items():
+            assert _relative(zero_state[index][key], value) <= RTOL, (index, key)
+
+
+def test_checkpoints_cross_layouts_both_ways(ranks):
+    """zero3 k=2 -> plain zero1 (k=4, one step) -> zero2 k=2 (one more step): each resume starts from exactly the
+    saved weights, and the two resumed steps follow DDP resuming its own checkpoints the same way."""
+    for rank in ranks:
+        plain, hybrid = rank["plain_from_hybrid"], rank["hybrid_from_plain"]
+        for name, value in rank["zero3"]["params"].items():
+            assert torch.equal(plain["start"][name], value), name
+        for name, value in plain["params"].items():
+            assert torch.equal(hybrid["start"][name], value), name
+        chained = plain["losses"] + hybrid["losses"]
+        ddp = rank["ddp_resumed"]["losses"] + rank["ddp_resumed_again"]["losses"]
+        assert len(chained) == len(ddp) == 2 * MICRO
+        for a, e in zip(chained, ddp):
+            assert abs(a - e) <= RTOL * abs(e), (chained, ddp)
