@@ -1,4 +1,4 @@
-"""gloo's collectives on one buffer: why ``lightning_zero.collectives`` runs reduce-scatter and all-gather as
+"""gloo's collectives on one buffer: why ``lightning_zero.engine.collectives`` runs reduce-scatter and all-gather as
 all-reduces on CPU (see its [Note: reduce-scatter and all-gather on gloo]).
 
     python benchmarks/gloo_collectives.py --elements 23000000 --world-size 2 --repeats 5

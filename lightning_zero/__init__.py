@@ -10,22 +10,17 @@ Hugging Face ``save_pretrained`` directory, safetensors files or a ``torch.save`
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.collectives import TRAFFIC, Traffic
+from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.engine.collectives import TRAFFIC, Traffic
 from lightning_zero.config import ZeroConfig
-from lightning_zero.consolidate import (
-    ZeroCheckpointIO,
-    consolidate,
-    inspect_checkpoint,
-    load_from_checkpoint,
-    load_full_checkpoint,
-)
-from lightning_zero.engine import ZeroEngine, sharded_construction
-from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
-from lightning_zero.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
-from lightning_zero.precision import LossScaler, ZeroPrecision
-from lightning_zero.pretrained import LoadResult, load_pretrained
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
+from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
+from lightning_zero.engine.engine import ZeroEngine, sharded_construction
+from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
+from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
+from lightning_zero.trainer.precision import LossScaler, ZeroPrecision
+from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
+from lightning_zero.trainer.strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
-from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.consolidate import DTYPES, consolidate, inspect_checkpoint
+from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.checkpoints.consolidate import DTYPES, consolidate, inspect_checkpoint
 from lightning_zero.estimate import count_parameters, format_estimate, human_bytes, parse_bytes, parse_count
 
 

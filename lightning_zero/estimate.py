@@ -1,7 +1,7 @@
 """Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
 
-The figures are :func:`~lightning_zero.memory.expected_model_state_bytes`, the same formula the tests hold the
-measured bytes (:func:`~lightning_zero.memory.measure_model_states`) to. Activations, module buffers, the constant
+The figures are :func:`~lightning_zero.engine.memory.expected_model_state_bytes`, the same formula the tests hold the
+measured bytes (:func:`~lightning_zero.engine.memory.measure_model_states`) to. Activations, module buffers, the constant
 bucket buffers and stage 3's gathered units come on top.
 """
 
@@ -12,9 +12,8 @@ import math
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_zero.memory import BYTES_PER_PARAM, expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.engine.memory import BYTES_PER_PARAM, expected_model_state_bytes, expected_offload_bytes
 
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 #: Columns of the offload tables: ``(stage, offload_params)``, all with ``offload_optimizer=True``.
@@ -33,8 +32,8 @@ def count_parameters(class_path: str, init_args: Optional[dict[str, Any]] = None
         raise ValueError(f"Cannot import {class_path}: {error}") from error
     with torch.device("meta"):
         model = cls(**(init_args or {}))
-        if isinstance(model, torch.nn.Module) and is_overridden("configure_model", model):
-            model.configure_model()
+        if isinstance(model, torch.nn.Module) and callable(getattr(model, "configure_model", None)):
+            model.configure_model()  # Lightning's default does nothing
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{class_path} built a {type(model).__name__}, not a torch.nn.Module.")
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -16,7 +16,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import CheckpointError, ZeroStrategy
-from lightning_zero.checkpoint import _replace, check_files, read_meta
+from lightning_zero.checkpoints.storage import _replace, check_files, read_meta
 from lightning_zero.cli import main as cli
 from tests.launch import ROOT, _tail, start
 from tests.models import TinyGPT, TinyLM

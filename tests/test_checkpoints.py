@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_zero
-from lightning_zero.checkpoint import check_files, read_meta
+from lightning_zero.checkpoints.storage import check_files, read_meta
 from tests.launch import launch
 from tests.workers.checkpoints import FIXED_INPUT, GPT
 

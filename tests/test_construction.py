@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.construction import record_construction
+from lightning_zero.stage3.construction import record_construction
 from tests.launch import launch
 
 transformers = pytest.importorskip("transformers")
@@ -129,6 +129,6 @@ def test_replay_needs_one_unit_not_the_model():
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    from lightning_zero.construction import storage_key
+    from lightning_zero.stage3.construction import storage_key
 
     return storage_key(tensor)

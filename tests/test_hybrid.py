@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_zero import ZeroConfig, ZeroStrategy, load_full_checkpoint
-from lightning_zero.collectives import ShardGroups, Traffic
+from lightning_zero.engine.collectives import ShardGroups, Traffic
 from lightning_zero.config import resolve_shard_group_size
-from lightning_zero.layout import hybrid_rank_lists
+from lightning_zero.engine.layout import hybrid_rank_lists
 from tests.launch import launch
 from tests.models import TinyGPT
 

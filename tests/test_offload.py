@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.memory import expected_offload_bytes
-from lightning_zero.buckets import GradientReducer
-from lightning_zero.layout import plan_layout
-from lightning_zero.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
+from lightning_zero.engine.memory import expected_offload_bytes
+from lightning_zero.engine.buckets import GradientReducer
+from lightning_zero.engine.layout import plan_layout
+from lightning_zero.engine.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
 from tests.launch import launch
 from tests.models import TinyLM
 

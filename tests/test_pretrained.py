@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import lightning_zero
-from lightning_zero import load_pretrained, pretrained_files
-from lightning_zero.pretrained import _PENDING, deferring
+from lightning_zero import load_pretrained
+from lightning_zero.checkpoints import pretrained_files
+from lightning_zero.checkpoints.pretrained import _PENDING, deferring
 from tests.launch import launch
 
 transformers = pytest.importorskip("transformers")

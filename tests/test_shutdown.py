@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM at chosen points: every rank ends soon, cleanly, and the last complete checkpoint is intact.
 
 Each case runs a user's script on 2 CPU ranks (Lightning's launcher starts rank 1 in the same process group) with
-``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/faults.py):
+``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/engine/faults.py):
 the outcome never depends on when a timer fired. The signal goes to the whole process group, as Ctrl-C does, so
 rank 1 receives it wherever it happens to be; the outcome must be the same wherever that is.
 """
@@ -153,7 +153,7 @@ def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: i
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():
     """One process, no collective: what the guard does with Lightning's handlers around it."""
-    from lightning_zero.shutdown import SignalGuard, Stopped
+    from lightning_zero.engine.shutdown import SignalGuard, Stopped
 
     guard, seen = SignalGuard(), []
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest runs under nohup

@@ -33,7 +33,7 @@ def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
 
 
 def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
-    from lightning_zero.units import ROOT, plan_units
+    from lightning_zero.stage3.units import ROOT, plan_units
     from tests.models import Block, TinyGPT
 
     model = TinyGPT(width=16, depth=3)
@@ -56,7 +56,7 @@ def test_a_large_model_built_in_init_gets_a_warning(monkeypatch):
     import pytest
     import torch
 
-    from lightning_zero import materialize
+    from lightning_zero.stage3 import materialize
 
     monkeypatch.setattr(materialize, "LARGE_MODEL_PARAMS", 1000)
     with pytest.warns(UserWarning, match="configure_model"):
@@ -72,7 +72,7 @@ def test_materialization_runs_children_before_parents_as_eager_construction_does
     import torch
     from torch import nn
 
-    from lightning_zero.materialize import materialize
+    from lightning_zero.stage3.materialize import materialize
 
     class Net(nn.Module):
         def __init__(self) -> None:

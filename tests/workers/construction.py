@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.state_dict import full_model_state_dict
+from lightning_zero.checkpoints.full import full_model_state_dict
 from tests.models import VOCAB, TinyGPT, token_data
 
 warnings.filterwarnings("ignore")

@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-import lightning_zero.checkpoint as checkpoint
+import lightning_zero.checkpoints.storage as checkpoint
 from lightning_zero import ZeroStrategy
 from tests.models import TinyGPT
 

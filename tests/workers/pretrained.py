@@ -29,7 +29,8 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import ZeroStrategy, load_pretrained, pretrained
+from lightning_zero import ZeroStrategy, load_pretrained
+from lightning_zero.checkpoints import pretrained
 
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()

@@ -14,10 +14,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero import collectives
-from lightning_zero.checkpoint import FORMAT, KEY, CheckpointError, load_sharded
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.shards import Shard, optimizer_destination
+from lightning_zero.engine import collectives
+from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.checkpoints.shards import Shard, optimizer_destination
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object
 TensorInfo = Optional[tuple[tuple[int, ...], str]]

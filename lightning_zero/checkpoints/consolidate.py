@@ -1,29 +1,24 @@
-"""Sharded checkpoints outside of training: one standard file, a summary, a module for inference, ``ddp`` resume.
+"""Sharded checkpoints outside of training: one standard file, a summary, the checkpoint in ``ddp``'s form.
 
 Everything here runs in one plain process (no process group needed) and reads the directory with
 ``torch.distributed.checkpoint`` straight into preallocated full tensors, so the peak memory is about the size of
-what is produced: the output file's tensors for :func:`consolidate`, one copy of the weights for
-:func:`load_from_checkpoint`.
+what is produced: the output file's tensors for :func:`consolidate`. Building a LightningModule from a checkpoint
+(``load_from_checkpoint``) and ``ZeroCheckpointIO`` are the Trainer's side: ``trainer/checkpoint_io.py``.
 """
 
 from __future__ import annotations
 
-import inspect
+import os
 from pathlib import Path
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from typing_extensions import override
 
-from lightning_zero.checkpoint import KEY, META_FILE, check_files, load_sharded, read_meta, save_file
-from lightning_zero.checkpoint_state import is_stored_as_object, load_model_from_dir, optimizer_keys
-from lightning_zero.shards import Shard
+from lightning_zero.checkpoints.storage import KEY, META_FILE, check_files, load_sharded, read_meta, save_file
+from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
+from lightning_zero.checkpoints.shards import Shard
 
-ModuleT = TypeVar("ModuleT", bound=pl.LightningModule)
+_PATH = Union[str, "os.PathLike[str]"]
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -98,60 +93,3 @@ def inspect_checkpoint(path: _PATH, verify: bool = False) -> dict[str, Any]:
     }
 
 
-def load_from_checkpoint(cls: type[ModuleT], path: _PATH, map_location: Optional[Union[str, torch.device]] = None,
-                         strict: bool = True, **kwargs: Any) -> ModuleT:
-    """``cls.load_from_checkpoint`` for sharded directories and files alike, in a plain process.
-
-    For a directory the module is built from the saved hyperparameters (``kwargs`` override them), ``configure_model``
-    and ``on_load_checkpoint`` run as in Lightning, and the weights are read straight into its parameters (one copy
-    of the weights in memory). It is then moved to ``map_location`` (a device or device name).
-    """
-    path = Path(path)
-    if not path.is_dir():
-        if not path.exists():
-            raise FileNotFoundError(f"No checkpoint at {path}.")
-        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, **kwargs)
-    meta = read_meta(path)
-    check_files(path, meta)
-    model = _instantiate(cls, meta, kwargs)
-    model.on_load_checkpoint(meta)
-    dest = {key: Shard.whole(t) for key, t in model.state_dict(keep_vars=True).items()}
-    load_model_from_dir(path, meta, dest, strict, collective=False)
-    if map_location is not None:
-        if callable(map_location) or isinstance(map_location, dict):
-            raise TypeError("`map_location` must be a device or a device name for a sharded checkpoint.")
-        model = model.to(map_location)
-    return model
-
-
-def _instantiate(cls: type[ModuleT], meta: dict[str, Any], overrides: dict[str, Any]) -> ModuleT:
-    """Build ``cls`` from the checkpoint's hyperparameters as Lightning's ``_load_state`` does."""
-    hparams = dict(meta.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {})
-    hparams.update(overrides)
-    signature = inspect.signature(cls.__init__).parameters
-    name = meta.get(cls.CHECKPOINT_HYPER_PARAMS_NAME)
-    if name and name in signature:
-        hparams = {name: hparams}
-    if not any(p.kind == p.VAR_KEYWORD for p in signature.values()):
-        hparams = {k: v for k, v in hparams.items() if k in signature}
-    model = cls(**hparams)
-    if is_overridden("configure_model", model):
-        model.configure_model()
-    return model
-
-
-class ZeroCheckpointIO(TorchCheckpointIO):
-    """Lets any strategy (``ddp``, a single device) load lightning-zero's sharded checkpoint directories.
-
-    ``Trainer(strategy="ddp", plugins=[ZeroCheckpointIO()])``: ``fit/validate/test(ckpt_path=dir)`` then get the
-    checkpoint in ``ddp``'s form, assembled in memory by every process.
-    """
-
-    @override
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if Path(path).is_dir():
-            return load_full_checkpoint(path)
-        if map_location is None:
-            return super().load_checkpoint(path, weights_only=weights_only)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)

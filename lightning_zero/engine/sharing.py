@@ -29,11 +29,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.layout import MasterSlot
-from lightning_zero.optimizer_support import check_optimizer, is_elementwise
+from lightning_zero.engine.layout import MasterSlot
+from lightning_zero.engine.optimizer_support import check_optimizer, is_elementwise
 
 if TYPE_CHECKING:
-    from lightning_zero.optimizer import ShardedOptimizer
+    from lightning_zero.engine.optimizer import ShardedOptimizer
 
 
 def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConfig) -> list[bool]:

@@ -30,7 +30,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
-from lightning_zero import collectives
+from lightning_zero.engine import collectives
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 

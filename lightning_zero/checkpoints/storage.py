@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_zero import collectives
-from lightning_zero.checkpoint_readme import write_readme
-from lightning_zero.shards import Shard
-from lightning_zero.faults import fault_point
-from lightning_zero.shutdown import GUARD
+from lightning_zero.engine import collectives
+from lightning_zero.checkpoints.readme import write_readme
+from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.engine.faults import fault_point
+from lightning_zero.engine.shutdown import GUARD
 
 FORMAT = "lightning-zero/1"
 META_FILE = "meta.pt"

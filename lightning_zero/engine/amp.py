@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from lightning_zero import collectives
+from lightning_zero.engine import collectives
 
 PrecisionInput = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")

@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lightning_zero import collectives
-from lightning_zero.layout import Bucket, FlatLayout
+from lightning_zero.engine import collectives
+from lightning_zero.engine.layout import Bucket, FlatLayout
 
 
 @dataclass

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.pretrained_files import WeightFiles
-from lightning_zero.shards import Shard, model_shards
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.checkpoints.pretrained_files import WeightFiles
+from lightning_zero.checkpoints.shards import Shard, model_shards
 
 _PENDING = "_lightning_zero_pretrained"
 _SHOWN = 20  # keys listed per kind in an error message
@@ -45,7 +45,7 @@ class LoadResult(NamedTuple):
 
 
 class ShardOwner(Protocol):
-    """What holds a model's shards after setup (a :class:`~lightning_zero.engine.ZeroEngine`): the shards of its
+    """What holds a model's shards after setup (a :class:`~lightning_zero.engine.engine.ZeroEngine`): the shards of its
     optimizers and the stage 3 unit runtime."""
 
     optimizers: list[ShardedOptimizer]

@@ -1,8 +1,8 @@
 """``ZeroFabricStrategy``: ZeRO under Lightning Fabric (``Fabric(strategy="zero1" | "zero2" | "zero3")``).
 
-A thin adapter over :class:`~lightning_zero.engine.ZeroEngine`: ``fabric.setup`` makes the engine,
+A thin adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`: ``fabric.setup`` makes the engine,
 ``fabric.backward`` and ``optimizer.step()`` are the engine's, ``fabric.save`` / ``fabric.load`` write and read the
-Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``engine_checkpoint.py``), and
+Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``checkpoints/engine_state.py``), and
 ``fabric.init_module()`` under zero3 builds the model sharded, as the Trainer's ``configure_model`` does.
 
 [Note: the Fabric state dict in the Trainer's format]
@@ -44,16 +44,17 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import collectives, engine_checkpoint
-from lightning_zero.amp import LossScaler, PrecisionInput, PrecisionMode
+from lightning_zero.engine import collectives
+from lightning_zero.checkpoints import engine_state as engine_checkpoint
+from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode
 from lightning_zero.config import ZeroConfig, check_option_names, process_group_timeout, resolve_shard_group_size
-from lightning_zero.construction import Recording
-from lightning_zero.consolidate import load_full_checkpoint
-from lightning_zero.engine import ZeroEngine, sharded_construction
-from lightning_zero.host_memory import release_freed_memory
-from lightning_zero.materialize import move_materialized
-from lightning_zero.stages import policy_for
-from lightning_zero.strategy_checkpoints import STORAGE_OPTIONS_ERROR
+from lightning_zero.stage3.construction import Recording
+from lightning_zero.checkpoints.consolidate import load_full_checkpoint
+from lightning_zero.engine.engine import ZeroEngine, sharded_construction
+from lightning_zero.engine.host_memory import release_freed_memory
+from lightning_zero.stage3.materialize import move_materialized
+from lightning_zero.engine.stages import policy_for
+from lightning_zero.trainer.checkpoints import STORAGE_OPTIONS_ERROR
 
 #: Where ``fabric.save`` records the names of the module and optimizer entries (see the note above).
 FABRIC_NAMES = "fabric_names"

@@ -40,7 +40,7 @@ sizes and checksums of the other files; written last). Move or copy the director
 def write_readme(directory: Path, name: str, meta: dict[str, Any]) -> None:
     """Write ``README.txt`` into ``directory``, the checkpoint that will be called ``name``; ``meta`` is what goes
     into its ``meta.pt`` (Lightning's checkpoint dict with lightning-zero's metadata under ``"lightning_zero"``)."""
-    from lightning_zero.checkpoint import KEY  # here: checkpoint.py imports this module
+    from lightning_zero.checkpoints.storage import KEY  # here: storage.py imports this module
 
     info = meta.get(KEY, {})
     world_size = info.get("world_size", "?")

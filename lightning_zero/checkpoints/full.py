@@ -16,9 +16,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero import collectives
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.shards import is_per_element, optimizer_destination, param_groups
+from lightning_zero.engine import collectives
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.checkpoints.shards import is_per_element, optimizer_destination, param_groups
 
 # (canonical parameter index, state key or None for the weight, start in the flattened parameter, value)
 _Piece = tuple[int, Optional[str], Optional[int], Any]

@@ -13,7 +13,7 @@ The same :class:`Shard` objects are sources when saving (views of the master sha
 copy) and destinations when loading (views the reader writes into in place), so loading needs no second copy of
 the weights.
 
-Optimizer states follow the canonical numbering of ``state_dict.py``: the index of each parameter in the user's
+Optimizer states follow the canonical numbering of ``full.py``: the index of each parameter in the user's
 param groups, per optimizer (a parameter held by two optimizers has a state in each, under each one's index). A state with one value per element (``exp_avg``) is cut like the parameter; any other value
 (``step``, Adafactor's factored statistics) is written whole, by the rank that owns the parameter's first element.
 """
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.layout import MasterSlot
-from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.engine.layout import MasterSlot
+from lightning_zero.engine.optimizer import ShardedOptimizer
 
 
 @dataclass

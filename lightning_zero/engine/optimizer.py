@@ -9,7 +9,7 @@ optimizer (Adafactor, unknown classes) gets the whole parameters this rank owns,
 
 [Note: working parameters are views of one flat buffer]
 The managed parameters become views of one flat buffer in the working dtype (16-bit under mixed precision), in the
-order of :mod:`lightning_zero.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights and
+order of :mod:`lightning_zero.engine.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights and
 user references keep working. After the step, each rank writes its updated chunk into the buffer and one all-gather
 per bucket refreshes everybody's copy in place. When the master dtype equals the working dtype (``32-true``,
 ``bf16-true``) the master shard *is* this rank's chunk of the buffer: no second copy.
@@ -36,11 +36,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero import collectives, offload
-from lightning_zero.buckets import GradientReducer
+from lightning_zero.engine import collectives
+from lightning_zero.engine import offload
+from lightning_zero.engine.buckets import GradientReducer
 from lightning_zero.config import ZeroConfig
-from lightning_zero.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
-from lightning_zero.optimizer_support import (
+from lightning_zero.engine.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
+from lightning_zero.engine.optimizer_support import (
     backward_order,
     check_optimizer,
     check_params,
@@ -48,9 +49,9 @@ from lightning_zero.optimizer_support import (
     step_in_pieces,
     zero_subclass,
 )
-from lightning_zero.params import ShardedParams
-from lightning_zero.sharing import borrowed_slots, split_members
-from lightning_zero.stages import StagePolicy
+from lightning_zero.stage3.params import ShardedParams
+from lightning_zero.engine.sharing import borrowed_slots, split_members
+from lightning_zero.engine.stages import StagePolicy
 
 class ShardedOptimizer:
     """Installs ZeRO on one user optimizer: layout, flat working buffer, master shard, gradient reducer.

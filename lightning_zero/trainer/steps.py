@@ -13,8 +13,8 @@ from typing import Any, Callable
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero.faults import fault_point
-from lightning_zero.shutdown import GUARD
+from lightning_zero.engine.faults import fault_point
+from lightning_zero.engine.shutdown import GUARD
 
 
 class StepHooks:

@@ -1,7 +1,7 @@
 """Stage 3 parameter storage: this rank keeps a shard of the working parameters; units are gathered on demand.
 
 [Note: stage 3 storage]
-Each unit of :mod:`lightning_zero.units` has one flat buffer per optimizer, in the working dtype, covering the unit's
+Each unit of :mod:`lightning_zero.stage3.units` has one flat buffer per optimizer, in the working dtype, covering the unit's
 adjacent buckets of the layout. Its parameters are views of that buffer from setup on; between uses the buffer's
 storage is resized to zero bytes, so the parameters keep their shapes but hold no memory. The only persistent copy
 is the working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master
@@ -13,7 +13,7 @@ device keeps no persistent copy of it: only the gathered units in flight. Gather
 chunk of each of its buckets from the host shard straight into that chunk's place in the unit's (device) buffer, then
 all-gathers in place, so no device staging buffer exists. The uploads are issued on the current stream before the
 all-gather (asynchronous from pinned memory, ordered before the collective that reads them) and run in the prefetch
-order of :mod:`lightning_zero.units`, so a prefetched unit's upload overlaps the current unit's compute. Before the
+order of :mod:`lightning_zero.stage3.units`, so a prefetched unit's upload overlaps the current unit's compute. Before the
 host shard is written (the optimizer step on an aliased host master, the copy of an updated master, a load),
 :meth:`ShardedParams.settle` waits for uploads still reading it. On a CPU-only machine the host shard is still a
 storage of its own and every upload still happens, so CPU tests exercise this path.
@@ -26,9 +26,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero import collectives
-from lightning_zero.layout import FlatLayout
-from lightning_zero.offload import pins
+from lightning_zero.engine import collectives
+from lightning_zero.engine.layout import FlatLayout
+from lightning_zero.engine.offload import pins
 
 
 class ShardedParams:

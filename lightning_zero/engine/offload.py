@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.buckets import GradientReducer
-from lightning_zero.layout import Bucket
-from lightning_zero.optimizer_support import optimizer_name, user_class
+from lightning_zero.engine.buckets import GradientReducer
+from lightning_zero.engine.layout import Bucket
+from lightning_zero.engine.optimizer_support import optimizer_name, user_class
 
 HOST = torch.device("cpu")
 #: torch optimizers with fused CPU kernels: their CPU step reaches the memory bandwidth, the default loop does not.

@@ -1,6 +1,6 @@
 """The Trainer's precision plugin of ZeRO: a thin adapter that hands Lightning's optimizer step to the engine.
 
-Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.amp.PrecisionMode`'s;
+Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.engine.amp.PrecisionMode`'s;
 the order of one optimizer step is :meth:`ZeroEngine.step`'s (see [Note: the order of one optimizer step] in
 ``engine.py``). Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping run as the step's
 ``before_step``, after the gradients were reduced and unscaled.
@@ -19,10 +19,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.amp import LossScaler, PrecisionInput, PrecisionMode
+from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode
 
 if TYPE_CHECKING:
-    from lightning_zero.engine import ZeroEngine
+    from lightning_zero.engine.engine import ZeroEngine
 
 
 class ZeroPrecision(Precision):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.optimizer import ShardedOptimizer
+from lightning_zero.engine.optimizer import ShardedOptimizer
 
 #: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.
 BYTES_PER_PARAM = {"32-true": (4, 4, 8), "bf16-mixed": (2, 2, 12), "16-mixed": (2, 2, 12), "bf16-true": (2, 2, 4)}

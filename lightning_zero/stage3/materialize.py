@@ -30,12 +30,12 @@ import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch import nn
 
-from lightning_zero import collectives
-from lightning_zero.construction import Recording
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.faults import fault_point
-from lightning_zero.shutdown import GUARD
-from lightning_zero.units import ROOT, UnitPlan
+from lightning_zero.engine import collectives
+from lightning_zero.stage3.construction import Recording
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.engine.faults import fault_point
+from lightning_zero.engine.shutdown import GUARD
+from lightning_zero.stage3.units import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.
 LARGE_MODEL_PARAMS = 50_000_000

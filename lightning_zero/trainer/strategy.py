@@ -28,21 +28,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero import collectives
-from lightning_zero.activations import ActivationCheckpointing
-from lightning_zero.checkpoint import CheckpointError
+from lightning_zero.engine import collectives
+from lightning_zero.engine.activations import ActivationCheckpointing
+from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.config import ZeroConfig, check_option_names, process_group_timeout, resolve_shard_group_size
-from lightning_zero.construction import Recording
-from lightning_zero.engine import ZeroEngine, sharded_construction
-from lightning_zero.host_memory import release_freed_memory
-from lightning_zero.materialize import drop_meta
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.shutdown import GUARD
-from lightning_zero.stages import policy_for
-from lightning_zero.strategy_checkpoints import CheckpointHooks
-from lightning_zero.strategy_steps import StepHooks
-from lightning_zero.units import UnitRuntime
+from lightning_zero.stage3.construction import Recording
+from lightning_zero.engine.engine import ZeroEngine, sharded_construction
+from lightning_zero.engine.host_memory import release_freed_memory
+from lightning_zero.stage3.materialize import drop_meta
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.engine.shutdown import GUARD
+from lightning_zero.engine.stages import policy_for
+from lightning_zero.trainer.checkpoints import CheckpointHooks
+from lightning_zero.trainer.steps import StepHooks
+from lightning_zero.stage3.units import UnitRuntime
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 

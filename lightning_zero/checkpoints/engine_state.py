@@ -1,10 +1,10 @@
-"""A :class:`~lightning_zero.engine.ZeroEngine`'s states to and from checkpoints, without Lightning.
+"""A :class:`~lightning_zero.engine.engine.ZeroEngine`'s states to and from checkpoints, without Lightning.
 
 [Note: one checkpoint format for every way in]
 The Trainer's checkpoint hooks, Fabric's ``save``/``load`` and a plain loop all write Lightning's checkpoint dict:
 the model's entries under ``state_dict``, each optimizer's under ``optimizer_states`` (in the engine's order, which
 is the order the optimizers were given to it), everything else as objects. ``"sharded"`` writes it as a directory
-(``checkpoint_state.py``: every rank its pieces), ``"full"`` as one file on rank 0 in ``ddp``'s form. The metadata
+(``checkpoints/sharded.py``: every rank its pieces), ``"full"`` as one file on rank 0 in ``ddp``'s form. The metadata
 records which API wrote it (``writer``), so that a checkpoint written by one resumes under another at any world size.
 """
 
@@ -17,21 +17,21 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero import collectives
-from lightning_zero.checkpoint import KEY, check_files, read_meta, save_file, save_sharded
-from lightning_zero.checkpoint_state import (
+from lightning_zero.engine import collectives
+from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
+from lightning_zero.checkpoints.sharded import (
     check_optimizer_count,
     copy_full_state,
     load_model_from_dir,
     load_optimizers_from_dir,
     split_checkpoint,
 )
-from lightning_zero.shards import model_shards, optimizer_shards, param_groups
-from lightning_zero.state_dict import full_model_state_dict, load_optimizer_state
-from lightning_zero.state_dict import optimizer_state as full_optimizer_state
+from lightning_zero.checkpoints.shards import model_shards, optimizer_shards, param_groups
+from lightning_zero.checkpoints.full import full_model_state_dict, load_optimizer_state
+from lightning_zero.checkpoints.full import optimizer_state as full_optimizer_state
 
 if TYPE_CHECKING:
-    from lightning_zero.engine import ZeroEngine
+    from lightning_zero.engine.engine import ZeroEngine
 
 Writer = Literal["trainer", "fabric", "engine"]
 #: Keys of a checkpoint dict that belong to the format, not to the user's own entries.

@@ -37,25 +37,26 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero import collectives, pretrained
-from lightning_zero.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.amp import PrecisionMode, clip_grad_norm, clip_grad_value
+from lightning_zero.engine import collectives
+from lightning_zero.checkpoints import pretrained
+from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
+from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.construction import Recording, record_construction
+from lightning_zero.stage3.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
-from lightning_zero.materialize import (
+from lightning_zero.stage3.materialize import (
     broadcast_module_states,
     drop_meta,
     move_materialized,
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.memory import expected_model_state_bytes, expected_offload_bytes
-from lightning_zero.offload import fused_hint
-from lightning_zero.optimizer import ShardedOptimizer
-from lightning_zero.sharing import whole_params_per_optimizer
-from lightning_zero.stages import policy_for
-from lightning_zero.units import ROOT, UnitPlan, UnitRuntime, plan_units
+from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.engine.offload import fused_hint
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.engine.sharing import whole_params_per_optimizer
+from lightning_zero.engine.stages import policy_for
+from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units
 
 
 class ZeroEngine:

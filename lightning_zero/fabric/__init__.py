@@ -1,0 +1,1 @@
+"""lightning-zero Fabric's adapter: ZeroFabricStrategy and its precision plugin."""

@@ -1,0 +1,1 @@
+"""lightning-zero the Trainer's adapter: ZeroStrategy, its precision plugin, checkpoint hooks, ZeroCheckpointIO."""
