@@ -38,7 +38,7 @@ if what == "lightning":
 elif what == "zero":
     model = lightning_zero.load_from_checkpoint(TinyGPT, path, map_location="cpu")
 else:
-    lightning_zero.checkpoints.consolidate(path, path + ".consolidated", weights_only=(what == "consolidate-weights"))
+    lightning_zero.consolidate(path, path + ".consolidated", weights_only=(what == "consolidate-weights"))
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"seconds": seconds, "rss": (peak - base) * 1024}))

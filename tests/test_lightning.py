@@ -119,7 +119,7 @@ def test_checkpoint_resume_is_exact(tmp_path, precision):
     checkpoint = lightning_zero.load_full_checkpoint(ckpt)
     assert all(v.dtype == torch.float32 for v in checkpoint["state_dict"].values())  # fp32 masters, not bf16
     assert set(checkpoint["optimizer_states"][0]["state"]) == set(range(len(list(TinyLM().parameters()))))
-    lightning_zero.checkpoints.consolidate(ckpt, tmp_path / "one.ckpt")
+    lightning_zero.consolidate(ckpt, tmp_path / "one.ckpt")
     restored = TinyLM.load_from_checkpoint(tmp_path / "one.ckpt")  # a plain Lightning checkpoint
     assert isinstance(restored, TinyLM)
 
