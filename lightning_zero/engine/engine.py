@@ -90,6 +90,8 @@ class ZeroEngine:
         self.policy = policy_for(self.config.stage)
         self.precision = precision if isinstance(precision, PrecisionMode) else PrecisionMode(precision)
         self.device = device if device is not None else _default_device()
+        if recording is not None:
+            recording.keep(module)  # before the precision converts the module (see [Note: record and replay])
         self.module = self.precision.convert_module(module)
         if shard_groups is None:
             size = self.config.shard_group_size
@@ -107,8 +109,6 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ setup
     def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
-        if recording is not None:
-            recording.keep(self.module)
         self.activations = activations_from_config(self.module, self.config)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
