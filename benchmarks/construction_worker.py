@@ -74,7 +74,7 @@ class Probe(L.Callback):
 
 def _shard_bytes(engine: Any) -> int:
     """This rank's master and working shards (one tensor in fp32, where they are the same)."""
-    tensors = {id(t): t for t in (engine.master_storage, getattr(engine.sharded, "working_shard", None))
+    tensors = {id(t): t for t in (engine.master_storage, engine.working_shard)
                if t is not None}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

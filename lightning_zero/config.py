@@ -12,8 +12,10 @@ from difflib import get_close_matches
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
+from lightning_zero.engine.stages import STAGES, all_policies
+
 #: Stages this version implements.
-SUPPORTED_STAGES = (1, 2, 3)
+SUPPORTED_STAGES = STAGES
 
 #: ``reduce_bucket_size=None`` (the default) picks ``clamp(Ψ / AUTO_BUCKET_FRACTION, MIN, MAX)`` elements per bucket
 #: for an optimizer of Ψ parameters: see :func:`auto_bucket_elements`.
@@ -206,8 +208,9 @@ def _check_stage(stage: object) -> None:
         raise TypeError(f"`stage` must be an int (1, 2 or 3), got {stage!r}.")
     if stage not in SUPPORTED_STAGES:
         raise ValueError(
-            f"ZeRO has no stage {stage}. Pick one of {list(SUPPORTED_STAGES)} (1: optimizer states, 2: + gradients, "
-            "3: + parameters), e.g. `ZeroStrategy(stage=2)` or `strategy='zero2'`."
+            f"ZeRO has no stage {stage}. Pick one of {list(SUPPORTED_STAGES)} ("
+            + ", ".join(f"{p.stage}: {p.partitions}" for p in all_policies())
+            + "), e.g. `ZeroStrategy(stage=2)` or `strategy='zero2'`."
         )
 
 

@@ -13,9 +13,10 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_zero.engine.stages import all_policies
 from lightning_zero.engine.memory import BYTES_PER_PARAM, expected_model_state_bytes, expected_offload_bytes
 
-STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+STRATEGIES = {"ddp": 0, **{policy.name: policy.stage for policy in all_policies()}}
 #: Columns of the offload tables: ``(stage, offload_params)``, all with ``offload_optimizer=True``.
 OFFLOADED = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero3+params": (3, True)}
 PRECISIONS = tuple(BYTES_PER_PARAM)

@@ -96,8 +96,7 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
     """Load the model part of ``checkpoint`` (from :func:`read`) into this rank's shards, then refresh the working
     parameters (and the gathered units of stage 3)."""
     for sharded in engine.optimizers:  # a host master may be the host parameter shard an upload still reads
-        if sharded.sharded is not None:
-            sharded.sharded.settle()
+        sharded.settle()
     dest = model_shards(engine.module, engine.optimizers, full_copies=True)
     if is_directory(checkpoint):
         load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True)

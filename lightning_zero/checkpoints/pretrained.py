@@ -204,8 +204,7 @@ def fill_shards(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: A
     """
     gc.collect()  # construction can leave whole units in reference cycles: free them before reading more
     for engine in engines:  # a host master may be the host parameter shard an upload still reads (params.py)
-        if engine.sharded is not None:
-            engine.sharded.settle()
+        engine.settle()
     dest = model_shards(root, list(engines), full_copies=True)
     done: set[int] = set()
     with torch.no_grad():

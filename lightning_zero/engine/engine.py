@@ -53,9 +53,11 @@ from lightning_zero.stage3.materialize import (
 )
 from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
 from lightning_zero.engine.offload import fused_hint
+from lightning_zero.engine.flat import FlatShardedOptimizer
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
 from lightning_zero.engine.stages import policy_for
+from lightning_zero.stage3.partitioned import PartitionedOptimizer
 from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units
 
 
@@ -88,6 +90,8 @@ class ZeroEngine:
         self.policy = policy_for(self.config.stage)
         self.precision = precision if isinstance(precision, PrecisionMode) else PrecisionMode(precision)
         self.device = device if device is not None else _default_device()
+        if recording is not None:
+            recording.keep(module)  # before the precision converts the module (see [Note: record and replay])
         self.module = self.precision.convert_module(module)
         if shard_groups is None:
             size = self.config.shard_group_size
@@ -105,8 +109,6 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ setup
     def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
-        if recording is not None:
-            recording.keep(self.module)
         self.activations = activations_from_config(self.module, self.config)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
@@ -161,7 +163,7 @@ class ZeroEngine:
                         if p_unit == unit and id(p) not in managed:
                             p.data = p.detach().clone()
             for sharded in self.optimizers:
-                if sharded.sharded is not None and unit in sharded.sharded.buffers:
+                if sharded.has_unit(unit):
                     sharded.fill_unit(unit)
             for holder in holders:
                 holder.release_unit(unit)
@@ -183,7 +185,8 @@ class ZeroEngine:
     def _make_sharded(self, optimizer: Optimizer, whole_params: Optional[bool] = None) -> ShardedOptimizer:
         """The shards of ``optimizer``; it borrows the parameters the ones made before it already hold."""
         unit_of = self.unit_plan.unit if self.policy.shards_params else None
-        return ShardedOptimizer(optimizer, self.policy, self.config, self.precision.working_dtype,
+        kind = PartitionedOptimizer if self.policy.shards_params else FlatShardedOptimizer
+        return kind(optimizer, self.policy, self.config, self.precision.working_dtype,
                                 self.precision.master_dtype, self.device, module=self.module, unit_of=unit_of,
                                 unit_names=self.unit_plan.names, owners=list(self.optimizers),
                                 whole_params=whole_params, groups=self.shard_groups)

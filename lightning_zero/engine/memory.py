@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.engine.stages import STAGES
 
 #: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.
 BYTES_PER_PARAM = {"32-true": (4, 4, 8), "bf16-mixed": (2, 2, 12), "16-mixed": (2, 2, 12), "bf16-true": (2, 2, 4)}
@@ -85,7 +86,7 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     engines: list[ShardedOptimizer] = [e for e in (getattr(o, "_zero_engine", None) for o in optimizers) if e]
     counter = _Counter()
     master = counter.bytes(e.master_storage for e in engines)
-    params = counter.bytes([p for p in module.parameters()] + [e.sharded.working_shard for e in engines if e.sharded])
+    params = counter.bytes([p for p in module.parameters()] + [e.working_shard for e in engines])
     host_grads = [e.host_grads.buffer for e in engines if e.host_grads is not None]
     grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in engines]
                           + [m.grad for e in engines for m in e.masters] + host_grads)
@@ -95,7 +96,7 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     buffers = counter.bytes(module.buffers())
     comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in engines)  # freed before a step
     offloaded = [e for e in engines if e.host_grads is not None]
-    host_shards = [e.sharded.working_shard for e in engines if e.sharded is not None and e.sharded.offloaded]
+    host_shards = [e.working_shard for e in engines if e.params_offloaded]
     host = _Counter().bytes([e.master_storage for e in offloaded] + host_grads + host_shards + [
         v for e in offloaded for st in e.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)])
     return ModelStateBytes(params, grads, master, states, buffers, comm, host)
@@ -131,8 +132,8 @@ def expected_offload_bytes(num_params: int, world_size: int, stage: int, precisi
     ``4Ψ/N`` fp32) too; where it has the master's dtype and both are on the host it *is* the host master (no extra
     host bytes), and without ``offload_optimizer`` such a master stays on the device for the device's step.
     """
-    if stage not in (1, 2, 3):
-        raise ValueError(f"Offload needs a ZeRO stage (1, 2 or 3), got {stage}.")
+    if stage not in STAGES:
+        raise ValueError(f"Offload needs a ZeRO stage {STAGES}, got {stage}.")
     if offload_params and stage != 3:
         raise ValueError(f"`offload_params` needs stage 3, got stage {stage}.")
     psi, n = float(num_params), float(world_size)

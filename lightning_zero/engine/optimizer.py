@@ -7,13 +7,6 @@ an elementwise optimizer (SGD, Adam, AdamW, ...) gets one flat master tensor per
 optimizer (Adafactor, unknown classes) gets the whole parameters this rank owns, shaped as the parameters. Its state
 (``exp_avg`` ...) is therefore created for the shard only: the 12Ψ/N of the paper.
 
-[Note: working parameters are views of one flat buffer]
-The managed parameters become views of one flat buffer in the working dtype (16-bit under mixed precision), in the
-order of :mod:`lightning_zero.engine.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights and
-user references keep working. After the step, each rank writes its updated chunk into the buffer and one all-gather
-per bucket refreshes everybody's copy in place. When the master dtype equals the working dtype (``32-true``,
-``bf16-true``) the master shard *is* this rank's chunk of the buffer: no second copy.
-
 [Note: gradients live until zero_grad]
 As under DDP, the reduced gradients stay (in the gradient shard) until ``zero_grad()``: a second optimizer can step
 on the same backward, and a backward without ``zero_grad`` accumulates into them. ``zero_grad()`` clears them, which
@@ -30,7 +23,7 @@ shared by several optimizers] in ``sharing.py``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -49,12 +42,19 @@ from lightning_zero.engine.optimizer_support import (
     step_in_pieces,
     zero_subclass,
 )
-from lightning_zero.stage3.params import ShardedParams
 from lightning_zero.engine.sharing import borrowed_slots, split_members
 from lightning_zero.engine.stages import StagePolicy
 
+
 class ShardedOptimizer:
-    """Installs ZeRO on one user optimizer: layout, flat working buffer, master shard, gradient reducer.
+    """Installs ZeRO on one user optimizer: layout, master shard, gradient reducer, and the step on the shard.
+
+    [Note: two storages, one step]
+    What differs between the stages is where the working parameters live, so that is what the two subclasses hold:
+    :class:`~lightning_zero.engine.flat.FlatShardedOptimizer` (stages 1 and 2: one full flat working buffer on every
+    rank, refreshed by an all-gather after the step) and :class:`~lightning_zero.stage3.partitioned.PartitionedOptimizer`
+    (stage 3: a working shard, units gathered around their use). Everything else, the layout, the reduction of
+    gradients, the master tensors the user's optimizer steps on, ``zero_grad`` and borrowing, is this class's.
 
     ``owners`` are the engines of earlier optimizers: parameters one of them already holds are borrowed from it,
     not laid out again (see [Note: parameters shared by several optimizers] in ``sharing.py``). ``whole_params``
@@ -109,29 +109,17 @@ class ShardedOptimizer:
             self.bucket_elements,
             whole_params=not is_elementwise(optimizer, config) if whole_params is None else whole_params,
             ready_order=backward_order(self.params, module),
-            units=self.param_units if policy.shards_params else None,
+            units=self.param_units if self.by_units else None,
         )
         self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
         self.slots = plan_master_slots(self.layout, self.rank, [tuple(p.shape) for p in self.params])
         self.device = device
         moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
-        params_moved = config.offload_params and policy.shards_params  # see [Note: offloaded parameter shards]
-        # the working shard doubles as the master where both have one dtype and live on the same side
-        aliased = working_dtype == master_dtype and moved == params_moved
         self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(self.layout.shard_size, master_dtype,
                                                                          device) if moved else None
-        self.flat: Optional[Tensor] = None
-        self.sharded: Optional[ShardedParams] = None
-        if policy.shards_params:  # stage 3: no full buffer; the strategy fills the shards unit by unit
-            self.master_storage = offload.allocate_master(self.layout.shard_size, master_dtype, device, moved)
-            working = self.master_storage if aliased else offload.allocate_master(
-                self.layout.shard_size, working_dtype, device, params_moved)
-            self.sharded = ShardedParams(self.layout, self.params, self.rank, working, group, device, params_moved)
-        else:
-            self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=device)
-            self.master_storage = None if aliased else offload.allocate_master(self.layout.shard_size, master_dtype,
-                                                                               device, moved)
-            self._fill_from_params()
+        self.master_storage: Optional[Tensor] = None
+        """The master shard (``None`` where the working shard doubles as the master: stages 1 and 2, one dtype)."""
+        self._make_storage(working_dtype, master_dtype, moved, config)
         self.slot_sources: list[ShardedOptimizer] = [self] * len(self.slots)
         """The engine whose shard each slot's ``start`` refers to (``self``, or the owner of borrowed parameters)."""
         for source, slot in borrowed_slots(self.members, members.owned, group_of, self.sources[1:]):
@@ -140,7 +128,7 @@ class ShardedOptimizer:
         self.masters = [source._master_view(s) for source, s in zip(self.slot_sources, self.slots)]
         self.reducer = GradientReducer(
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
-            unit_names if policy.shards_params else (),
+            unit_names if self.by_units else (),
         )
         if self.host_grads is not None:
             self.host_grads.follow(self.reducer)
@@ -149,8 +137,53 @@ class ShardedOptimizer:
         self._overflow = False
         self.uninstalled = False
         self._install_into(optimizer)
-        if policy.shards_grads and not policy.shards_params:
+        if policy.grad_hooks_at_setup:
             self.install_grad_hooks()
+
+    by_units: ClassVar[bool] = False
+    """Whether the layout follows stage 3's units (each bucket within one unit)."""
+
+    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
+                      config: ZeroConfig) -> None:
+        """Make the working storage and ``master_storage`` (see [Note: two storages, one step])."""
+        raise NotImplementedError
+
+    def _master_view(self, slot: MasterSlot) -> Tensor:
+        """The master tensor of ``slot``: a view of this engine's master shard (or of the working buffer)."""
+        raise NotImplementedError
+
+    def refresh_working(self) -> None:
+        """Bring the master shard's values to the working parameters (after a step, or a checkpoint load)."""
+        raise NotImplementedError
+
+    def gather_full_master(self) -> Tensor:
+        """Every rank gets the full flat buffer in the master dtype (a collective; used to hand fp32 weights back)."""
+        assert self.master_storage is not None
+        full = torch.zeros(self.layout.total, dtype=self.master_storage.dtype, device=self.device)
+        for bucket in self.layout.buckets:
+            b0, b1 = self.layout.bucket_range(bucket)
+            c0, _ = self.layout.chunk_range(bucket, self.rank)
+            chunk = self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
+            full[c0 : c0 + bucket.chunk_size].copy_(chunk)
+            collectives.all_gather(full[b0:b1], full[c0 : c0 + bucket.chunk_size], group=self.group)
+        return full
+
+    def _hand_back(self, gather: bool) -> None:
+        """At uninstall: give the parameters full storage again (``gather``), or leave none dangling."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """Wait for copies still reading host memory that a step or load is about to write (stage 3 offload)."""
+
+    @property
+    def working_shard(self) -> Optional[Tensor]:
+        """Stage 3's persistent working shard (``None`` for the flat buffer of stages 1 and 2)."""
+        return None
+
+    @property
+    def params_offloaded(self) -> bool:
+        """Whether the working shard lives in host memory (``offload_params``)."""
+        return False
 
     def install_grad_hooks(self) -> None:
         """Stages 2 and 3: hand each gradient to the reducer as soon as it is accumulated, then drop ``.grad``.
@@ -160,17 +193,6 @@ class ShardedOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ setup
-    def _fill_from_params(self) -> None:
-        """Copy the parameters into the flat buffer and the master shard, then make them views of the buffer."""
-        assert self.flat is not None
-        if self.master_storage is not None:
-            self._copy_pieces(self.layout.buckets, self.master_storage)
-        with torch.no_grad():
-            for p, offset in zip(self.params, self.layout.offsets):
-                view = self.flat[offset : offset + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
-
     def _copy_pieces(self, buckets: list[Bucket], shard: Tensor) -> None:
         """Write this rank's pieces of the (full) parameters in ``buckets`` into a shard-shaped tensor."""
         with torch.no_grad():
@@ -179,20 +201,6 @@ class ShardedOptimizer:
                     values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
                     at = bucket.shard_offset + pc.chunk_offset
                     shard[at : at + pc.length].copy_(values)
-
-    def _master_view(self, slot: MasterSlot) -> Tensor:
-        if self.master_storage is not None:
-            return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
-        assert self.flat is not None
-        start = self._flat_offset(slot.start)
-        return self.flat[start : start + slot.length].view(slot.shape)
-
-    def _flat_offset(self, shard_offset: int) -> int:
-        """Where a position of this rank's shard lies in the flat buffer."""
-        for bucket in self.layout.buckets:
-            if bucket.shard_offset <= shard_offset < bucket.shard_offset + bucket.chunk_size:
-                return self.layout.chunk_range(bucket, self.rank)[0] + shard_offset - bucket.shard_offset
-        raise IndexError(shard_offset)
 
     def _install_into(self, optimizer: Optimizer) -> None:
         for g, group in enumerate(optimizer.param_groups):
@@ -211,7 +219,7 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ step
     def finish_backward(self) -> None:
         """End of one backward pass: stage 2 launches the partly filled buckets and waits for all of them."""
-        if self.policy.shards_grads and not self.uninstalled:
+        if self.policy.reduces_in_backward and not self.uninstalled:
             self.reducer.flush(force=True)
             self.reducer.wait()
 
@@ -227,8 +235,7 @@ class ShardedOptimizer:
             return self._overflow
         self._prepared = True
         for source in self.sources:  # the step may write a host master that is also the host parameter shard
-            if source.sharded is not None:
-                source.sharded.settle()
+            source.settle()
         shards = {id(source): source.reduce_grads() for source in self.sources}
         for slot, master, source in zip(self.slots, self.masters, self.slot_sources):
             grad = shards[id(source)][slot.start : slot.start + slot.length].view(slot.shape)
@@ -239,14 +246,14 @@ class ShardedOptimizer:
     def reduce_grads(self) -> Tensor:
         """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
         which keeps the sum until :meth:`zero_grad` (with ``offload_optimizer``: its host copy, see ``offload.py``)."""
-        if not self.policy.shards_grads:
+        if not self.policy.reduces_in_backward:
             for j in self._flat_order:
                 p = self.params[j]
                 if p.grad is not None:
                     self.reducer.add_grad(j, p.grad)
                     p.grad = None
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
-        shard = self.reducer.finalize(force=not self.policy.shards_grads)
+        shard = self.reducer.finalize(force=not self.policy.reduces_in_backward)
         self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
         return shard if self.host_grads is None else self.host_grads.ready()
 
@@ -277,39 +284,6 @@ class ShardedOptimizer:
             for source in self.sources:
                 source.refresh_working()
 
-    def refresh_working(self) -> None:
-        """Bring the master shard's values to the working parameters (after a step, or a checkpoint load)."""
-        if self.sharded is not None:
-            self.sharded.settle()
-            if self.sharded.working_shard is not self.master_storage:
-                with torch.no_grad():
-                    self.sharded.working_shard.copy_(self.master_storage)
-        else:
-            self._gather_params()
-
-    # ------------------------------------------------------------------ stage 3
-    def fill_unit(self, unit: int) -> None:
-        """Stage 3: shard ``unit``'s materialized parameters into the master and working shards, then free them."""
-        assert self.sharded is not None and self.master_storage is not None
-        buckets = self.layout.unit_buckets(unit)
-        self._copy_pieces(buckets, self.master_storage)
-        if self.sharded.working_shard is not self.master_storage:
-            self._copy_pieces(buckets, self.sharded.working_shard)
-        self.sharded.attach_views(unit)
-        self.sharded.release(unit)
-
-    def gather_unit(self, unit: int) -> list[Any]:
-        """Stage 3: all-gather ``unit`` (asynchronous work handles)."""
-        return self.sharded.gather(unit) if self.sharded is not None else []
-
-    def release_unit(self, unit: int) -> None:
-        """Stage 3: free ``unit``'s gathered memory."""
-        if self.sharded is not None:
-            self.sharded.release(unit)
-
-    def unit_numel(self, unit: int) -> int:
-        return self.sharded.unit_numel(unit) if self.sharded is not None else 0
-
     def zero_grad(self) -> None:
         """Drop the gradients of every parameter of the optimizer: master grads, stage 1's full ``.grad`` and the
         reduced gradients, here and, for borrowed parameters, in their owners' shards (no communication)."""
@@ -336,40 +310,13 @@ class ShardedOptimizer:
             self.params[j].grad = None
         self.reducer.clear_params(indices)
 
-    def _gather_params(self) -> None:
-        assert self.flat is not None
-        works = []
-        with torch.no_grad():
-            for bucket in self.layout.buckets:
-                c0, c1 = self.layout.chunk_range(bucket, self.rank)
-                if self.master_storage is not None:
-                    self.flat[c0:c1].copy_(self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size])
-                b0, b1 = self.layout.bucket_range(bucket)
-                works.append(collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group, async_op=True))
-            for work in works:
-                collectives.wait(work, "all-gather the updated parameters")
-
-    # ------------------------------------------------------------------ teardown
-    def gather_full_master(self) -> Tensor:
-        """Every rank gets the full flat buffer in the master dtype (used to hand fp32 weights back after fit)."""
-        if self.master_storage is None:
-            assert self.flat is not None
-            return self.flat
-        full = torch.zeros(self.layout.total, dtype=self.master_storage.dtype, device=self.device)
-        for bucket in self.layout.buckets:
-            b0, b1 = self.layout.bucket_range(bucket)
-            c0, _ = self.layout.chunk_range(bucket, self.rank)
-            chunk = self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
-            full[c0 : c0 + bucket.chunk_size].copy_(chunk)
-            collectives.all_gather(full[b0:b1], full[c0 : c0 + bucket.chunk_size], group=self.group)
-        return full
-
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (the shards stay as they are)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
+    # ------------------------------------------------------------------ teardown
     def uninstall(self, gather: bool = True) -> None:
         """Remove the hooks and, with ``gather`` (a collective), give the parameters their full fp32 storage back.
 
@@ -381,21 +328,17 @@ class ShardedOptimizer:
             return
         self.uninstalled = True
         self.remove_hooks()
-        if not gather:
-            if self.sharded is not None:  # stage 3: never leave a view of freed storage behind (reading it crashes)
-                for p in self.params:
-                    p.data = p.new_empty(0)
-            return
-        for m in self.masters:
-            m.grad = None
-        self.clear_grads(None)
-        self.reducer.release_buffers()
+        if gather:
+            for m in self.masters:
+                m.grad = None
+            self.clear_grads(None)
+            self.reducer.release_buffers()
+        self._hand_back(gather)
+
+    def _full_values_back(self) -> None:
+        """Make every parameter a view of the full master buffer (the gathered fp32 values)."""
         if any(p.is_meta for p in self.params):
             return  # setup failed before the parameters were materialized: nothing to hand back
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
             p.data = full[offset : offset + p.numel()].view_as(p)
-        if self.sharded is not None:
-            for unit in list(self.sharded.buffers):
-                self.sharded.release(unit)
-

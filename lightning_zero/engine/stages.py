@@ -1,7 +1,9 @@
-"""One small policy object per ZeRO stage.
+"""One policy object per ZeRO stage, and the one list of stages.
 
-The rest of the package asks a policy questions (``shards_grads``, ``shards_params``) instead of comparing stage
-numbers, so adding a stage means adding a policy, not editing ``if stage == ...`` branches.
+The rest of the package asks a policy questions (``reduces_in_backward``, ``shards_params``, ``grad_hooks_at_setup``)
+instead of comparing stage numbers or combining flags, so adding a stage means adding a policy here. Every list of
+stages (the options' check, the registered strategy names, the memory table, the estimate) comes from
+:data:`STAGES`.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StagePolicy:
-    """What one ZeRO stage partitions across the data-parallel ranks."""
+    """What one ZeRO stage partitions across the data-parallel ranks, and what follows from it."""
 
     stage: int
     """The stage number, for messages and checkpoints."""
-    shards_optimizer_states: bool
-    """Each rank keeps the fp32 master weights and optimizer states of its shard only."""
-    shards_grads: bool
-    """Gradients are reduce-scattered into per-rank shards during backward and the full ``.grad`` is released."""
+    partitions: str
+    """What it partitions, in words (help texts)."""
+    reduces_in_backward: bool
+    """Gradients are reduce-scattered into per-rank shards as backward produces them and the full ``.grad`` is
+    released (stages 2 and 3); stage 1 keeps full gradients until the step."""
     shards_params: bool
     """Parameters are kept as shards and gathered around their use (stage 3)."""
 
@@ -27,14 +30,30 @@ class StagePolicy:
         """The registered strategy name, e.g. ``"zero2"``."""
         return f"zero{self.stage}"
 
+    @property
+    def grad_hooks_at_setup(self) -> bool:
+        """Whether the gradient hooks go on when the optimizer is set up: stage 2. Stage 3 installs them once its
+        parameters are materialized (materialization swaps tensors, hooks and all); stage 1 has none."""
+        return self.reduces_in_backward and not self.shards_params
+
 
 _POLICIES = {
-    1: StagePolicy(stage=1, shards_optimizer_states=True, shards_grads=False, shards_params=False),
-    2: StagePolicy(stage=2, shards_optimizer_states=True, shards_grads=True, shards_params=False),
-    3: StagePolicy(stage=3, shards_optimizer_states=True, shards_grads=True, shards_params=True),
+    1: StagePolicy(stage=1, partitions="optimizer states", reduces_in_backward=False, shards_params=False),
+    2: StagePolicy(stage=2, partitions="optimizer states and gradients", reduces_in_backward=True,
+                   shards_params=False),
+    3: StagePolicy(stage=3, partitions="optimizer states, gradients and parameters", reduces_in_backward=True,
+                   shards_params=True),
 }
+
+#: The stages this version implements.
+STAGES: tuple[int, ...] = tuple(_POLICIES)
 
 
 def policy_for(stage: int) -> StagePolicy:
     """Return the policy of ``stage``; the stage number must already be validated by :class:`ZeroConfig`."""
     return _POLICIES[stage]
+
+
+def all_policies() -> tuple[StagePolicy, ...]:
+    """Every stage's policy, in stage order."""
+    return tuple(_POLICIES.values())

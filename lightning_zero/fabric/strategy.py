@@ -53,7 +53,7 @@ from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.engine import ZeroEngine, sharded_construction
 from lightning_zero.engine.host_memory import release_freed_memory
 from lightning_zero.stage3.materialize import move_materialized
-from lightning_zero.engine.stages import policy_for
+from lightning_zero.engine.stages import all_policies, policy_for
 from lightning_zero.trainer.checkpoints import STORAGE_OPTIONS_ERROR
 
 #: Where ``fabric.save`` records the names of the module and optimizer entries (see the note above).
@@ -450,9 +450,9 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (1, 2, 3):
+        for policy in all_policies():
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 strategy_registry.register(
-                    f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
-                    override=True, stage=stage, start_method=start_method,
+                    f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
+                    description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
                 )

@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_zero.engine import collectives
 from lightning_zero.stage3.construction import Recording
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.stage3.partitioned import PartitionedOptimizer
 from lightning_zero.engine.faults import fault_point
 from lightning_zero.engine.shutdown import GUARD
 from lightning_zero.stage3.units import ROOT, UnitPlan
@@ -168,7 +168,7 @@ def broadcast_module_states(module: torch.nn.Module) -> None:
             collectives.broadcast(tensor.data, src=0)
 
 
-def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
+def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
                    device: torch.device, recording: Optional[Recording] = None) -> None:
     """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model]).
 
@@ -185,7 +185,7 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedO
         engine.install_grad_hooks()
 
 
-def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[ShardedOptimizer],
+def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
                     device: torch.device, recording: Optional[Recording]) -> None:
     managed = {id(p) for engine in engines for p in engine.params}
     for unit in range(1, len(plan.names)):
@@ -210,7 +210,7 @@ def _broadcast(tensors: list[torch.Tensor]) -> None:
             collectives.broadcast(tensor.data, src=0)
 
 
-def _fill(engines: Sequence[ShardedOptimizer], unit: int) -> None:
+def _fill(engines: Sequence[PartitionedOptimizer], unit: int) -> None:
     for engine in engines:
-        if engine.sharded is not None and unit in engine.sharded.buffers:
+        if engine.has_unit(unit):
             engine.fill_unit(unit)

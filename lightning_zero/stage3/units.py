@@ -30,13 +30,16 @@ unit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine import collectives
+
+if TYPE_CHECKING:
+    from lightning_zero.stage3.partitioned import PartitionedOptimizer
 
 ROOT = 0
 
@@ -137,7 +140,7 @@ class _UnitState:
 class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
-    def __init__(self, plan: UnitPlan, engines: list[Any], prefetch_size: int) -> None:
+    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int) -> None:
         self.plan = plan
         self.engines = engines
         self.prefetch_size = prefetch_size
@@ -164,7 +167,7 @@ class UnitRuntime:
         if not state.gathered:
             state.pending = [w for engine in self.engines for w in engine.gather_unit(unit)]
             state.gathered = True
-            live = sum(engine.sharded.gathered_bytes for engine in self.engines if engine.sharded is not None)
+            live = sum(engine.gathered_bytes for engine in self.engines)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         if wait and state.pending:
             for work in state.pending:

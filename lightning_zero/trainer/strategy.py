@@ -39,7 +39,7 @@ from lightning_zero.stage3.materialize import drop_meta
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.engine.shutdown import GUARD
-from lightning_zero.engine.stages import policy_for
+from lightning_zero.engine.stages import all_policies, policy_for
 from lightning_zero.trainer.checkpoints import CheckpointHooks
 from lightning_zero.trainer.steps import StepHooks
 from lightning_zero.stage3.units import UnitRuntime
@@ -284,9 +284,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in (1, 2, 3):
+        for policy in all_policies():
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 strategy_registry.register(
-                    f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage}, start method '{start_method}'",
-                    override=True, stage=stage, start_method=start_method,
+                    f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
+                    description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
                 )

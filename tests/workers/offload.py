@@ -51,9 +51,10 @@ class HostBufferProbe(L.Callback):
         if engine.host_grads is None:
             return  # offload_params alone: ParamShardProbe checks it
         working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
-        sharded = engine.sharded
-        device_shard = sharded.working_shard if sharded and not sharded.offloaded else None  # a host shard may alias
-        for t in (engine.flat, device_shard, engine.reducer.grad_shard, *(sharded.buffers.values() if sharded else ())):
+        sharded = getattr(engine, "sharded", None)  # stage 3's parameter storage
+        device_shard = engine.working_shard if not engine.params_offloaded else None  # a host shard may alias
+        for t in (getattr(engine, "flat", None), device_shard, engine.reducer.grad_shard,
+                  *(sharded.buffers.values() if sharded else ())):
             if t is not None:
                 working.add(t.untyped_storage().data_ptr())
         working.discard(0)  # freed unit buffers

@@ -136,8 +136,8 @@ def run(source: str, strategy: str, when: str) -> dict[str, Any]:
     engines = engines or trainer.strategy.engines
     shard_bytes = sum(e.master_storage.numel() * e.master_storage.element_size() for e in engines
                       if e.master_storage is not None)
-    shard_bytes += sum(e.sharded.working_shard.numel() * e.sharded.working_shard.element_size() for e in engines
-                       if e.sharded is not None and e.sharded.working_shard is not e.master_storage)
+    shard_bytes += sum(e.working_shard.numel() * e.working_shard.element_size() for e in engines
+                       if e.working_shard is not None and e.working_shard is not e.master_storage)
     return {"logits": model.logits, "loss": model.loss, "memory": model.memory, "shard_bytes": shard_bytes}
 
 

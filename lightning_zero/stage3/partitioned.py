@@ -1,0 +1,97 @@
+"""Stage 3: the optimizer's parameters are partitioned too; each rank keeps a working shard and gathers units around
+their use (see [Note: two storages, one step] in ``optimizer.py`` and [Note: stage 3 storage] in ``params.py``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine import offload
+from lightning_zero.engine.layout import MasterSlot
+from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.stage3.params import ShardedParams
+
+
+class PartitionedOptimizer(ShardedOptimizer):
+    """Stage 3: a master shard, a working shard (the same tensor where dtype and place agree) and unit buffers."""
+
+    by_units: ClassVar[bool] = True
+
+    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
+                      config: ZeroConfig) -> None:
+        params_moved = config.offload_params  # see [Note: offloaded parameter shards] in params.py
+        size = self.layout.shard_size
+        self.master_storage = offload.allocate_master(size, master_dtype, self.device, offload_optimizer)
+        # the working shard doubles as the master where both have one dtype and live on the same side
+        aliased = working_dtype == master_dtype and offload_optimizer == params_moved
+        working = self.master_storage if aliased else offload.allocate_master(size, working_dtype, self.device,
+                                                                              params_moved)
+        self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
+                                     params_moved)
+        """The working shard and the per-unit gather buffers; the engine fills them unit by unit."""
+
+    @property
+    def working_shard(self) -> Optional[Tensor]:
+        return self.sharded.working_shard
+
+    @property
+    def params_offloaded(self) -> bool:
+        return self.sharded.offloaded
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of unit buffers gathered right now."""
+        return self.sharded.gathered_bytes
+
+    def _master_view(self, slot: MasterSlot) -> Tensor:
+        assert self.master_storage is not None
+        return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
+
+    def settle(self) -> None:
+        self.sharded.settle()
+
+    def refresh_working(self) -> None:
+        """Cast the updated master shard into the working shard (the runtime gathers again what is gathered)."""
+        self.sharded.settle()
+        if self.sharded.working_shard is not self.master_storage:
+            with torch.no_grad():
+                self.sharded.working_shard.copy_(self.master_storage)
+
+    # ------------------------------------------------------------------ units
+    def has_unit(self, unit: int) -> bool:
+        """Whether this optimizer holds parameters of ``unit``."""
+        return unit in self.sharded.buffers
+
+    def fill_unit(self, unit: int) -> None:
+        """Shard ``unit``'s materialized (or gathered) parameters into the master and working shards, then make
+        them views of the unit's buffer and free it."""
+        assert self.master_storage is not None
+        buckets = self.layout.unit_buckets(unit)
+        self._copy_pieces(buckets, self.master_storage)
+        if self.sharded.working_shard is not self.master_storage:
+            self._copy_pieces(buckets, self.sharded.working_shard)
+        self.sharded.attach_views(unit)
+        self.sharded.release(unit)
+
+    def gather_unit(self, unit: int) -> list[Any]:
+        """All-gather ``unit`` (asynchronous work handles)."""
+        return self.sharded.gather(unit)
+
+    def release_unit(self, unit: int) -> None:
+        """Free ``unit``'s gathered memory."""
+        self.sharded.release(unit)
+
+    def unit_numel(self, unit: int) -> int:
+        return self.sharded.unit_numel(unit)
+
+    def _hand_back(self, gather: bool) -> None:
+        if not gather:  # never leave a view of freed storage behind (reading it crashes)
+            for p in self.params:
+                p.data = p.new_empty(0)
+            return
+        self._full_values_back()
+        for unit in list(self.sharded.buffers):
+            self.sharded.release(unit)
