@@ -34,6 +34,14 @@ if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
 
 Writer = Literal["trainer", "fabric", "engine"]
+#: Why the Trainer's and Fabric's ``save`` refuse ``storage_options``.
+STORAGE_OPTIONS_ERROR = (
+    "ZeRO does not take `storage_options`: no rank holds the whole model, so the checkpoint is not handed to a "
+    "CheckpointIO; every rank writes its own pieces with torch.distributed.checkpoint (with "
+    "`state_dict_type='full'`, rank 0 writes one file with torch.save). Save without `storage_options`, on a path "
+    "every rank can reach; to store it elsewhere, copy the directory (or the full file) afterwards."
+)
+
 #: Keys of a checkpoint dict that belong to the format, not to the user's own entries.
 INTERNAL_KEYS = (KEY, "state_dict", "optimizer_states")
 

@@ -28,15 +28,8 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -45,16 +38,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import collectives
-from lightning_zero.checkpoints import engine_state as engine_checkpoint
-from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode
-from lightning_zero.config import ZeroConfig, check_option_names, process_group_timeout, resolve_shard_group_size
-from lightning_zero.stage3.construction import Recording
+from lightning_zero.checkpoints import engine_state
+from lightning_zero.checkpoints.engine_state import STORAGE_OPTIONS_ERROR
+from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode, UsesPrecisionMode
+from lightning_zero.config import ZeroConfig, check_option_names
+from lightning_zero.fabric.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.engine import ZeroEngine, sharded_construction
-from lightning_zero.engine.host_memory import release_freed_memory
 from lightning_zero.stage3.materialize import move_materialized
-from lightning_zero.engine.stages import all_policies, policy_for
-from lightning_zero.trainer.checkpoints import STORAGE_OPTIONS_ERROR
 
 #: Where ``fabric.save`` records the names of the module and optimizer entries (see the note above).
 FABRIC_NAMES = "fabric_names"
@@ -62,7 +53,7 @@ FABRIC_NAMES = "fabric_names"
 PRECISION_KEY = "ZeroPrecision"
 
 
-class ZeroFabricPrecision(Precision):
+class ZeroFabricPrecision(UsesPrecisionMode, Precision):
     """Fabric's precision plugin for :class:`ZeroFabricStrategy` (the numerics are :class:`PrecisionMode`'s).
 
     Inputs and outputs are cast as Fabric's own ``MixedPrecision`` / ``HalfPrecision`` cast them.
@@ -75,20 +66,12 @@ class ZeroFabricPrecision(Precision):
         self.device_type = device_type
 
     @override
-    def convert_module(self, module: Module) -> Module:
-        return self.mode.convert_module(module)
-
-    @override
     def tensor_init_context(self) -> AbstractContextManager:
         return _DtypeContextManager(self.mode.working_dtype) if self.precision == "bf16-true" else nullcontext()
 
     @override
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self.mode.forward_context(self.device_type)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -101,14 +84,6 @@ class ZeroFabricPrecision(Precision):
         if self.precision == "32-true":
             return data
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.mode.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.mode.load_state_dict(state_dict)
 
 
 def to_fabric_precision(plugin: Precision, device_type: str) -> ZeroFabricPrecision:
@@ -134,7 +109,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return nullcontext()
 
 
-class ZeroFabricStrategy(ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     """ZeRO under Lightning Fabric: ``Fabric(strategy="zero2")``, or ``Fabric(strategy=ZeroFabricStrategy(...))``.
 
     Args:
@@ -156,25 +131,16 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: StartMethod = "popen",
         **options: Any,
     ) -> None:
         check_option_names(options)
         self.config = ZeroConfig(stage=stage, **options)
-        self.policy = policy_for(stage)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        self._init_processes(stage, process_group_backend, timeout, start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = process_group_timeout(timeout)
-        self._start_method = start_method
         self._backward_sync_control = _ZeroBackwardSyncControl()
-        self.engine: Optional[ZeroEngine] = None
-        self._recording: Optional[Recording] = None
-        self.shard_groups = collectives.ShardGroups()
-        """The process groups the engine shards over and replicates across (made in :meth:`setup_environment`)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -190,12 +156,6 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._precision = None if precision is None else to_fabric_precision(precision, device_type)
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -203,47 +163,15 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def shard_group_size(self) -> int:
-        """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
-        per_node = max(1, self.num_processes)
-        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
-                                        self.num_nodes)
-
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self.shard_group_size  # a bad `shard_group_size` fails before any process starts
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = self._make_launcher(_SubprocessScriptLauncher, _MultiProcessingLauncher)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.root_device.type == "cpu":
-            release_freed_memory(self.config.host_mmap_threshold)
-        reset_seed()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
+        self._start_distributed()
         self.precision.device_type = self.root_device.type
 
     # ------------------------------------------------------------------ setup
@@ -365,11 +293,11 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         for key, obj in state.items():
             if isinstance(obj, Module):
                 self._check_module(obj)
-                checkpoint["state_dict"] = engine_checkpoint.model_state(engine)
+                checkpoint["state_dict"] = engine_state.model_state(engine)
                 names["model"] = key
             elif isinstance(obj, Optimizer):
                 index = engine.optimizers.index(engine.sharded(obj))
-                states[index] = engine_checkpoint.optimizer_state(engine, obj)
+                states[index] = engine_state.optimizer_state(engine, obj)
                 names["optimizers"][key] = index
             else:
                 checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
@@ -383,7 +311,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
                              "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
         checkpoint[PRECISION_KEY] = self.precision.state_dict()
         checkpoint[FABRIC_NAMES] = names
-        engine_checkpoint.save(engine, checkpoint, Path(path), writer="fabric")
+        engine_state.save(engine, checkpoint, Path(path), writer="fabric")
 
     @override
     def load_checkpoint(self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
@@ -395,13 +323,13 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             return load_full_checkpoint(path) if path.is_dir() else torch.load(path, map_location="cpu",
                                                                                 weights_only=bool(weights_only))
         engine = self._engine()
-        checkpoint = engine_checkpoint.read(path)
+        checkpoint = engine_state.read(path)
         if isinstance(state, Module):
             self._check_module(state)
-            engine_checkpoint.load_model(engine, checkpoint, strict)
+            engine_state.load_model(engine, checkpoint, strict)
             return {}
         if isinstance(state, Optimizer):
-            engine_checkpoint.load_one_optimizer(engine, state, checkpoint)
+            engine_state.load_one_optimizer(engine, state, checkpoint)
             return {}
         return self._restore(engine, checkpoint, state, strict)
 
@@ -420,9 +348,9 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
                            "Pass `strict=False` to load what is there.")
         for key in modules:
             self._check_module(state[key])
-            engine_checkpoint.load_model(engine, checkpoint, strict)
+            engine_state.load_model(engine, checkpoint, strict)
         if optimizers:
-            engine_checkpoint.load_optimizers(engine, checkpoint)
+            engine_state.load_optimizers(engine, checkpoint)
         self.precision.load_state_dict(checkpoint.get(PRECISION_KEY, {}))
         for key in others:
             if key in checkpoint:
@@ -431,7 +359,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
                     obj.load_state_dict(checkpoint[key])
                 else:
                     state[key] = checkpoint[key]
-        used = set(engine_checkpoint.INTERNAL_KEYS) | set(others) | {FABRIC_NAMES, PRECISION_KEY}
+        used = set(engine_state.INTERNAL_KEYS) | set(others) | {FABRIC_NAMES, PRECISION_KEY}
         return {key: value for key, value in checkpoint.items()
                 if key not in used and key not in (names["model"], *names["optimizers"])}
 
@@ -446,13 +374,3 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if self.engine is not None:
             self.engine.teardown(gather=True)
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for policy in all_policies():
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-                strategy_registry.register(
-                    f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
-                    description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
-                )

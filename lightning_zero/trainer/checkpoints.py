@@ -16,17 +16,9 @@ from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoints import engine_state as engine_checkpoint
+from lightning_zero.checkpoints import engine_state
+from lightning_zero.checkpoints.engine_state import STORAGE_OPTIONS_ERROR
 from lightning_zero.checkpoints.storage import KEY
-
-#: Refusal of ``storage_options``, shared with the Fabric strategy.
-STORAGE_OPTIONS_ERROR = (
-    "ZeRO does not take `storage_options`: no rank holds the whole model, so the checkpoint is not handed to a "
-    "CheckpointIO; every rank writes its own pieces with torch.distributed.checkpoint (with "
-    "`state_dict_type='full'`, rank 0 writes one file with torch.save). Save without `storage_options`, on a path "
-    "every rank can reach; to store it elsewhere, copy the directory (or the full file) afterwards."
-)
-
 
 class CheckpointHooks:
     """Sharded (a directory, every rank writes its pieces) or full (one file on rank 0) checkpoints for ZeroStrategy.
@@ -42,18 +34,18 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return engine_checkpoint.model_state(self.engine)
+        return engine_state.model_state(self.engine)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return engine_checkpoint.optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer))
+        return engine_state.optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
             raise TypeError(STORAGE_OPTIONS_ERROR)
-        engine_checkpoint.save(self.engine, checkpoint, Path(filepath), writer="trainer")
+        engine_state.save(self.engine, checkpoint, Path(filepath), writer="trainer")
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -66,7 +58,7 @@ class CheckpointHooks:
         and the tensors are read later, straight into this rank's shards."""
         if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta = engine_checkpoint.read(Path(checkpoint_path))
+        meta = engine_state.read(Path(checkpoint_path))
         if meta[KEY].get("writer") == "fabric":
             # Fabric's loop state is the user's own entries: the Trainer's loops start afresh, with no schedulers
             meta.setdefault("lr_schedulers", [])
@@ -75,8 +67,8 @@ class CheckpointHooks:
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        engine_checkpoint.load_model(self.engine, checkpoint, strict)
+        engine_state.load_model(self.engine, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        engine_checkpoint.load_optimizers(self.engine, checkpoint)
+        engine_state.load_optimizers(self.engine, checkpoint)

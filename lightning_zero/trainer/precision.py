@@ -8,24 +8,22 @@ the order of one optimizer step is :meth:`ZeroEngine.step`'s (see [Note: the ord
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode
+from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode, UsesPrecisionMode
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
 
 
-class ZeroPrecision(Precision):
+class ZeroPrecision(UsesPrecisionMode, Precision):
     """Precision plugin for :class:`~lightning_zero.ZeroStrategy`.
 
     Args:
@@ -44,31 +42,9 @@ class ZeroPrecision(Precision):
         self.engine: Optional["ZeroEngine"] = None
         """Set by the strategy at setup."""
 
-    @property
-    def scaler(self) -> Optional[LossScaler]:
-        return self.mode.scaler
-
-    @property
-    def working_dtype(self) -> torch.dtype:
-        """dtype of the parameters the model computes with."""
-        return self.mode.working_dtype
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        """dtype of the weights and states the optimizer steps on."""
-        return self.mode.master_dtype
-
-    @override
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return self.mode.convert_module(module)
-
     @override
     def convert_input(self, data: Any) -> Any:
         return self.mode.convert_input(data)
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self.mode.forward_context(self.device_type)
 
     @override
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
@@ -93,14 +69,6 @@ class ZeroPrecision(Precision):
             self._engine().clip_grad_value(clip_val, optimizer)
         elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             self._engine().clip_grad_norm(clip_val, optimizer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.mode.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.mode.load_state_dict(state_dict)
 
     def _engine(self) -> "ZeroEngine":
         if self.engine is None:

@@ -1,5 +1,6 @@
-"""``ZeroStrategy``: the only module that knows Lightning's strategy API. It registers ``zero1``, ``zero2``, ``zero3``
-and their ``_spawn`` variants, and wires the engine into Lightning's precision, optimizer and checkpoint lifecycle."""
+"""``ZeroStrategy``: the Trainer's adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`. It registers
+``zero1``, ``zero2``, ``zero3`` and their ``_spawn`` / ``_fork`` variants, makes the engine at setup and wires it into
+Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``, ``steps.py``, ``checkpoints.py``)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,31 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.engine import collectives
 from lightning_zero.engine.activations import ActivationCheckpointing
-from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.config import ZeroConfig, check_option_names, process_group_timeout, resolve_shard_group_size
-from lightning_zero.stage3.construction import Recording
 from lightning_zero.engine.engine import ZeroEngine, sharded_construction
-from lightning_zero.engine.host_memory import release_freed_memory
-from lightning_zero.stage3.materialize import drop_meta
 from lightning_zero.engine.optimizer import ShardedOptimizer
-from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.engine.shutdown import GUARD
-from lightning_zero.engine.stages import all_policies, policy_for
-from lightning_zero.trainer.checkpoints import CheckpointHooks
-from lightning_zero.trainer.steps import StepHooks
+from lightning_zero.fabric.processes import StartMethod, ZeroProcesses
+from lightning_zero.stage3.materialize import drop_meta
 from lightning_zero.stage3.units import UnitRuntime
+from lightning_zero.trainer.checkpoints import CheckpointHooks
+from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
+from lightning_zero.trainer.steps import StepHooks
 
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-
-
-class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
+class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
     Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` (``"zero2_spawn"`` to launch with ``spawn``), or
@@ -83,22 +73,12 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
     ) -> None:
         check_option_names(options)
         self.config = ZeroConfig(stage=stage, **options)
-        self.policy = policy_for(stage)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        self._init_processes(stage, process_group_backend, timeout, start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._process_group_backend = process_group_backend
-        self._timeout = process_group_timeout(timeout)
-        self._start_method = start_method
         self.num_nodes = 1
-        self.engine: Optional[ZeroEngine] = None
-        """The engine of the last setup (see ``engine.py``); it stays after teardown for ``save_checkpoint``."""
-        self._recording: Optional[Recording] = None
         self._ranks_in_step = True
-        self.shard_groups = collectives.ShardGroups()
-        """The process groups the engines shard over and replicate across (made in :meth:`setup_environment`)."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -127,67 +107,20 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         self._accelerator = accelerator
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
     def is_distributed(self) -> bool:
         """Tells Lightning's connector to use a ``DistributedSampler`` (custom strategies must say so)."""
         return True
 
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
-    def shard_group_size(self) -> int:
-        """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
-        per_node = max(1, self.num_processes)
-        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
-                                        self.num_nodes)
-
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self.shard_group_size  # a bad `shard_group_size` fails before any process starts
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = self._make_launcher(_SubprocessScriptLauncher, _MultiProcessingLauncher)
 
     @override
     def setup_environment(self) -> None:
         GUARD.install()  # see [Note: signals act at agreed step boundaries] in shutdown.py
         super().setup_environment()
-        if self.root_device.type == "cpu":
-            release_freed_memory(self.config.host_mmap_threshold)
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
-
-    def set_world_ranks(self) -> None:
-        """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        self._start_distributed()
 
     # ------------------------------------------------------------------ setup
     @property
@@ -279,14 +212,3 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for policy in all_policies():
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-                strategy_registry.register(
-                    f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
-                    description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
-                )

@@ -1,0 +1,112 @@
+"""What the Trainer's and Fabric's strategies share: this process's place in the job, its launcher, the process
+group and its shard groups, and the registered names.
+
+It lives with the Fabric adapter because Lightning's Trainer builds on Fabric the same way: ``ZeroStrategy`` and
+``ZeroFabricStrategy`` both list :class:`ZeroProcesses` before Lightning's ``ParallelStrategy`` (the Trainer's and
+Fabric's are different classes with the same process API).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+
+from lightning_zero.config import ZeroConfig, process_group_timeout, resolve_shard_group_size
+from lightning_zero.engine import collectives
+from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.engine.host_memory import release_freed_memory
+from lightning_zero.engine.stages import all_policies, policy_for
+from lightning_zero.stage3.construction import Recording
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ZeroProcesses:
+    """Mixin of both strategies; they set ``config`` from their options, then call :meth:`_init_processes`."""
+
+    config: ZeroConfig
+
+    def _init_processes(self, stage: int, process_group_backend: Optional[str],
+                        timeout: Optional[Union[float, timedelta]], start_method: StartMethod) -> None:
+        if start_method not in START_METHODS:
+            raise ValueError(f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got "
+                             f"{start_method!r}.")
+        self.policy = policy_for(stage)
+        self._process_group_backend = process_group_backend
+        self._timeout = process_group_timeout(timeout)
+        self._start_method = start_method
+        self.engine: Optional[ZeroEngine] = None
+        """The engine of the last setup (see ``engine/engine.py``); it stays after teardown for saving."""
+        self._recording: Optional[Recording] = None
+        self.shard_groups = collectives.ShardGroups()
+        """The process groups the engine shards over and replicates across (made with the process group)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def shard_group_size(self) -> int:
+        """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
+        per_node = max(1, self.num_processes)
+        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
+                                        self.num_nodes)
+
+    def _make_launcher(self, script_launcher: type, multiprocessing_launcher: type) -> Any:
+        """Lightning's script launcher (``popen``) or its multiprocessing launcher; a bad ``shard_group_size``
+        fails here, before any process starts."""
+        assert self.cluster_environment is not None
+        self.shard_group_size  # noqa: B018 - validates
+        if self._start_method == "popen":
+            return script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        return multiprocessing_launcher(self, start_method=self._start_method)
+
+    def _start_distributed(self) -> None:
+        """After Lightning's ``setup_environment``: the allocator setting, the seed, this process's ranks, the process
+        group and the shard groups."""
+        if self.root_device.type == "cpu":
+            release_freed_memory(self.config.host_mmap_threshold)
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``zero1``, ``zero2``, ``zero3`` and their ``_spawn`` / ``_fork`` variants."""
+        for policy in all_policies():
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                strategy_registry.register(
+                    f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
+                    description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
+                )
