@@ -1,11 +1,11 @@
 """ddp, zero1-3, FSDP2 and DeepSpeed side by side: the same GPT, data, seed, optimizer (AdamW) and process count.
 
-    python benchmarks/compare.py --world-sizes 1 2 4 --sizes small medium --steps 10 --repeats 3 \\
+    python -m benchmarks.compare --world-sizes 1 2 4 --sizes small medium --steps 10 --repeats 3 \\
         --out benchmarks/results/                          # tables, JSON and plot
-    python benchmarks/compare.py --fit-budget 2GiB --world-sizes 2   # largest model each strategy fits
-    python benchmarks/compare.py --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
+    python -m benchmarks.compare --fit-budget 2GiB --world-sizes 2   # largest model each strategy fits
+    python -m benchmarks.compare --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
 
-Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``compare_worker.py``, one process
+Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``benchmarks._worker``, one process
 per rank with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, ``OMP_NUM_THREADS`` = cores // N), so each peak memory is
 its own. The strategies of one repeat run back to back and the repeats rotate their order, so slow phases of a
 shared machine spread over all strategies and show as the range of the repeats. FSDP2 and DeepSpeed are optional:
@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
-from benchmarks.gpt import SIZES, GPTSize  # noqa: E402
-from benchmarks.peers import missing  # noqa: E402
-from benchmarks.probes import threads_per_rank  # noqa: E402
+from benchmarks import _report as report
+from benchmarks._model import SIZES, GPTSize
+from benchmarks._peers import missing
+from benchmarks._probes import threads_per_rank
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed1", "deepspeed2", "deepspeed3"]
 
@@ -62,7 +61,7 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
             if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
                 env.pop("MALLOC_MMAP_THRESHOLD_")
             logs.append(open(out / f"rank{rank}.log", "w"))
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_worker.py"), str(out), json.dumps(cfg)]
+            cmd = [sys.executable, "-m", "benchmarks._worker", str(out), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
         try:
             for p in procs:

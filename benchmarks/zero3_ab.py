@@ -1,7 +1,7 @@
-"""Interleaved A/B launches of ``compare_worker.py`` on a shared machine: variants of zero3 (options, environment)
+"""Interleaved A/B launches of ``benchmarks._worker`` on a shared machine: variants of zero3 (options, environment)
 against DDP, each variant once per round, the rounds rotating their order; medians and ranges at the end.
 
-    python benchmarks/zero3_ab.py --rounds 3 --variants ddp zero3 zero3:prefetch_size=0 zero3:overlap_comm=False \\
+    python -m benchmarks.zero3_ab --rounds 3 --variants ddp zero3 zero3:prefetch_size=0 zero3:overlap_comm=False \\
         zero3+OMP_NUM_THREADS=2
 
 A variant is ``strategy[:option=value,...][+ENV=value,...]``; option values are Python literals.
@@ -13,17 +13,13 @@ import argparse
 import ast
 import os
 import statistics
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare import run_config  # noqa: E402
-from benchmarks.gpt import SIZES  # noqa: E402
+from benchmarks.compare import run_config
+from benchmarks._model import SIZES
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, str]]:

@@ -1,9 +1,9 @@
-"""One rank of one ``compare.py`` configuration: train :class:`benchmarks.gpt.BenchGPT` under one strategy and
-write what was measured to ``OUT/rank{r}.json``.
+"""One rank of one GPT benchmark launch (``benchmarks.compare.run_config``): train
+:class:`benchmarks._model.BenchGPT` under one strategy and write what was measured to ``OUT/rank{r}.json``.
 
-    python benchmarks/compare_worker.py OUT '{"strategy": "zero2", "size": {...}, "steps": 8, "warmup": 3}'
+    python -m benchmarks._worker OUT '{"strategy": "zero2", "size": {...}, "steps": 8, "warmup": 3}'
 
-Started by ``compare.py`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank, as torchrun would),
+Started by ``benchmarks.compare.run_config`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank, as torchrun would),
 so Lightning sees an externally launched job. Strategies: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp2``,
 ``deepspeed1``, ``deepspeed2``, ``deepspeed3``. ``"profile": true`` also writes rank 0's ``torch.profiler`` table.
 """
@@ -19,9 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import probes  # noqa: E402
+from benchmarks import _probes as probes
 
 probes.count_collectives()  # before lightning_zero, Lightning or DeepSpeed bind the collectives (see probes.py)
 
@@ -29,8 +27,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import peers  # noqa: E402
-from benchmarks.gpt import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
+from benchmarks import _peers as peers  # noqa: E402
+from benchmarks._model import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -62,7 +60,7 @@ class Probe(L.Callback):
 
 
 class PhaseProbe(L.Callback):
-    """The resident high-water mark of each phase of ``fit`` (CPU only; see [Note: phases] in ``probes.py``)."""
+    """The resident high-water mark of each phase of ``fit`` (CPU only; see [Note: phases] in ``_probes.py``)."""
 
     def __init__(self, baseline: int) -> None:
         self.baseline = baseline
