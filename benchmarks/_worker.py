@@ -3,9 +3,10 @@
 
     python -m benchmarks._worker OUT '{"strategy": "zero2", "size": {...}, "steps": 8, "warmup": 3}'
 
-Started by ``benchmarks.compare.run_config`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank, as torchrun would),
-so Lightning sees an externally launched job. Strategies: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp2``,
-``deepspeed1``, ``deepspeed2``, ``deepspeed3``. ``"profile": true`` also writes rank 0's ``torch.profiler`` table.
+Started by ``benchmarks.compare.run_config`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank,
+as torchrun would), so Lightning sees an externally launched job. Strategies: ``ddp``, ``zero1``, ``zero2``,
+``zero3``, ``fsdp2``, ``deepspeed1``, ``deepspeed2``, ``deepspeed3``. ``"profile": true`` also writes rank 0's
+``torch.profiler`` table.
 """
 
 from __future__ import annotations

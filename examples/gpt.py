@@ -120,7 +120,7 @@ class Architecture:
 
 
 class GPT(L.LightningModule):
-    """A GPT: a token embedding tied to the head (by default), a position table owned by the module itself, ``n_layer`` blocks.
+    """A GPT: a token embedding tied to the head (by default), a position table of its own, ``n_layer`` blocks.
 
     The one GPT of the project: the tests and the benchmarks subclass it (their data, optimizer and sizes).
     ``meta_init`` builds the network in ``configure_model`` instead of ``__init__`` (the way to train models larger
