@@ -109,7 +109,7 @@ def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str,
 
 def _strategy(name: str, world_size: int, bucket: Optional[int], options: Optional[dict[str, Any]] = None) -> Any:
     """The strategy object; ``bucket`` (elements) overrides ddp's and ZeRO's bucket size, else their defaults;
-    ``options`` are extra ``ZeroStrategy`` arguments (A/B runs of ``zero3_ab.py``)."""
+    ``options`` are extra ``ZeroStrategy`` arguments (a variant of ``benchmarks.compare``)."""
     if name == "ddp":
         extra = {} if bucket is None else {"bucket_cap_mb": bucket * 4 / 2**20}
         return probes.counted_ddp_strategy(**extra)

@@ -4,7 +4,7 @@ lightning-zero's sharded directories, for a ~20M-parameter GPT on gloo ranks of 
     python -m benchmarks.checkpoint_io                        # width 512, depth 6 (~19M params), 2 ranks
     python -m benchmarks.checkpoint_io --world-size 4 --width 384
 
-Each strategy is its own launch (tests/workers/checkpoint_io.py), so peak memory is its own. Save and resume are
+Each strategy is its own launch (``_checkpoint_rank.py``), so peak memory is its own. Save and resume are
 measured on every rank (the slowest rank and the largest growth are reported); loading for inference and
 consolidation run in a fresh single process each, and report the growth of the peak resident set over the
 process after imports.
@@ -65,7 +65,7 @@ def main() -> None:
         for name in STRATEGIES:
             out = Path(tmp) / name
             out.mkdir()
-            ranks = launch("checkpoint_io.py", args.world_size, out, (name, str(args.width), str(args.depth)),
+            ranks = launch("../../benchmarks/_checkpoint_rank.py", args.world_size, out, (name, str(args.width), str(args.depth)),
                            timeout=900)
             path = ranks[0]["path"]
             files = [Path(path)] if Path(path).is_file() else list(Path(path).iterdir())

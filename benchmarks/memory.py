@@ -11,7 +11,7 @@ DESIGN.md's table. Every (world size, strategy) is its own launch of gloo ranks 
 (tests/workers/measure.py), so that the peak resident memory of each run is its own; same seed, same data.
 
 ``phases``: where the peak resident memory of ``fit`` goes, per phase of a step, for variants of the strategies.
-Each variant (``strategy[:option=value,...][+ENV=value,...]``, as in ``benchmarks.zero3_ab``) is one launch of
+Each variant (``strategy[:option=value,...][+ENV=value,...]``, as in ``benchmarks.compare``) is one launch of
 ``benchmarks._worker`` with its ``PhaseProbe``: the resident high-water mark is read and reset at the Lightning hooks
 between the phases of every step (see [Note: phases] in ``_probes.py``), so each phase's peak above the level before
 ``fit`` is known separately. ``setup`` is everything before the first step (``configure_model``, sharding, the
@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._model import SIZES
-from benchmarks.compare import run_config
-from benchmarks.zero3_ab import environment, parse_variant
+from benchmarks.compare import environment, parse_variant, run_config
 from lightning_zero import expected_model_state_bytes
 from tests.launch import launch
 
