@@ -77,7 +77,7 @@ class BenchGPT(GPT):
 
     def __init__(self, size: GPTSize, samples: int, fused: bool = False, meta_init: bool = True) -> None:
         super().__init__(n_layer=size.depth, n_head=size.heads, n_embd=size.width, context=size.seq, dropout=0.0,
-                         vocab_size=size.vocab, meta_init=meta_init)
+                         vocab_size=size.vocab, meta_init=meta_init, gpt2_init=False)
         self.size = size
         self.samples = samples
         self.fused = fused

@@ -51,7 +51,7 @@ def _model(args: argparse.Namespace) -> Any:
     from examples.gpt import GPT
 
     return GPT(n_layer=args.depth, n_head=args.heads, n_embd=args.width, context=args.seq, dropout=0.1,
-               vocab_size=args.vocab, tied=False)
+               vocab_size=args.vocab, tied=False, gpt2_init=False)
 
 
 class _Run:

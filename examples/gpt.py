@@ -105,6 +105,14 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialization of a linear layer: small normal weights, zero biases."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """The network's shape; kept apart from ``hparams``, which a subclass may replace with its own arguments."""
@@ -117,6 +125,7 @@ class Architecture:
     dropout: float
     checkpointing: bool
     tied: bool
+    gpt2_init: bool
 
 
 class GPT(L.LightningModule):
@@ -126,15 +135,18 @@ class GPT(L.LightningModule):
     ``meta_init`` builds the network in ``configure_model`` instead of ``__init__`` (the way to train models larger
     than one process holds: under zero3 no process ever holds all of it); ``checkpointing`` recomputes each block's
     activations in backward (``torch.utils.checkpoint``); ``tied=False`` gives the head weights of its own;
-    ``vocab_size`` is 256 for byte tokens.
+    ``gpt2_init`` initializes the linear layers as GPT-2 does (``False``: PyTorch's defaults; the embedding and
+    position tables are always GPT-2's); ``vocab_size`` is 256 for byte tokens.
     """
 
     def __init__(self, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, context: int = 64, dropout: float = 0.1,
                  lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30, vocab_size: int = VOCAB_SIZE,
-                 meta_init: bool = False, checkpointing: bool = False, tied: bool = True) -> None:
+                 meta_init: bool = False, checkpointing: bool = False, tied: bool = True,
+                 gpt2_init: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.arch = Architecture(vocab_size, context, n_layer, n_head, n_embd, dropout, checkpointing, tied)
+        self.arch = Architecture(vocab_size, context, n_layer, n_head, n_embd, dropout, checkpointing, tied,
+                                 gpt2_init)
         if not meta_init:
             self._build()
 
@@ -151,6 +163,8 @@ class GPT(L.LightningModule):
         self.lm_head = nn.Linear(s.n_embd, s.vocab_size, bias=False)
         if s.tied:
             self.lm_head.weight = self.wte.weight
+        if s.gpt2_init:
+            self.apply(_init_weights)
         nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's initialization (zero3 replays it when built on meta)
         nn.init.normal_(self.pos, std=0.02)
 

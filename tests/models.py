@@ -156,7 +156,8 @@ class TinyGPT(GPT):
                  meta_init: bool = False, checkpointing: bool = False, dropout: float = 0.0,
                  frozen: bool = False) -> None:
         super().__init__(n_layer=depth, n_head=2, n_embd=width, context=context, dropout=dropout, lr=lr,
-                         vocab_size=VOCAB, meta_init=meta_init, checkpointing=checkpointing)
+                         vocab_size=VOCAB, meta_init=meta_init, checkpointing=checkpointing,
+                         gpt2_init=False)
         self.hparams.clear()  # GPT saved its own arguments too: keep this class's, which load_from_checkpoint passes
         self.save_hyperparameters()
         self.losses: list[float] = []
