@@ -82,7 +82,8 @@ class ShakespeareData(L.LightningDataModule):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention, then an MLP, each added back through dropout."""
+    """A pre-norm transformer block: causal self-attention (dropout on its weights), then an MLP (dropout on its
+    output)."""
 
     def __init__(self, width: int, heads: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
@@ -100,8 +101,9 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.drop(self.proj(attn))
+        p = self.drop.p if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn)
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -158,6 +160,7 @@ class GPT(L.LightningModule):
         s = self.arch
         self.wte = nn.Embedding(s.vocab_size, s.n_embd)
         self.pos = nn.Parameter(torch.zeros(s.context, s.n_embd))
+        self.drop = nn.Dropout(s.dropout)
         self.blocks = nn.ModuleList(Block(s.n_embd, s.n_head, s.dropout) for _ in range(s.n_layer))
         self.ln_f = nn.LayerNorm(s.n_embd)
         self.lm_head = nn.Linear(s.n_embd, s.vocab_size, bias=False)
@@ -169,7 +172,7 @@ class GPT(L.LightningModule):
         nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
+        x = self.drop(self.wte(tokens) + self.pos[: tokens.shape[1]])
         for block in self.blocks:
             if self.arch.checkpointing:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
