@@ -1,10 +1,10 @@
 """Activation memory and step time with and without activation checkpointing (ZeRO-R), one process.
 
-    python benchmarks/activations.py                      # 12-layer GPT, width 192, batch 8 x 128 tokens, CPU
-    python benchmarks/activations.py --depth 24 --width 256 --device cuda
+    python -m benchmarks.activations                      # 12-layer GPT, width 192, batch 8 x 128 tokens, CPU
+    python -m benchmarks.activations --depth 24 --width 256 --device cuda
 
 Every configuration runs in its own subprocess (so its peak resident memory is its own), trains the same GPT-style
-model (tests/models.py's pre-norm ``Block``, untied head) with AdamW for a few steps through
+model (examples/gpt.py's ``GPT``, dropout 0.1, untied head) with AdamW for a few steps through
 ``lightning_zero.engine.activations.checkpoint_blocks`` (the code path ``ZeroStrategy(activation_checkpointing=...)`` uses)
 and reports:
 
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = {
     "none": {},
@@ -48,27 +47,11 @@ def _status(field: str) -> int:
 
 
 def _model(args: argparse.Namespace) -> Any:
-    import torch
-    from torch import nn
+    """The project's GPT (examples/gpt.py) with dropout 0.1 and an untied head, used as a plain module."""
+    from examples.gpt import GPT
 
-    from tests.models import Block
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte = nn.Embedding(args.vocab, args.width)
-            self.pos = nn.Parameter(torch.zeros(args.seq, args.width))
-            self.blocks = nn.ModuleList(Block(args.width, heads=args.heads, dropout=0.1) for _ in range(args.depth))
-            self.ln_f = nn.LayerNorm(args.width)
-            self.head = nn.Linear(args.width, args.vocab, bias=False)
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            x = self.wte(tokens) + self.pos
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    return GPT()
+    return GPT(n_layer=args.depth, n_head=args.heads, n_embd=args.width, context=args.seq, dropout=0.1,
+               vocab_size=args.vocab, tied=False, gpt2_init=False)
 
 
 class _Run:
@@ -184,7 +167,7 @@ def main() -> None:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT))
     results = {}
     for name in list(CONFIGS) + ["timing"]:
-        cmd = [sys.executable, __file__, "--worker", name] + sys.argv[1:]
+        cmd = [sys.executable, "-m", "benchmarks.activations", "--worker", name] + sys.argv[1:]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
     rows = {name: {**results[name], **results["timing"][name]} for name in CONFIGS}

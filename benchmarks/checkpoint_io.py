@@ -1,10 +1,10 @@
 """Checkpoint save/resume/consolidate/inference-load times and peak memory: Lightning's ``ddp`` file against
 lightning-zero's sharded directories, for a ~20M-parameter GPT on gloo ranks of this machine.
 
-    python benchmarks/checkpoint_io.py                        # width 512, depth 6 (~19M params), 2 ranks
-    python benchmarks/checkpoint_io.py --world-size 4 --width 384
+    python -m benchmarks.checkpoint_io                        # width 512, depth 6 (~19M params), 2 ranks
+    python -m benchmarks.checkpoint_io --world-size 4 --width 384
 
-Each strategy is its own launch (tests/workers/checkpoint_io.py), so peak memory is its own. Save and resume are
+Each strategy is its own launch (``_checkpoint_rank.py``), so peak memory is its own. Save and resume are
 measured on every rank (the slowest rank and the largest growth are reported); loading for inference and
 consolidation run in a fresh single process each, and report the growth of the peak resident set over the
 process after imports.
@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from tests.launch import launch  # noqa: E402
+from tests.launch import launch
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 SINGLE = r"""
@@ -66,7 +65,7 @@ def main() -> None:
         for name in STRATEGIES:
             out = Path(tmp) / name
             out.mkdir()
-            ranks = launch("checkpoint_io.py", args.world_size, out, (name, str(args.width), str(args.depth)),
+            ranks = launch("../../benchmarks/_checkpoint_rank.py", args.world_size, out, (name, str(args.width), str(args.depth)),
                            timeout=900)
             path = ranks[0]["path"]
             files = [Path(path)] if Path(path).is_file() else list(Path(path).iterdir())
@@ -77,9 +76,9 @@ def main() -> None:
                 "inference": single("lightning" if name == "ddp" else "zero", path, args.width, args.depth),
                 "consolidate": None if name == "ddp" else single("consolidate", path, args.width, args.depth),
             }
-    import torch  # noqa: E402 - only for the parameter count
+    import torch
 
-    from tests.models import TinyGPT  # noqa: E402
+    from tests.models import TinyGPT
 
     psi = sum(p.numel() for p in TinyGPT(width=args.width, depth=args.depth).parameters())
     print(f"GPT width {args.width} depth {args.depth}: {psi:,} parameters (fp32 weights {psi * 4 / mib:.1f} MiB, "

@@ -1,21 +1,26 @@
 """ddp, zero1-3, FSDP2 and DeepSpeed side by side: the same GPT, data, seed, optimizer (AdamW) and process count.
 
-    python benchmarks/compare.py --world-sizes 1 2 4 --sizes small medium --steps 10 --repeats 3 \\
+    python -m benchmarks.compare --world-sizes 1 2 4 --sizes small medium --steps 10 --repeats 3 \\
         --out benchmarks/results/                          # tables, JSON and plot
-    python benchmarks/compare.py --fit-budget 2GiB --world-sizes 2   # largest model each strategy fits
-    python benchmarks/compare.py --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
+    python -m benchmarks.compare --fit-budget 2GiB --world-sizes 2   # largest model each strategy fits
+    python -m benchmarks.compare --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
+    python -m benchmarks.compare --world-sizes 2 --sizes medium --repeats 3 --steps 6 --warmup 2 \\
+        --strategies ddp zero3 zero3:prefetch_size=0 zero3:overlap_comm=False zero3+OMP_NUM_THREADS=2   # A/B
 
-Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``compare_worker.py``, one process
+Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``benchmarks._worker``, one process
 per rank with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, ``OMP_NUM_THREADS`` = cores // N), so each peak memory is
 its own. The strategies of one repeat run back to back and the repeats rotate their order, so slow phases of a
 shared machine spread over all strategies and show as the range of the repeats. FSDP2 and DeepSpeed are optional:
-a peer that cannot run here is skipped with the reason. Outputs in ``--out``: ``compare.md``, ``compare.json``,
+a peer that cannot run here is skipped with the reason. A strategy may be a variant,
+``strategy[:option=value,...][+ENV=value,...]``: extra ``ZeroStrategy`` options (Python literals) and environment
+variables for its launches only, for interleaved A/B runs of options on a shared machine. Outputs in ``--out``: ``compare.md``, ``compare.json``,
 ``compare.png`` (with matplotlib), ``profiles/`` (with ``--profile``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -25,16 +30,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
-from benchmarks.gpt import SIZES, GPTSize  # noqa: E402
-from benchmarks.peers import missing  # noqa: E402
-from benchmarks.probes import threads_per_rank  # noqa: E402
+from benchmarks import _report as report
+from benchmarks._model import SIZES, GPTSize
+from benchmarks._peers import missing
+from benchmarks._probes import threads_per_rank
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed1", "deepspeed2", "deepspeed3"]
 
@@ -43,6 +48,30 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """``zero3:prefetch_size=0+FOO=1`` to ``("zero3", {"prefetch_size": 0}, {"FOO": "1"})``."""
+    head, _, env_text = text.partition("+")
+    strategy, _, opt_text = head.partition(":")
+    options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opt_text.split(",") if o)}
+    env = dict(e.split("=", 1) for e in env_text.split(",") if e)
+    return strategy, options, env
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set, as it was again afterwards (the launched ranks inherit it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optional[Path] = None) -> dict[str, Any]:
@@ -62,7 +91,7 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
             if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
                 env.pop("MALLOC_MMAP_THRESHOLD_")
             logs.append(open(out / f"rank{rank}.log", "w"))
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_worker.py"), str(out), json.dumps(cfg)]
+            cmd = [sys.executable, "-m", "benchmarks._worker", str(out), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
         try:
             for p in procs:
@@ -105,15 +134,18 @@ def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[st
             for size_name, size in sizes.items():
                 shift = repeat % len(args.strategies)
                 for strategy in args.strategies[shift:] + args.strategies[:shift]:
-                    cfg = {"strategy": strategy, "size": size.__dict__, "steps": args.steps, "warmup": args.warmup,
+                    name, options, env = parse_variant(strategy)
+                    cfg = {"strategy": name, "size": size.__dict__, "steps": args.steps, "warmup": args.warmup,
                            "bucket": args.bucket, "gpu": args.gpu, "precision": args.precision,
-                           "profile": args.profile}
+                           "profile": args.profile, "options": options}
                     t0 = time.perf_counter()
-                    rec = run_config(cfg, world_size, args.timeout, keep)
+                    with environment(env):
+                        rec = run_config(cfg, world_size, args.timeout, keep)
                     rec.update(strategy=strategy, world_size=world_size, size_name=size_name, repeat=repeat,
                                params=size.num_params())
                     status = rec.get("skipped") or rec.get("error") or (
-                        f"median step {sorted(rec['step_times'])[len(rec['step_times']) // 2] * 1e3:.0f} ms")
+                        f"median step {sorted(rec['step_times'])[len(rec['step_times']) // 2] * 1e3:.0f} ms, "
+                        f"loss {rec['loss']:.6f}, collectives {rec['comm_calls']}")
                     print(f"[{repeat}] N={world_size} {size_name} {strategy}: {status} "
                           f"({time.perf_counter() - t0:.0f}s)", flush=True)
                     records.append(rec)
@@ -125,7 +157,8 @@ def fit(args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
     world_size = args.world_sizes[0]
     results = []
     for strategy in args.strategies:
-        reason = missing(strategy)
+        name, options, env = parse_variant(strategy)
+        reason = missing(name)
         if reason:
             results.append({"strategy": strategy, "error": reason})
             continue
@@ -133,9 +166,10 @@ def fit(args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
 
         def fits(width: int) -> bool:
             size = GPTSize(width=width, depth=args.fit_depth, seq=args.fit_seq, batch=1)
-            cfg = {"strategy": strategy, "size": size.__dict__, "steps": 1, "warmup": 0, "bucket": args.bucket,
-                   "gpu": args.gpu, "precision": args.precision}
-            rec = run_config(cfg, world_size, args.timeout)
+            cfg = {"strategy": name, "size": size.__dict__, "steps": 1, "warmup": 0, "bucket": args.bucket,
+                   "gpu": args.gpu, "precision": args.precision, "options": options}
+            with environment(env):
+                rec = run_config(cfg, world_size, args.timeout)
             probes[width] = None if "error" in rec else rec["peak_growth"]
             ok = probes[width] is not None and probes[width] <= budget
             print(f"fit {strategy} N={world_size} width {width}: {probes[width]} bytes -> {ok}", flush=True)
@@ -177,7 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
-    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, metavar="STRATEGY",
+                        help=f"{', '.join(STRATEGIES)}, or a variant: strategy[:option=value,...][+ENV=value,...]")
     parser.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="launches of every configuration (interleaved)")
@@ -194,6 +229,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    unknown = [s for s in args.strategies if parse_variant(s)[0] not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}: use {', '.join(STRATEGIES)}, optionally with :options or +ENV")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.fit_budget:

@@ -1,7 +1,7 @@
 """Host memory and time of zero3's sharded construction (record ``configure_model``, replay unit by unit), per rank.
 
-    python benchmarks/construction.py                       # HF GPT-2 small (124M parameters), 2 ranks
-    python benchmarks/construction.py --layers 24 --width 1024 --world-size 4
+    python -m benchmarks.construction                       # HF GPT-2 small (124M parameters), 2 ranks
+    python -m benchmarks.construction --layers 24 --width 1024 --world-size 4
 
 Each rank builds a Hugging Face GPT-2 (random init from a config, nothing downloaded) in ``configure_model`` under
 ``ZeroStrategy(stage=3)`` and reports its peak resident memory growth from before ``fit`` to the end of setup
@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.launch import launch  # noqa: E402
+from tests.launch import launch
 
 MIB = 2**20
 
@@ -29,7 +27,7 @@ MIB = 2**20
 def eager_seconds(layers: int, width: int) -> float:
     import transformers
 
-    from benchmarks.construction_worker import config
+    from benchmarks._construction_rank import config
 
     start = time.perf_counter()
     transformers.AutoModelForCausalLM.from_config(config(layers, width))
@@ -43,7 +41,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        ranks = launch("../../benchmarks/construction_worker.py", args.world_size, Path(out),
+        ranks = launch("../../benchmarks/_construction_rank.py", args.world_size, Path(out),
                        (str(args.layers), str(args.width)), timeout=1800)
     eager = eager_seconds(args.layers, args.width)
     print("| rank | parameters | full model (MiB) | shard (MiB) | largest unit (MiB) | peak RSS growth to end of setup "

@@ -1,8 +1,8 @@
 """gloo's collectives on one buffer: why ``lightning_zero.engine.collectives`` runs reduce-scatter and all-gather as
 all-reduces on CPU (see its [Note: reduce-scatter and all-gather on gloo]).
 
-    python benchmarks/gloo_collectives.py --elements 23000000 --world-size 2 --repeats 5
-    python benchmarks/gloo_collectives.py --elements 25000000 --world-size 4 --repeats 3 --bucket-sweep
+    python -m benchmarks.gloo_collectives --elements 23000000 --world-size 2 --repeats 5
+    python -m benchmarks.gloo_collectives --elements 25000000 --world-size 4 --repeats 3 --bucket-sweep
 
 ``--bucket-sweep`` instead times the all-reduce of the whole buffer cut into buckets of 25M, 4M, 1M, 500K, 250K and
 100K elements (all launched asynchronously, then waited for, as the gradient reducer does): the per-call cost that
@@ -97,8 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

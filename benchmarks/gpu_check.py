@@ -1,7 +1,7 @@
 """The GPU paths on one CUDA device: NCCL at world size 1, every precision, ddp and zero1-3 side by side.
 
-    python benchmarks/gpu_check.py --width 1024 --depth 8 --steps 30
-    python benchmarks/gpu_check.py --strategies ddp zero2 zero2+offload zero3 zero3+offload   # ZeRO-Offload too
+    python -m benchmarks.gpu_check --width 1024 --depth 8 --steps 30
+    python -m benchmarks.gpu_check --strategies ddp zero2 zero2+offload zero3 zero3+offload   # ZeRO-Offload too
 
 For each (precision, strategy): loss after the last step, median step time, peak ``torch.cuda.max_memory_allocated``
 and the model-state bytes measured after a backward (on the device, and in host memory with ``+offload``, i.e.
@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from lightning_zero import ZeroStrategy, measure_model_states  # noqa: E402
-from train_tiny import CharLM, char_dataset  # noqa: E402
+from lightning_zero import ZeroStrategy, measure_model_states
+from examples.train_tiny import CharLM, char_dataset
 
 warnings.filterwarnings("ignore")
 

@@ -1,9 +1,9 @@
 """ZeRO-Offload measured: the CPU optimizer step against the memory-bandwidth bound, and whole training steps with and
 without ``offload_optimizer`` (and, under zero3, ``offload_params``) for a GPT of a chosen size.
 
-    python benchmarks/offload.py --params 25M --threads 1                 # the CPU step alone
-    python benchmarks/offload.py --sizes small --strategies zero2 zero3   # + training steps, 2 CPU ranks
-    python benchmarks/offload.py --sizes medium --gpu --world-size 1      # on a GPU: the device step vs offloaded
+    python -m benchmarks.offload --params 25M --threads 1                 # the CPU step alone
+    python -m benchmarks.offload --sizes small --strategies zero2 zero3   # + training steps, 2 CPU ranks
+    python -m benchmarks.offload --sizes medium --gpu --world-size 1      # on a GPU: the device step vs offloaded
 
 [Note: the bound of the CPU step]
 AdamW reads the weight, the gradient and the two moments and writes the weight and the moments back: 7 fp32 values,
@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare import run_config  # noqa: E402
-from benchmarks.gpt import SIZES  # noqa: E402
-from lightning_zero.estimate import human_bytes, parse_count  # noqa: E402
+from benchmarks.compare import run_config
+from benchmarks._model import SIZES
+from lightning_zero.estimate import human_bytes, parse_count
 
 ADAM_BYTES = 28
 PIECE = 4_000_000  # elements per tensor the optimizer sees (the largest default bucket)
@@ -103,7 +99,7 @@ OFFLOADS = (("no", {}), ("optimizer", {"offload_optimizer": True}),
 
 def training_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Whole steps of the benchmark GPT without offload, with ``offload_optimizer``, and under zero3 with
-    ``offload_params`` alone and with both (compare_worker.py's probes). Runs that offload the optimizer step with
+    ``offload_params`` alone and with both (benchmarks/_worker.py's probes). Runs that offload the optimizer step with
     fused AdamW (what the strategy recommends), the others with the foreach kernels. With ``--deepspeed``, DeepSpeed's
     ZeRO-Offload at the same stage (its ``DeepSpeedCPUAdam``) runs beside each."""
     rows = []

@@ -10,11 +10,15 @@ is ``import lightning_zero``, which registers ``strategy: zero1 | zero2 | zero3`
 ``lightning-zero fit --model examples.gpt.GPT --data examples.gpt.ShakespeareData ...`` runs the same.)
 
 Tokens are the text's UTF-8 bytes, so the model needs no vocabulary file and any text file can be the corpus.
+
+:class:`GPT` is also the one GPT of the tests (``tests/models.py``) and the benchmarks (``benchmarks/_model.py``),
+which import it as ``examples.gpt`` from the repository root.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,69 +82,120 @@ class ShakespeareData(L.LightningDataModule):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention, then an MLP."""
+    """A pre-norm transformer block: causal self-attention (dropout on its weights), then an MLP (dropout on its
+    output)."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, width: int, heads: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
-        self.ln1 = nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
-                                 nn.Dropout(dropout))
+        self.heads = heads
+        self.drop = nn.Dropout(dropout)  # no parameters: the state-dict keys do not depend on it
+        self.ln1 = nn.LayerNorm(width)
+        # No qkv bias: the key bias has an exactly zero gradient (softmax ignores a constant added to every score),
+        # so Adam would turn pure rounding noise into lr-sized steps.
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(batch, time, 3, self.n_head, width // self.n_head).transpose(1, 3).unbind(2)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                   dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, time, width))
-        return x + self.mlp(self.ln2(x))
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
+        p = self.drop.p if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn)
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 def _init_weights(module: nn.Module) -> None:
-    """GPT-2's initialization: small normal weights, zero biases."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    """GPT-2's initialization of a linear layer: small normal weights, zero biases."""
+    if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The network's shape; kept apart from ``hparams``, which a subclass may replace with its own arguments."""
+
+    vocab_size: int
+    context: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float
+    checkpointing: bool
+    tied: bool
+    gpt2_init: bool
 
 
 class GPT(L.LightningModule):
-    """A GPT: token and position embeddings, ``n_layer`` blocks, a head tied to the token embedding."""
+    """A GPT: a token embedding tied to the head (by default), a position table of its own, ``n_layer`` blocks.
+
+    The one GPT of the project: the tests and the benchmarks subclass it (their data, optimizer and sizes).
+    ``meta_init`` builds the network in ``configure_model`` instead of ``__init__`` (the way to train models larger
+    than one process holds: under zero3 no process ever holds all of it); ``checkpointing`` recomputes each block's
+    activations in backward (``torch.utils.checkpoint``); ``tied=False`` gives the head weights of its own;
+    ``gpt2_init`` initializes the linear layers as GPT-2 does (``False``: PyTorch's defaults; the embedding and
+    position tables are always GPT-2's); ``vocab_size`` is 256 for byte tokens.
+    """
 
     def __init__(self, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, context: int = 64, dropout: float = 0.1,
-                 lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30) -> None:
+                 lr: float = 3e-3, weight_decay: float = 0.1, warmup_steps: int = 30, vocab_size: int = VOCAB_SIZE,
+                 meta_init: bool = False, checkpointing: bool = False, tied: bool = True,
+                 gpt2_init: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.tok_emb = nn.Embedding(VOCAB_SIZE, n_embd)
-        self.pos_emb = nn.Embedding(context, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
-        self.head.weight = self.tok_emb.weight
-        self.apply(_init_weights)
+        self.arch = Architecture(vocab_size, context, n_layer, n_head, n_embd, dropout, checkpointing, tied,
+                                 gpt2_init)
+        if not meta_init:
+            self._build()
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "blocks"):
+            self._build()
+
+    def _build(self) -> None:
+        s = self.arch
+        self.wte = nn.Embedding(s.vocab_size, s.n_embd)
+        self.pos = nn.Parameter(torch.zeros(s.context, s.n_embd))
+        self.drop = nn.Dropout(s.dropout)
+        self.blocks = nn.ModuleList(Block(s.n_embd, s.n_head, s.dropout) for _ in range(s.n_layer))
+        self.ln_f = nn.LayerNorm(s.n_embd)
+        self.lm_head = nn.Linear(s.n_embd, s.vocab_size, bias=False)
+        if s.tied:
+            self.lm_head.weight = self.wte.weight
+        if s.gpt2_init:
+            self.apply(_init_weights)
+        nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's initialization (zero3 replays it when built on meta)
+        nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        x = self.drop(self.wte(tokens) + self.pos[: tokens.shape[1]])
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+            if self.arch.checkpointing:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Next-token cross-entropy of a batch of (inputs, targets), in fp32."""
+        inputs, targets = batch
+        return F.cross_entropy(self(inputs).float().flatten(0, 1), targets.flatten())
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         return F.cross_entropy(self(inputs).float().flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]
@@ -165,7 +220,7 @@ class GPT(L.LightningModule):
         """Sample ``new_tokens`` bytes after ``prompt`` and return the whole text."""
         tokens = encode(prompt).to(self.device)[None]
         for _ in range(new_tokens):
-            logits = self(tokens[:, -self.hparams.context:])[0, -1].float() / max(temperature, 1e-5)
+            logits = self(tokens[:, -self.arch.context:])[0, -1].float() / max(temperature, 1e-5)
             if top_k:
                 kth = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < kth, -math.inf)

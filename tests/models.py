@@ -10,6 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from examples.gpt import GPT, Block
+
+__all__ = ["Block"]  # the GPT's block, re-exported: configs name it tests.models.Block
+
 VOCAB = 37  # odd sizes on purpose: shards and buckets must pad
 
 
@@ -141,32 +145,8 @@ class TinyGAN(L.LightningModule):
         return DataLoader(TensorDataset(real, torch.randn(48, 8, generator=g)), batch_size=4)
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention and an MLP."""
-
-    def __init__(self, width: int, heads: int = 2, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.heads = heads
-        self.drop = nn.Dropout(dropout)  # no parameters: the state-dict keys do not depend on it
-        self.ln1 = nn.LayerNorm(width)
-        # No qkv bias: the key bias has an exactly zero gradient (softmax ignores a constant added to every score),
-        # so Adam would turn pure rounding noise into lr-sized steps, under DDP and ZeRO alike.
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.drop(self.proj(attn))
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-
-class TinyGPT(L.LightningModule):
-    """GPT-style: token embedding tied to the head, a position table owned by the LightningModule itself, blocks.
+class TinyGPT(GPT):
+    """The project's GPT (examples/gpt.py) on the tests' token task: vocabulary 37, two heads, 8 positions.
 
     ``meta_init`` builds the network in ``configure_model`` (the way to train models larger than one rank);
     ``dropout`` adds dropout in every block; ``frozen`` freezes the first block's attention norm.
@@ -175,48 +155,22 @@ class TinyGPT(L.LightningModule):
     def __init__(self, width: int = 32, depth: int = 3, context: int = 8, lr: float = 3e-3,
                  meta_init: bool = False, checkpointing: bool = False, dropout: float = 0.0,
                  frozen: bool = False) -> None:
-        super().__init__()
+        super().__init__(n_layer=depth, n_head=2, n_embd=width, context=context, dropout=dropout, lr=lr,
+                         vocab_size=VOCAB, meta_init=meta_init, checkpointing=checkpointing,
+                         gpt2_init=False)
+        self.hparams.clear()  # GPT saved its own arguments too: keep this class's, which load_from_checkpoint passes
         self.save_hyperparameters()
         self.losses: list[float] = []
-        if not meta_init:
-            self._build()
-
-    def configure_model(self) -> None:
-        if self.hparams.meta_init and not hasattr(self, "blocks"):
-            self._build()
 
     def _build(self) -> None:
-        hp = self.hparams
-        self.wte = nn.Embedding(VOCAB, hp.width)
-        self.pos = nn.Parameter(torch.zeros(hp.context, hp.width))
-        self.blocks = nn.ModuleList(Block(hp.width, dropout=hp.get("dropout", 0.0)) for _ in range(hp.depth))
-        if hp.get("frozen", False):
+        super()._build()
+        if self.hparams.get("frozen", False):
             self.blocks[0].ln1.requires_grad_(False)
-        self.ln_f = nn.LayerNorm(hp.width)
-        self.lm_head = nn.Linear(hp.width, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight
-        nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's initialization (zero3 replays it when built on meta)
-        nn.init.normal_(self.pos, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            if self.hparams.checkpointing:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.lm_head(self.ln_f(x))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        loss = F.cross_entropy(self(tokens).float().reshape(-1, VOCAB), targets.reshape(-1))
+        loss = self.loss(batch)
         self.losses.append(loss.item())
         return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        tokens, targets = batch
-        self.log("val_loss", F.cross_entropy(self(tokens).float().reshape(-1, VOCAB), targets.reshape(-1)),
-                 sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]

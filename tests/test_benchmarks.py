@@ -1,4 +1,5 @@
-"""``benchmarks/compare.py`` end to end in its smallest form: two strategies, the tiny GPT, two ranks, a few steps."""
+"""``python -m benchmarks.compare`` end to end in its smallest form: two strategies, the tiny GPT, two ranks, a few
+steps."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(240)
 def test_compare_writes_the_table_and_the_json(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--world-sizes", "2", "--sizes", "tiny",
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--world-sizes", "2", "--sizes", "tiny",
            "--strategies", "ddp", "zero2", "--steps", "3", "--warmup", "1", "--repeats", "1", "--timeout", "180",
            "--out", str(tmp_path)]
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    done = ZYGOTE.spawn(cmd[1:], dict(os.environ), tmp_path, out, err, session=True)  # its workers: fresh processes
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # run from anywhere: `-m benchmarks.compare` needs the root
+    done = ZYGOTE.spawn(cmd[1:], env, tmp_path, out, err, session=True)  # its workers: fresh processes
     try:
         code = done.wait(timeout=230)
     finally:

@@ -106,10 +106,10 @@ def test_gpt_configs_with_the_script_and_with_the_lightning_zero_command(tmp_pat
     config = tiny_config(stage, tmp_path, max_steps=2)
     if stage == 1:
         run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), cwd=tmp_path)
-    else:  # no script: the classes by import path, the strategy names from `lightning-zero fit`
-        (tmp_path / "my_gpt.py").write_text(f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import *\n")
-        run(sys.executable, "-m", "lightning_zero", "fit", "--model", "my_gpt.GPT", "--data",
-            "my_gpt.ShakespeareData", "--config", str(config), cwd=tmp_path)
+    else:  # no script: the classes by import path (the repository root is on PYTHONPATH), the strategy names from
+        # `lightning-zero fit`
+        run(sys.executable, "-m", "lightning_zero", "fit", "--model", "examples.gpt.GPT", "--data",
+            "examples.gpt.ShakespeareData", "--config", str(config), cwd=tmp_path)
     assert (tmp_path / "checkpoints" / f"gpt-zero{stage}" / "last.ckpt" / "meta.pt").is_file()
 
 

@@ -1,13 +1,13 @@
-"""The model every strategy of ``compare.py`` trains: a GPT-style network, the same LightningModule around it, and
-the same data.
+"""The sizes, data and optimizer every GPT benchmark uses, and the LightningModules the strategies train.
 
 [Note: one network, four wrappers]
-:class:`GPT` is a plain ``nn.Module`` (tied token embedding and head, a learned position table, pre-norm blocks
-from ``tests/models.py``). :class:`BenchGPT` is the LightningModule that ``ddp`` and ``zero1``-``zero3`` train; it
-builds the network in ``configure_model``, so zero3 materializes it unit by unit and never holds it in full.
+The network is the project's one GPT (``examples/gpt.py``: tied token embedding and head, a position table owned by
+the module, pre-norm blocks). :class:`BenchGPT` is the LightningModule that ``ddp`` and ``zero1``-``zero3`` train;
+it builds the network in ``configure_model``, so zero3 materializes it unit by unit and never holds it in full.
 :class:`FSDP2GPT` only adds ``fully_shard`` per block and at the root, as Lightning's ``ModelParallelStrategy``
-expects. DeepSpeed gets the same :class:`GPT` directly (its engine is not a Lightning strategy on CPU). The data is
-a fixed random token stream; every rank reads its own slice of it through a ``DistributedSampler``.
+expects. DeepSpeed gets the same :class:`BenchGPT`, built eagerly, as a plain module (its engine is not a Lightning
+strategy on CPU). The data is a fixed random token stream; every rank reads its own slice of it through a
+``DistributedSampler``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import lightning as L
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.models import Block
+from examples.gpt import GPT
 
 
 @dataclass(frozen=True)
@@ -59,36 +56,6 @@ SIZES = {
 }
 
 
-class GPT(nn.Module):
-    """Token embedding tied to the head, a position table, pre-norm transformer blocks, a final norm."""
-
-    def __init__(self, size: GPTSize) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(size.vocab, size.width)
-        self.pos = nn.Parameter(torch.empty(size.seq, size.width))
-        self.blocks = nn.ModuleList(Block(size.width, heads=size.heads) for _ in range(size.depth))
-        self.ln_f = nn.LayerNorm(size.width)
-        self.lm_head = nn.Linear(size.width, size.vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """GPT-2's initialization for the tables this module owns (also used to materialize them from meta)."""
-        if not self.pos.is_meta:
-            nn.init.normal_(self.pos, std=0.02)
-            nn.init.normal_(self.wte.weight, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def token_data(size: GPTSize, samples: int, seed: int = 1234) -> TensorDataset:
     """``samples`` random sequences of ``size.seq + 1`` tokens (inputs and next-token targets), fixed by ``seed``."""
     g = torch.Generator().manual_seed(seed)
@@ -104,22 +71,20 @@ def make_optimizer(params: Any, lr: float = 3e-4, fused: bool = False) -> torch.
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
 
 
-class BenchGPT(L.LightningModule):
-    """:class:`GPT` as an ordinary LightningModule, built in ``configure_model``."""
+class BenchGPT(GPT):
+    """The project's GPT at one of :data:`SIZES`, on :func:`token_data`, with :func:`make_optimizer`; built in
+    ``configure_model`` unless ``meta_init`` is false."""
 
-    def __init__(self, size: GPTSize, samples: int, fused: bool = False) -> None:
-        super().__init__()
+    def __init__(self, size: GPTSize, samples: int, fused: bool = False, meta_init: bool = True) -> None:
+        super().__init__(n_layer=size.depth, n_head=size.heads, n_embd=size.width, context=size.seq, dropout=0.0,
+                         vocab_size=size.vocab, meta_init=meta_init, gpt2_init=False)
         self.size = size
         self.samples = samples
         self.fused = fused
         self.last_loss = float("nan")
 
-    def configure_model(self) -> None:
-        if not hasattr(self, "net"):
-            self.net = GPT(self.size)
-
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.net.loss(*batch)
+        loss = self.loss(batch)
         self.last_loss = float(loss.detach())
         return loss
 
@@ -138,6 +103,6 @@ class FSDP2GPT(BenchGPT):
 
         super().configure_model()
         mesh = self.device_mesh["data_parallel"]
-        for block in self.net.blocks:
+        for block in self.blocks:
             fully_shard(block, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        fully_shard(self, mesh=mesh)

@@ -1,4 +1,4 @@
-"""One rank of ``benchmarks/construction.py``: build a Hugging Face GPT-2 in ``configure_model`` under zero3."""
+"""One rank of ``python -m benchmarks.construction``: build a Hugging Face GPT-2 in ``configure_model`` under zero3."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
+import lightning as L
+import torch
 
-from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero import ZeroStrategy
 
 warnings.filterwarnings("ignore")
 

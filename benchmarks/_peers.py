@@ -4,7 +4,7 @@ Both are optional: :func:`missing` says why a peer cannot run here (the run is t
 and nothing in ``lightning_zero`` imports them.
 
 - FSDP2: Lightning's ``ModelParallelStrategy`` (``data_parallel_size=N``, ``tensor_parallel_size=1``) with
-  ``fully_shard`` per block and at the root in ``configure_model`` (:class:`benchmarks.gpt.FSDP2GPT`); it runs on
+  ``fully_shard`` per block and at the root in ``configure_model`` (:class:`benchmarks._model.FSDP2GPT`); it runs on
   CPU with gloo.
 - DeepSpeed: its engine directly (Lightning's ``deepspeed`` strategy requires CUDA), ZeRO stage 1/2/3, fp32, the
   user's ``torch.optim.AdamW`` as the client optimizer (no compiled ops), ``DS_ACCELERATOR=cpu`` on CPU. The loop
@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.gpt import GPT, GPTSize, make_optimizer, token_data
-from benchmarks.probes import StepTimer, peak_memory, reachable_tensors, tensor_bytes
+from benchmarks._model import BenchGPT, GPTSize, make_optimizer, token_data
+from benchmarks._probes import StepTimer, peak_memory, reachable_tensors, tensor_bytes
 
 
 def missing(strategy: str) -> Optional[str]:
@@ -75,7 +75,7 @@ def deepspeed_config(stage: int, size: GPTSize, world_size: int, bucket: Optiona
 
 def run_deepspeed(stage: int, size: GPTSize, steps: int, warmup: int, samples: int,
                   bucket: Optional[int] = None, offload: bool = False) -> dict[str, Any]:
-    """Train :class:`GPT` with DeepSpeed's engine for ``steps`` steps; the same figures as the Lightning runs.
+    """Train :class:`BenchGPT` (as a plain module) with DeepSpeed's engine for ``steps`` steps; the same figures as the Lightning runs.
     With ``offload`` the optimizer is DeepSpeed's own ``DeepSpeedCPUAdam`` (AdamW mode), as its ZeRO-Offload wants."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -88,7 +88,7 @@ def run_deepspeed(stage: int, size: GPTSize, steps: int, warmup: int, samples: i
     torch.manual_seed(0)
     init = deepspeed.zero.Init(config_dict_or_path=config) if stage == 3 else nullcontext()
     with init:
-        net = GPT(size)
+        net = BenchGPT(size, samples, meta_init=False)  # built in __init__, where zero.Init partitions it
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -1,4 +1,4 @@
-"""What ``compare_worker.py`` measures, the same way for every strategy: step time, bytes communicated, peak memory
+"""What ``benchmarks._worker`` measures, the same way for every strategy: step time, bytes communicated, peak memory
 and model-state bytes per rank.
 
 [Note: one traffic counter for everybody]
@@ -130,7 +130,7 @@ def reset_peak_memory() -> None:
     [Note: phases]
     Writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0) sets ``VmHWM`` to the current ``VmRSS``, so the peak
     of one phase of a step (forward, backward, reduce, optimizer step) can be read at its end without tracing
-    allocations. ``compare_worker.py``'s ``PhaseProbe`` reads and resets it at the Lightning hooks between phases.
+    allocations. ``benchmarks._worker``'s ``PhaseProbe`` reads and resets it at the Lightning hooks between phases.
     """
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")

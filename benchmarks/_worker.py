@@ -1,11 +1,12 @@
-"""One rank of one ``compare.py`` configuration: train :class:`benchmarks.gpt.BenchGPT` under one strategy and
-write what was measured to ``OUT/rank{r}.json``.
+"""One rank of one GPT benchmark launch (``benchmarks.compare.run_config``): train
+:class:`benchmarks._model.BenchGPT` under one strategy and write what was measured to ``OUT/rank{r}.json``.
 
-    python benchmarks/compare_worker.py OUT '{"strategy": "zero2", "size": {...}, "steps": 8, "warmup": 3}'
+    python -m benchmarks._worker OUT '{"strategy": "zero2", "size": {...}, "steps": 8, "warmup": 3}'
 
-Started by ``compare.py`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank, as torchrun would),
-so Lightning sees an externally launched job. Strategies: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp2``,
-``deepspeed1``, ``deepspeed2``, ``deepspeed3``. ``"profile": true`` also writes rank 0's ``torch.profiler`` table.
+Started by ``benchmarks.compare.run_config`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set (one process per rank,
+as torchrun would), so Lightning sees an externally launched job. Strategies: ``ddp``, ``zero1``, ``zero2``,
+``zero3``, ``fsdp2``, ``deepspeed1``, ``deepspeed2``, ``deepspeed3``. ``"profile": true`` also writes rank 0's
+``torch.profiler`` table.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import probes  # noqa: E402
+from benchmarks import _probes as probes
 
 probes.count_collectives()  # before lightning_zero, Lightning or DeepSpeed bind the collectives (see probes.py)
 
@@ -29,8 +28,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import peers  # noqa: E402
-from benchmarks.gpt import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
+from benchmarks import _peers as peers  # noqa: E402
+from benchmarks._model import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -62,7 +61,7 @@ class Probe(L.Callback):
 
 
 class PhaseProbe(L.Callback):
-    """The resident high-water mark of each phase of ``fit`` (CPU only; see [Note: phases] in ``probes.py``)."""
+    """The resident high-water mark of each phase of ``fit`` (CPU only; see [Note: phases] in ``_probes.py``)."""
 
     def __init__(self, baseline: int) -> None:
         self.baseline = baseline
@@ -110,7 +109,7 @@ def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str,
 
 def _strategy(name: str, world_size: int, bucket: Optional[int], options: Optional[dict[str, Any]] = None) -> Any:
     """The strategy object; ``bucket`` (elements) overrides ddp's and ZeRO's bucket size, else their defaults;
-    ``options`` are extra ``ZeroStrategy`` arguments (A/B runs of ``zero3_ab.py``)."""
+    ``options`` are extra ``ZeroStrategy`` arguments (a variant of ``benchmarks.compare``)."""
     if name == "ddp":
         extra = {} if bucket is None else {"bucket_cap_mb": bucket * 4 / 2**20}
         return probes.counted_ddp_strategy(**extra)

@@ -1,7 +1,7 @@
-"""One rank of the checkpoint benchmark (benchmarks/checkpoint_io.py): save and resume times and peak memory.
+"""One rank of ``python -m benchmarks.checkpoint_io``: save and resume times and peak memory.
 
-Usage (through ``tests.launch``): ``checkpoint_io.py OUT STRATEGY WIDTH DEPTH``. Trains one step of a TinyGPT, saves
-a checkpoint (``ddp``: Lightning's own single file; zero1-3: the sharded directory), then resumes it in a new
+Usage (through ``tests.launch``): ``_checkpoint_rank.py OUT STRATEGY WIDTH DEPTH``. Trains one step of a TinyGPT,
+saves a checkpoint (``ddp``: Lightning's own single file; zero1-3: the sharded directory), then resumes it in a new
 Trainer. Memory is the peak resident-set growth during the save and during the load hooks, sampled every 2 ms.
 """
 

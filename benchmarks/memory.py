@@ -1,0 +1,125 @@
+"""Memory per rank, stage by stage, against DDP, the paper's table and the peers: two measurements.
+
+    python -m benchmarks.memory states                   # MLP LM, width 768 (~4.8M params), world sizes 2 and 4
+    python -m benchmarks.memory states --model gpt --width 512 --depth 6     # GPT, ~19M params, tied embeddings
+    python -m benchmarks.memory states --width 256 --world-sizes 2 3 --precision bf16-mixed
+    python -m benchmarks.memory phases --world-size 4 --size states \\
+        --variants ddp zero1 zero2 zero3 fsdp2 zero3:reduce_bucket_size=1000000
+
+``states``: measured model-state bytes and peak memory per rank, and traffic per step, for ddp and zero1-3, next to
+DESIGN.md's table. Every (world size, strategy) is its own launch of gloo ranks on this machine
+(tests/workers/measure.py), so that the peak resident memory of each run is its own; same seed, same data.
+
+``phases``: where the peak resident memory of ``fit`` goes, per phase of a step, for variants of the strategies.
+Each variant (``strategy[:option=value,...][+ENV=value,...]``, as in ``benchmarks.compare``) is one launch of
+``benchmarks._worker`` with its ``PhaseProbe``: the resident high-water mark is read and reset at the Lightning hooks
+between the phases of every step (see [Note: phases] in ``_probes.py``), so each phase's peak above the level before
+``fit`` is known separately. ``setup`` is everything before the first step (``configure_model``, sharding, the
+engines); ``idle`` the level between steps; ``reduce`` the end-of-backward flush and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._model import SIZES
+from benchmarks.compare import environment, parse_variant, run_config
+from lightning_zero import expected_model_state_bytes
+from tests.launch import launch
+
+STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+PHASES = ("setup", "forward", "backward", "reduce", "step")
+MiB = 2**20
+
+
+def launch_variant(text: str, size: str, world_size: int, steps: int) -> dict[str, Any]:
+    """One launch of one variant with the phase probe on."""
+    strategy, options, env = parse_variant(text)
+    with environment(env):
+        cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": steps, "warmup": 1, "bucket": None,
+               "gpu": False, "precision": "32-true", "options": options, "phases": True}
+        return run_config(cfg, world_size, timeout=900)
+
+
+def row(text: str, rec: dict[str, Any], ddp: float) -> str:
+    """One markdown row: model states, the level between steps, each phase's peak, the overall peak, vs ddp."""
+    if "error" in rec or "skipped" in rec:
+        return f"| {text} | {rec.get('error') or rec.get('skipped')} |"
+    peaks, levels = rec.get("phases", {}), rec.get("levels", {})
+    states = rec.get("model_states") or 0
+    cells = [f"{peaks.get(p, 0) / MiB:,.0f}" for p in PHASES]
+    growth = rec["peak_growth"] / MiB
+    return (f"| {text} | {states / MiB:,.0f} | {levels.get('idle', 0) / MiB:,.0f} | " + " | ".join(cells)
+            + f" | {growth:,.0f} | {growth / ddp if ddp else float('nan'):.2f} |")
+
+
+def states(args: argparse.Namespace) -> None:
+    """Print the model-state table: one launch per (world size, stage)."""
+    print("| N | strategy | Ψ | model states / rank (MiB) | table (MiB) | measured / table | vs DDP | "
+          "reduce-scatter / Ψ | all-gather / Ψ | all-reduce elems | bucket buffers (MiB) | peak RSS growth (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for world_size in args.world_sizes:
+        runs = {}
+        for name in STAGES:
+            with tempfile.TemporaryDirectory() as tmp:
+                ranks = launch("measure.py", world_size, Path(tmp),
+                               (str(args.width), args.precision, name, "4", args.model, str(args.depth)), timeout=900)
+            runs[name] = max((r[name] for r in ranks), key=lambda r: r["peak_rss_growth"])
+        ddp_bytes = runs["ddp"]["states"]["model_states"]
+        for name, stage in STAGES.items():
+            run = runs[name]
+            psi = run["numel"]
+            measured = run["states"]["model_states"]
+            table = expected_model_state_bytes(psi, world_size, stage, args.precision)
+            traffic = run["traffic"][-1]["elements"]
+            rs, ag, ar = (traffic.get(k, 0) for k in ("reduce_scatter", "all_gather", "all_reduce"))
+            rs_text = f"{rs / psi:.4f}" if name != "ddp" else "(DDP: one all-reduce of Ψ, not counted here)"
+            print(f"| {world_size} | {name} | {psi:,} | {measured / 2**20:.2f} | {table / 2**20:.2f} | "
+                  f"{measured / table:.3f} | {measured / ddp_bytes:.3f} | {rs_text} | {ag / psi:.4f} | {ar} | "
+                  f"{run['states']['comm_buffers'] / 2**20:.2f} | {run['peak_rss_growth'] / 2**20:.0f} |", flush=True)
+
+
+def phases(args: argparse.Namespace) -> None:
+    """Print the per-phase peak table: one launch per variant."""
+    print(f"size {args.size}: {SIZES[args.size]}, {SIZES[args.size].num_params():,} parameters, N={args.world_size}")
+    header = ("| variant | model states | level between steps | " + " | ".join(f"peak in {p}" for p in PHASES)
+              + " | peak growth in fit | vs ddp |")
+    lines = [header, "|" + "---|" * (len(PHASES) + 5)]
+    ddp = 0.0
+    for text in args.variants:
+        t0 = time.perf_counter()
+        rec = launch_variant(text, args.size, args.world_size, args.steps)
+        if text == "ddp" and "peak_growth" in rec:
+            ddp = rec["peak_growth"] / MiB
+        lines.append(row(text, rec, ddp))
+        print(lines[-1], f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    print("\nAll figures MiB per rank (the rank with the highest peak growth), above the level before `fit`.\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    table = commands.add_parser("states", help="model-state bytes, traffic and peak memory against the table")
+    table.add_argument("--width", type=int, default=768)
+    table.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    table.add_argument("--precision", default="32-true")
+    table.add_argument("--model", choices=["lm", "gpt"], default="lm")
+    table.add_argument("--depth", type=int, default=6, help="blocks of the gpt model")
+    table.set_defaults(run=states)
+    breakdown = commands.add_parser("phases", help="the peak of each phase of a step, per variant")
+    breakdown.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp2"])
+    breakdown.add_argument("--size", default="states", choices=list(SIZES))
+    breakdown.add_argument("--world-size", type=int, default=4)
+    breakdown.add_argument("--steps", type=int, default=3)
+    breakdown.set_defaults(run=phases)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
