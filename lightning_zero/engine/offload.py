@@ -108,7 +108,10 @@ class HostGrads:
         target = self._buffer()[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
         with torch.no_grad():
             if not self.asynchronous:
-                target.add_(chunk) if accumulate else target.copy_(chunk)
+                if accumulate:
+                    target.add_(chunk)
+                else:
+                    target.copy_(chunk)
                 return None
             staging = self._take_staging() if accumulate else None
             (staging[: chunk.numel()] if staging is not None else target).copy_(chunk, non_blocking=True)
