@@ -53,12 +53,18 @@ def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple
                         for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
 
 
-def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
+def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, Optional[int]]]:
     """``{precision: {column: parameters}}`` whose device model states fit in ``memory_bytes`` per rank with the
-    offload of each column of :data:`OFFLOADED` (the host is assumed to hold its part)."""
-    return {precision: {name: int(memory_bytes / expected_offload_bytes(1, world_size, stage, precision,
-                                                                        offload_params=params)[0])
-                        for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
+    offload of each column of :data:`OFFLOADED` (the host is assumed to hold its part). ``None``: no model state
+    stays on the device (``zero3+params``), so device memory sets no bound on the model states."""
+    table: dict[str, dict[str, Optional[int]]] = {}
+    for precision in PRECISIONS:
+        row: dict[str, Optional[int]] = {}
+        for name, (stage, params) in OFFLOADED.items():
+            per_param = expected_offload_bytes(1, world_size, stage, precision, offload_params=params)[0]
+            row[name] = int(memory_bytes / per_param) if per_param > 0 else None
+        table[precision] = row
+    return table
 
 
 def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
@@ -130,9 +136,9 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
     for precision, row in model_state_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(human_bytes(b) for b in row.values()) + " |")
     offloaded = list(OFFLOADED)
-    lines += ["", "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and a "
-              "gradient copy on the host; `zero3+params`: also `offload_params=True`, the parameter shard on the "
-              "host):", "", "| precision | " + " | ".join(offloaded) + " |",
+    lines += ["", "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and the "
+              "gradient shard on the host; `zero3+params`: also `offload_params=True`, the parameter shard on the "
+              "host, which leaves the device only the units in flight and the bucket buffers):", "", "| precision | " + " | ".join(offloaded) + " |",
               "|---|" + "---|" * len(offloaded)]
     for precision, cells in offload_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(f"{human_bytes(d)} + {human_bytes(h)} host"
@@ -144,6 +150,8 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
         on_host = largest_offloaded_model(memory_bytes, world_size)
         for precision, row in largest_model(memory_bytes, world_size).items():
             counts = [*row.values(), *on_host[precision].values()]
-            lines.append(f"| {precision} | " + " | ".join(human_count(n) for n in counts) + " |")
-        lines.append("(with offload, device memory only: the host holds the rest, see the table above)")
+            lines.append(f"| {precision} | " + " | ".join("no bound" if n is None else human_count(n) for n in counts)
+                         + " |")
+        lines.append("(with offload, device memory only: the host holds the rest, see the table above; no bound: no "
+                     "model state on the device, only the units in flight and the bucket buffers)")
     return "\n".join(lines)

@@ -26,13 +26,22 @@ is added to the shard: so every replica holds the same N-rank mean, and an accum
 twice (see [Note: hybrid sharding and its traffic] in ``collectives.py``). The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
 accumulation) land in a side buffer and are added, so the shard accumulates exactly as ``.grad`` does under DDP.
+
+[Note: a sink instead of a device shard]
+With a :class:`GradSink` (``offload_optimizer``: ``offload.HostGrads``) the reducer keeps no gradient shard at all
+(``grad_shard`` stays ``None``): every reduce-scatter writes into its slot's side output, a scratch chunk of one
+bucket's chunk size (after the replica all-reduce under hybrid sharding, as above), and the sink copies that chunk
+into its shard (the first reduction after a clear) or adds it (accumulation). Zeroing (buckets that got no
+gradient, ``clear_params``) goes to the sink too. The sink may read the chunk asynchronously: it returns a fence
+(a CUDA event) that the slot keeps, and the slot's next reduce-scatter is ordered after it, so a chunk is never
+overwritten before it was read. The device memory of the gradients is then the pool's: constant in the model size.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -40,26 +49,53 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.layout import Bucket, FlatLayout
 
 
+class GradSink(Protocol):
+    """Where the reduced chunks go instead of a device gradient shard (see [Note: a sink instead of a device shard])."""
+
+    def write(self, bucket: Bucket, chunk: torch.Tensor, accumulate: bool) -> Optional[Any]:
+        """Copy (``accumulate=False``) or add ``bucket``'s reduced ``chunk`` into the shard; returns a fence the chunk
+        must not be overwritten before (a CUDA event), or ``None`` when ``chunk`` has been read already."""
+
+    def zero(self, start: int, end: int) -> None:
+        """Zero positions ``[start, end)`` of the shard."""
+
+    def shard(self) -> torch.Tensor:
+        """The whole shard, once every write has landed."""
+
+    def clear(self) -> None:
+        """Forget what is in flight (the gradients were cleared: the next write of each bucket copies)."""
+
+
 @dataclass
 class _Slot:
-    """One pooled buffer, sized for the largest bucket, and (only once accumulation needs it) a side output."""
+    """One pooled buffer, sized for the largest bucket, and (only once accumulation or a sink needs it) a side output
+    with the fence of the sink's last read of it."""
 
     bucket: torch.Tensor
     out: Optional[torch.Tensor] = None
+    fence: Optional[Any] = None
+
+    def wait_fence(self, device: torch.device) -> None:
+        """Order the next write of the side output after the sink's read of it (a stream wait, no CPU block)."""
+        if self.fence is not None:
+            torch.cuda.current_stream(device).wait_event(self.fence)
+            self.fence = None
 
     def input(self, bucket: Bucket, world_size: int) -> torch.Tensor:
         """The part of the input buffer that ``bucket`` uses."""
         return self.bucket[: bucket.chunk_size * world_size]
 
     def output(self, bucket: Bucket, world_size: int) -> torch.Tensor:
-        """The side output for a reduce-scatter that must be added to the shard (gradient accumulation)."""
+        """The side output of a reduce-scatter that must be added to the shard (gradient accumulation) or handed to
+        the sink."""
         if self.out is None:
             self.out = torch.empty(self.bucket.numel() // world_size, dtype=self.bucket.dtype, device=self.bucket.device)
         return self.out[: bucket.chunk_size]
 
 
 class GradientReducer:
-    """Copies gradients into buckets and reduce-scatters every full bucket into ``grad_shard``."""
+    """Copies gradients into buckets and reduce-scatters every full bucket into ``grad_shard`` (or, with ``sink``,
+    into a scratch chunk handed to the sink: see [Note: a sink instead of a device shard])."""
 
     def __init__(
         self,
@@ -71,6 +107,7 @@ class GradientReducer:
         overlap: bool,
         groups: Optional[collectives.ShardGroups] = None,
         unit_names: Sequence[str] = (),
+        sink: Optional[GradSink] = None,
     ) -> None:
         self.layout = layout
         self.unit_names = unit_names
@@ -83,7 +120,10 @@ class GradientReducer:
         self.groups = groups if groups is not None else collectives.ShardGroups()
         self.group = self.groups.shard
         self._divisor = layout.world_size * self.groups.replicas  # N: see [Note: averaging and accumulation]
+        self.sink = sink
         self.grad_shard: Optional[torch.Tensor] = None
+        """This rank's reduced gradients (``None`` until the first reduction, after :meth:`clear`, and always with a
+        ``sink``)."""
         self._written = [False] * len(layout.buckets)  # shard slice holds gradients since the last clear
         self._expected = [sum(length for _, _, length, _ in layout.bucket_pieces(b)) for b in layout.buckets]
         self._received = [0] * len(layout.buckets)
@@ -103,9 +143,6 @@ class GradientReducer:
                 self._param_parts[p].append((bucket, start, length, offset))
         self._got: list[set[int]] = [set() for _ in layout.buckets]  # params written into each open bucket
         self._gaps = [_gaps(layout, b) for b in layout.buckets]
-        self.on_reduced: Optional[Callable[[Bucket], None]] = None
-        """Called with every bucket whose slice of ``grad_shard`` was just written (reduced, accumulated or zeroed):
-        ``offload_optimizer`` copies it to the host then (see ``offload.HostGrads``)."""
 
     # ------------------------------------------------------------------ filling
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
@@ -140,16 +177,15 @@ class GradientReducer:
             self._finish_oldest()
 
     def finalize(self, force: bool) -> torch.Tensor:
-        """Flush, wait, and zero the shard slices no gradient reached; returns the complete gradient shard."""
+        """Flush, wait, and zero the shard slices no gradient reached; returns the complete gradient shard (the
+        sink's, with a sink)."""
         self.flush(force)
         self.wait()
-        shard = self._shard()
         for bucket in self.layout.buckets:
             if not self._written[bucket.index]:
-                shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size].zero_()
+                self._zero(bucket.shard_offset, bucket.shard_offset + bucket.chunk_size)
                 self._written[bucket.index] = True
-                self._reduced(bucket)
-        return shard
+        return self.sink.shard() if self.sink is not None else self._shard()
 
     def clear(self) -> None:
         """Forget accumulated gradients without communicating and free the shard (see [Note: the gradient shard is
@@ -162,6 +198,8 @@ class GradientReducer:
         self._next, self._pending = 0, False
         self._written = [False] * len(self.layout.buckets)
         self.grad_shard = None
+        if self.sink is not None:
+            self.sink.clear()
 
     def clear_params(self, params: Sequence[int]) -> None:
         """Zero the gradients of some parameters only, without communicating (``zero_grad`` of another optimizer
@@ -173,12 +211,11 @@ class GradientReducer:
                 slot = self._open.get(bucket.index)
                 if slot is not None:
                     slot.input(bucket, self.layout.world_size)[offset : offset + length].zero_()
-                if self._written[bucket.index] and self.grad_shard is not None:
+                if self._written[bucket.index] and (self.grad_shard is not None or self.sink is not None):
                     for pc in self.layout.pieces(bucket, self.rank):
                         if pc.param == j:
                             at = bucket.shard_offset + pc.chunk_offset
-                            self.grad_shard[at : at + pc.length].zero_()
-                    self._reduced(bucket)
+                            self._zero(at, at + pc.length)
 
     def release_buffers(self) -> None:
         """Free the pooled bucket buffers (they are made again on demand)."""
@@ -220,7 +257,8 @@ class GradientReducer:
         return slot
 
     def _in_flight_peak(self, extra: Optional[_Slot] = None) -> None:
-        held = self.buffer_bytes + (extra.bucket.numel() * extra.bucket.element_size() if extra is not None else 0)
+        mine = (extra.bucket, extra.out) if extra is not None else ()
+        held = self.buffer_bytes + sum(t.numel() * t.element_size() for t in mine if t is not None)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
 
     def _busy(self) -> int:
@@ -235,9 +273,11 @@ class GradientReducer:
         data = slot.input(bucket, self.layout.world_size)
         self._zero_unwritten(bucket, data)
         accumulate = self._written[bucket.index]
-        target = slot.output(bucket, self.layout.world_size) if accumulate else self._shard_slice(bucket)
-        if accumulate:
-            self._in_flight_peak(slot)  # the side output was just made
+        scratch = accumulate or self.sink is not None
+        target = slot.output(bucket, self.layout.world_size) if scratch else self._shard_slice(bucket)
+        if scratch:
+            slot.wait_fence(self.device)  # the sink's last read of it comes first
+            self._in_flight_peak(slot)  # the side output may just have been made
         work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
         self._received[bucket.index] = 0
@@ -259,17 +299,22 @@ class GradientReducer:
     def _finish_oldest(self) -> None:
         bucket, work, slot, accumulate = self._in_flight.popleft()
         collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index}{self._unit_label(bucket)}")
-        reduced = slot.output(bucket, self.layout.world_size) if accumulate else self._shard_slice(bucket)
+        scratch = accumulate or self.sink is not None
+        reduced = slot.output(bucket, self.layout.world_size) if scratch else self._shard_slice(bucket)
         if self.groups.replicate is not None:  # hybrid sharding: sum the N/k replicas' chunks
             collectives.all_reduce(reduced, group=self.groups.replicate)
-        if accumulate:
+        if self.sink is not None:
+            slot.fence = self.sink.write(bucket, reduced, accumulate)
+        elif accumulate:
             self._shard_slice(bucket).add_(reduced)
         self._free.append(slot)
-        self._reduced(bucket)
 
-    def _reduced(self, bucket: Bucket) -> None:
-        if self.on_reduced is not None:
-            self.on_reduced(bucket)
+    def _zero(self, start: int, end: int) -> None:
+        """Zero positions ``[start, end)`` of the gradient shard (the sink's, with a sink)."""
+        if self.sink is not None:
+            self.sink.zero(start, end)
+        else:
+            self._shard()[start:end].zero_()
 
     def _unit_label(self, bucket: Bucket) -> str:
         if not self.unit_names:

@@ -6,8 +6,9 @@ that aliases the working buffer are not counted twice. ``grads`` covers full ``.
 and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their high-water
 mark: they are freed before each optimizer step) are kept apart from the model states, as in DESIGN.md's table.
 With ``offload_optimizer``, ``host`` says how many of the model-state bytes are in host memory (the master shard,
-the host gradient buffer and the optimizer states), with ``offload_params`` also stage 3's working shard; the rest
-are on the device.
+the gradient shard, which then exists only there, and the optimizer states), with ``offload_params`` also stage 3's
+working shard; the rest are on the device. The scratch chunks the reduced gradients pass through on their way to
+the host are bucket buffers (``comm_buffers``), not model states.
 """
 
 from __future__ import annotations
@@ -128,9 +129,12 @@ def expected_offload_bytes(num_params: int, world_size: int, stage: int, precisi
     ``offload_optimizer`` (stages 1 to 3) moves to the host, all ``/N``: the master shard (a copy of its own even
     where it could alias the working parameters), Adam's two states and the host gradient buffer in the master
     dtype; mixed precision and ``32-true``: ``16Ψ/N``. The device keeps the working parameters (``/N`` at stage 3)
-    and the gradients (``/N`` from stage 2). ``offload_params`` (stage 3) moves the working shard (``2Ψ/N`` mixed,
-    ``4Ψ/N`` fp32) too; where it has the master's dtype and both are on the host it *is* the host master (no extra
-    host bytes), and without ``offload_optimizer`` such a master stays on the device for the device's step.
+    and, at stage 1 only, the full ``.grad`` autograd leaves until the step: the reduced gradient shard exists only
+    on the host (see [Note: the gradient shard goes to the host bucket by bucket] in ``offload.py``). ``offload_params``
+    (stage 3) moves the working shard (``2Ψ/N`` mixed, ``4Ψ/N`` fp32) too, which leaves no model state on the device
+    with both options (only the units in flight and the bucket buffers, constant in the model size); where it has the
+    master's dtype and both are on the host it *is* the host master (no extra host bytes), and without
+    ``offload_optimizer`` such a master stays on the device for the device's step.
     """
     if stage not in STAGES:
         raise ValueError(f"Offload needs a ZeRO stage {STAGES}, got {stage}.")
@@ -141,7 +145,7 @@ def expected_offload_bytes(num_params: int, world_size: int, stage: int, precisi
     if offload_optimizer:
         master_b = MASTER_BYTES.get(precision, 4)
         states_b = opt_b if precision in ALIASED_MASTERS else opt_b - master_b
-        device = param_b * psi / (n if stage == 3 else 1) + grad_b * psi / (n if stage >= 2 else 1)
+        device = param_b * psi / (n if stage == 3 else 1) + (grad_b * psi if stage == 1 else 0.0)
         host = (states_b + 2 * master_b) * psi / n
     else:
         device, host = expected_model_state_bytes(num_params, world_size, stage, precision), 0.0

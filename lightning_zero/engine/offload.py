@@ -2,14 +2,16 @@
 
 [Note: what lives where with offload_optimizer=True]
 Device (the rank's accelerator): the working parameters (the flat buffer of stages 1 and 2, the working shard and
-gathered units of stage 3), the gradient bucket buffers and the reduced gradient shard in the working dtype.
+gathered units of stage 3; with ``offload_params`` only the units in flight), stage 1's full ``.grad`` between
+backward and the step, and the gradient bucket pool with its scratch chunks. No reduced gradient shard: its device
+memory is the pool's, constant in the model size.
 Host: the master shard (always a tensor of its own, even where the master dtype equals the working dtype, so that
-the update never writes the device's memory directly), a gradient shard in the master dtype, and whatever state the
-user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` the host masters). One step:
+the update never writes the device's memory directly), the gradient shard in the master dtype, and whatever state
+the user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` the host masters). One step:
 
-1. each bucket's slice of the reduced gradient shard is copied from the device into the host gradient buffer as
-   soon as it is written (see [Note: the gradient shard goes to the host bucket by bucket]); the master tensors'
-   ``.grad`` are views of that buffer; unscaling, clipping and the overflow check act on these host copies;
+1. each bucket's reduced chunk goes from a device scratch chunk into the host gradient shard as soon as its
+   reduction completes (see [Note: the gradient shard goes to the host bucket by bucket]); the master tensors'
+   ``.grad`` are views of that shard; unscaling, clipping and the overflow check act on these host gradients;
 2. the user's optimizer steps on the host masters (the CPU step);
 3. ``refresh_working`` copies the updated master shard into the device's working parameters (and all-gathers them
    under stages 1 and 2), exactly where a non-offloaded run copies its device master shard. These copies block:
@@ -26,13 +28,13 @@ does not depend on where they live, so an offloaded run resumes a non-offloaded 
 
 from __future__ import annotations
 
-from typing import Optional
+from collections import deque
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.buckets import GradientReducer
 from lightning_zero.engine.layout import Bucket
 from lightning_zero.engine.optimizer_support import optimizer_name, user_class
 
@@ -60,49 +62,98 @@ def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offloa
 
 
 class HostGrads:
-    """The host copy of one engine's reduced gradient shard, in the master dtype (step 1 of [Note: what lives ...]).
+    """This engine's reduced gradient shard, in host memory and the master dtype: the reducer's
+    :class:`~lightning_zero.engine.buckets.GradSink` (step 1 of [Note: what lives where ...]).
 
     [Note: the gradient shard goes to the host bucket by bucket]
-    The reducer calls :meth:`copy_bucket` whenever a bucket's slice of the device gradient shard has just been
-    written: reduced (under stage 2 and 3 during backward, as each bucket's reduce-scatter completes), accumulated,
-    zeroed because no gradient reached it, or cleared by another optimizer's ``zero_grad``. Every write to the device
-    shard is therefore followed by a copy of that slice, and the host buffer equals the device shard (cast to the
-    master dtype) whenever the reducer is idle. With pinned memory (CUDA) the copies are asynchronous, ordered on the
-    current stream after the write they follow, so they overlap with the rest of backward; :meth:`ready` waits for
-    the device before the CPU step reads the buffer. Under gradient accumulation each micro-batch copies again (only
-    the last copy is read): the price of not waiting for the step to start the transfer.
+    No gradient shard exists on the device. Each bucket's reduce-scatter (and, under hybrid sharding, the replica
+    all-reduce) writes into a scratch chunk of the reducer's bucket pool, and :meth:`write` moves that chunk here:
+    the first reduction of a bucket after ``zero_grad`` copies it into its slice of the host buffer (cast to the
+    master dtype), a later one (gradient accumulation) adds it in the master dtype. Zeroing (buckets that got no
+    gradient, another optimizer's ``zero_grad`` of borrowed parameters) is done here too. So the host buffer is the
+    one gradient shard, complete whenever the reducer is idle and :meth:`shard` returned.
 
-    The buffer is made on first use and kept (pinned memory is slow to allocate).
+    On CPU the copies and additions are done at once. On CUDA (pinned memory) they are asynchronous and ordered on
+    the current stream after the reduction they follow, so they overlap with the rest of backward: a first write
+    copies straight into the host slice; an accumulation copies into a pinned staging chunk (a small pool, constant
+    size) whose addition to the host slice runs on the CPU once the copy has landed. Every copy records a CUDA
+    event, kept in issue order: it is returned to the reducer, whose slot waits for it before the scratch chunk is
+    written again ([Note: a sink instead of a device shard] in ``buckets.py``), and the host side waits for it (and
+    so, in issue order, for every earlier copy, among them the first write of the slice an addition lands on)
+    before any CPU read or write of the buffer: an addition, a zeroing, :meth:`shard` before the step.
+    :meth:`clear` waits for what is in flight and drops pending additions (their gradients were cleared).
+
+    The buffer and the staging chunks are made on first use and kept (pinned memory is slow to allocate).
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, chunk_elements: int = 0,
+                 staging_chunks: int = 2) -> None:
         self.numel = numel
         self.dtype = dtype
         self.device = device
         self.asynchronous = pins(device)
+        self.chunk_elements = chunk_elements
+        """The largest bucket chunk (the size of a staging chunk)."""
+        self.staging_chunks = max(1, staging_chunks)
         self.buffer: Optional[Tensor] = None
-        self._pending = False
+        self.staging: list[Tensor] = []
+        """Pinned staging chunks ever made (CUDA accumulation only; at most ``staging_chunks``)."""
+        self._spare: list[Tensor] = []
+        self._in_flight: deque[tuple[Any, Optional[Tensor], Tensor]] = deque()  # (event, staging, host slice)
 
-    def follow(self, reducer: GradientReducer) -> None:
-        """Copy every bucket ``reducer`` writes into its gradient shard from now on (see the note above)."""
-        reducer.on_reduced = lambda bucket: self.copy_bucket(reducer.grad_shard, bucket)
-
-    def copy_bucket(self, shard: Optional[Tensor], bucket: Bucket) -> None:
-        """Copy ``bucket``'s slice of the device gradient shard ``shard`` into the host buffer."""
-        if shard is None:
-            return
-        end = bucket.shard_offset + bucket.chunk_size
+    # ------------------------------------------------------------------ the reducer's sink
+    def write(self, bucket: Bucket, chunk: Tensor, accumulate: bool) -> Optional[Any]:
+        """Copy ``bucket``'s reduced ``chunk`` (a device scratch chunk) into its host slice, or add it there with
+        ``accumulate``; returns the CUDA event after which ``chunk`` may be overwritten (``None`` on CPU)."""
+        target = self._buffer()[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
         with torch.no_grad():
-            self._buffer()[bucket.shard_offset : end].copy_(shard[bucket.shard_offset : end],
-                                                            non_blocking=self.asynchronous)
-        self._pending = self.asynchronous
+            if not self.asynchronous:
+                if accumulate:
+                    target.add_(chunk)
+                else:
+                    target.copy_(chunk)
+                return None
+            staging = self._take_staging() if accumulate else None
+            (staging[: chunk.numel()] if staging is not None else target).copy_(chunk, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._in_flight.append((event, staging, target))
+        return event
 
-    def ready(self) -> Tensor:
-        """The host buffer, once every copy into it has landed."""
-        if self._pending:  # the copies may have been issued from autograd's threads, on their streams: wait for all
-            torch.cuda.synchronize(self.device)
-            self._pending = False
+    def zero(self, start: int, end: int) -> None:
+        """Zero ``[start, end)`` of the host shard (after every copy in flight has landed)."""
+        self._land()
+        with torch.no_grad():
+            self._buffer()[start:end].zero_()
+
+    def shard(self) -> Tensor:
+        """The host shard, once every copy into it has landed and every addition is done."""
+        self._land()
         return self._buffer()
+
+    def clear(self) -> None:
+        """Wait for the copies in flight and drop the pending additions (the gradients were cleared)."""
+        self._land(apply=False)
+
+    # ------------------------------------------------------------------ internals
+    def _land(self, apply: bool = True, until_spare: bool = False) -> None:
+        """Wait for the copies in flight in issue order, doing their additions (``apply``); with ``until_spare``
+        only until a staging chunk is free."""
+        while self._in_flight and not (until_spare and self._spare):
+            event, staging, target = self._in_flight.popleft()
+            event.synchronize()
+            if staging is not None:
+                if apply:
+                    with torch.no_grad():
+                        target.add_(staging[: target.numel()])
+                self._spare.append(staging)
+
+    def _take_staging(self) -> Tensor:
+        if not self._spare and len(self.staging) < self.staging_chunks:
+            self.staging.append(host_zeros(self.chunk_elements, self.dtype, self.device))
+            return self.staging[-1]
+        self._land(until_spare=True)
+        return self._spare.pop()
 
     def _buffer(self) -> Tensor:
         if self.buffer is None:

@@ -115,8 +115,10 @@ class ShardedOptimizer:
         self.slots = plan_master_slots(self.layout, self.rank, [tuple(p.shape) for p in self.params])
         self.device = device
         moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
-        self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(self.layout.shard_size, master_dtype,
-                                                                         device) if moved else None
+        self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(
+            self.layout.shard_size, master_dtype, device, max((b.chunk_size for b in self.layout.buckets), default=0),
+            config.bucket_buffers) if moved else None
+        """With ``offload_optimizer``, the gradient shard itself (the reducer keeps none on the device)."""
         self.master_storage: Optional[Tensor] = None
         """The master shard (``None`` where the working shard doubles as the master: stages 1 and 2, one dtype)."""
         self._make_storage(working_dtype, master_dtype, moved, config)
@@ -128,10 +130,8 @@ class ShardedOptimizer:
         self.masters = [source._master_view(s) for source, s in zip(self.slot_sources, self.slots)]
         self.reducer = GradientReducer(
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
-            unit_names if self.by_units else (),
+            unit_names if self.by_units else (), sink=self.host_grads,
         )
-        if self.host_grads is not None:
-            self.host_grads.follow(self.reducer)
         self._hooks: list[Any] = []
         self._prepared = False
         self._overflow = False
@@ -245,7 +245,8 @@ class ShardedOptimizer:
 
     def reduce_grads(self) -> Tensor:
         """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
-        which keeps the sum until :meth:`zero_grad` (with ``offload_optimizer``: its host copy, see ``offload.py``)."""
+        which keeps the sum until :meth:`zero_grad` (with ``offload_optimizer`` it lives in host memory, see
+        ``offload.py``)."""
         if not self.policy.reduces_in_backward:
             for j in self._flat_order:
                 p = self.params[j]
@@ -255,7 +256,7 @@ class ShardedOptimizer:
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
         shard = self.reducer.finalize(force=not self.policy.reduces_in_backward)
         self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
-        return shard if self.host_grads is None else self.host_grads.ready()
+        return shard
 
     def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
         """The slots in this engine's own shard (its owned parameters) with their master tensors."""

@@ -35,7 +35,8 @@ def strategy(name: str, model_numel: int, **options: Any) -> Any:
 
 class HostBufferProbe(L.Callback):
     """Before every optimizer step (gradients reduced and on the host, not yet clipped): checks that the host
-    buffers are storages of their own, on the CPU, and hold the device gradient shard's values."""
+    buffers are storages of their own, on the CPU, and that the gradient shard exists only there (the reducer keeps
+    none on the device)."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, bool]] = []
@@ -45,6 +46,9 @@ class HostBufferProbe(L.Callback):
         if trainer.global_step == 2 and not self.states:  # optimizer states exist, no master gradient is alive
             self.states = measure_model_states(module, trainer.optimizers).as_dict()
             self.states["numel"] = sum(p.numel() for o in trainer.optimizers for p in o._zero_engine.params)
+            managed = {id(p) for o in trainer.optimizers for p in o._zero_engine.params}
+            self.states["unmanaged"] = sum(p.numel() * p.element_size() for p in module.parameters()
+                                           if id(p) not in managed)  # kept whole on the device
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         engine = getattr(optimizer, "_optimizer", optimizer)._zero_engine
@@ -53,8 +57,7 @@ class HostBufferProbe(L.Callback):
         working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
         sharded = getattr(engine, "sharded", None)  # stage 3's parameter storage
         device_shard = engine.working_shard if not engine.params_offloaded else None  # a host shard may alias
-        for t in (getattr(engine, "flat", None), device_shard, engine.reducer.grad_shard,
-                  *(sharded.buffers.values() if sharded else ())):
+        for t in (getattr(engine, "flat", None), device_shard, *(sharded.buffers.values() if sharded else ())):
             if t is not None:
                 working.add(t.untyped_storage().data_ptr())
         working.discard(0)  # freed unit buffers
@@ -62,7 +65,6 @@ class HostBufferProbe(L.Callback):
         states = [v for m in engine.masters for v in optimizer.state.get(m, {}).values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
         grads = [m.grad for m in engine.masters if m.grad is not None]
-        device_grads = engine.reducer.grad_shard.to(engine.host_grads.buffer.dtype)
         self.seen.append({
             "master_on_host": master is not None and master.device.type == "cpu" and not master.is_pinned(),
             "master_separate": master is not None and master.untyped_storage().data_ptr() not in working,
@@ -70,7 +72,8 @@ class HostBufferProbe(L.Callback):
                                    for m in engine.masters),
             "grads_in_host_buffer": bool(grads) and all(
                 g.untyped_storage().data_ptr() == engine.host_grads.buffer.untyped_storage().data_ptr() for g in grads),
-            "host_grads_copied": torch.equal(engine.host_grads.buffer, device_grads),
+            "grad_shard_only_on_host": engine.reducer.grad_shard is None and engine.host_grads.buffer is not None
+            and engine.host_grads.buffer.device.type == "cpu" and bool(engine.host_grads.buffer.abs().sum() > 0),
             "states_separate": all(s.untyped_storage().data_ptr() not in working and s.device.type == "cpu"
                                    for s in states),
         })
@@ -91,6 +94,7 @@ class ParamShardProbe(L.Callback):
         host = sharded.working_shard
         device_side = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *sharded.buffers.values(),
                                                                    engine.reducer.grad_shard] if t is not None}
+        no_device_grads = engine.host_grads is None or engine.reducer.grad_shard is None
         device_side.discard(0)  # freed storages
         # fp32 with the optimizer offloaded too: the host shard *is* the host master (no second host copy)
         aliased = engine.host_grads is not None and host.dtype == engine.master_storage.dtype
@@ -101,6 +105,7 @@ class ParamShardProbe(L.Callback):
             "master_alias_as_expected": (host is engine.master_storage) == aliased,
             "units_freed": all(b.untyped_storage().nbytes() == 0 for u, b in sharded.buffers.items() if u != 0),
             "uploaded": sharded.uploaded_bytes - self._uploaded >= shard_bytes,
+            "no_device_grad_shard_if_optimizer_offloaded": no_device_grads,
         })
         self._uploaded = sharded.uploaded_bytes
 
