@@ -63,9 +63,9 @@ class FlatShardedOptimizer(ShardedOptimizer):
         with torch.no_grad():
             for bucket in self.layout.buckets:
                 c0, c1 = self.layout.chunk_range(bucket, self.rank)
-                if self.master_storage is not None:
+                if self.master_storage is not None:  # an upload under offload_optimizer: see offload.py
                     end = bucket.shard_offset + bucket.chunk_size
-                    self.flat[c0:c1].copy_(self.master_storage[bucket.shard_offset : end])
+                    offload.copy_to_device(self.flat[c0:c1], self.master_storage[bucket.shard_offset : end])
                 b0, b1 = self.layout.bucket_range(bucket)
                 works.append(collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group,
                                                     async_op=True))

@@ -14,8 +14,15 @@ the user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` t
    ``.grad`` are views of that shard; unscaling, clipping and the overflow check act on these host gradients;
 2. the user's optimizer steps on the host masters (the CPU step);
 3. ``refresh_working`` copies the updated master shard into the device's working parameters (and all-gathers them
-   under stages 1 and 2), exactly where a non-offloaded run copies its device master shard. These copies block:
-   the host masters may change again as soon as they return.
+   under stages 1 and 2), exactly where a non-offloaded run copies its device master shard. From pinned memory the
+   copies are asynchronous (:func:`copy_to_device`), so stages 1 and 2 overlap each bucket's upload with the
+   all-gathers of the buckets before it, and stage 3's upload with what follows the step.
+
+[Note: the uploads of the update do not block]
+The host master is written again only by the next optimizer step (or a checkpoint load), and before that step reads
+or writes the host buffers it waits for the events of the gradient copies of the next backward (or reduction),
+which are ordered on the device's stream after these uploads; a load settles first. So an asynchronous upload
+always reads the values of the step that issued it, and the CPU never waits for it.
 
 The host tensors are pinned when the working device is a CUDA GPU (fast, asynchronous copies) and ordinary CPU
 tensors otherwise. On a CPU-only machine the host and the device are both CPU memory, but the host buffers are still
@@ -51,6 +58,13 @@ def pins(device: torch.device) -> bool:
 def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A zeroed host tensor of ``numel`` elements staging data for ``device`` (pinned where :func:`pins`)."""
     return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pins(device))
+
+
+def copy_to_device(target: Tensor, source: Tensor) -> None:
+    """``target.copy_(source)``, asynchronous when ``source`` is pinned host memory and ``target`` is on a CUDA device
+    (see [Note: the uploads of the update do not block])."""
+    with torch.no_grad():
+        target.copy_(source, non_blocking=target.device.type == "cuda" and source.is_pinned())
 
 
 def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offload: bool) -> Tensor:

@@ -56,9 +56,8 @@ class PartitionedOptimizer(ShardedOptimizer):
     def refresh_working(self) -> None:
         """Cast the updated master shard into the working shard (the runtime gathers again what is gathered)."""
         self.sharded.settle()
-        if self.sharded.working_shard is not self.master_storage:
-            with torch.no_grad():
-                self.sharded.working_shard.copy_(self.master_storage)
+        if self.sharded.working_shard is not self.master_storage:  # an upload under offload_optimizer
+            offload.copy_to_device(self.sharded.working_shard, self.master_storage)
 
     # ------------------------------------------------------------------ units
     def has_unit(self, unit: int) -> bool:
