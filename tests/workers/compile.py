@@ -4,9 +4,9 @@ counted (graphs compiled, graph breaks, recompilations).
 
 Arguments: ``out_dir cases backend steps``; ``cases`` is a comma-separated list of ``strategy:mode[:options]`` with
 mode ``eager``, ``block`` (``self.blocks[i] = torch.compile(block)`` in ``configure_model``) or ``whole``
-(``self.forward = torch.compile(self.forward)``), and options ``ac`` (``activation_checkpointing=True``), ``units``
+(``self.forward = torch.compile(self.forward)``) or ``inplace`` (``block.compile()``), and options ``ac`` (``activation_checkpointing=True``), ``units``
 (``unit_classes=[Block]``: stage 3 finds the original block inside the compiled wrapper), ``meta`` (built in
-``configure_model``).
+``configure_model``), ``ca`` (backward under compiled autograd).
 """
 
 from __future__ import annotations
@@ -99,10 +99,12 @@ def run(case: str, backend: str, steps: int) -> dict[str, Any]:
     trainer = L.Trainer(strategy=strategy(name, options), accelerator="cpu", devices=2, max_steps=steps,
                         gradient_clip_val=0.05, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
     breaks = {reason[:200]: n for reason, n in torch._dynamo.utils.counters["graph_break"].items()}
     return {"losses": list(model.losses), "step_times": model.step_times, "counts": dynamo_counts(),
-            "break_reasons": breaks}
+            "break_reasons": breaks, "warnings": [str(w.message) for w in caught if "torch.compile" in str(w.message)]}
 
 
 def main() -> None:
