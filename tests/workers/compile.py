@@ -116,6 +116,7 @@ def main() -> None:
             results[case] = run(case, backend, steps)
         except Exception as error:  # noqa: BLE001 - the investigation records what fails and why
             results[case] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    results["cpu_seconds"] = time.process_time()  # this rank's CPU time: its wall time on an idle core
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
