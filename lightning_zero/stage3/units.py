@@ -28,16 +28,17 @@ unit.
 
 [Note: units and torch.compile]
 The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
-always runs eagerly (see [Note: hooks under torch.compile] in ``engine/compiled.py``). Where the hooks sit decides what a compiled model
-costs. A block compiled by the user (``self.blocks[i] = torch.compile(block)``) is an ``OptimizedModule`` wrapping
-the original block; the unit is the *wrapper*, whose module hooks run in ``nn.Module.__call__`` before and after the
-compiled call, outside the graph: the graph sees only the block's computation over gathered parameters (their
-tensors, shapes and strides never change, only their storage is resized, so dynamo's guards hold and it compiles
-once). A unit *inside* a compiled region (a compiled ``forward`` around the blocks, ``module.compile()`` of a block,
-``torch.compile(self.model)``) has its hooks called from compiled code: dynamo splits the graph at each of them
-(the pieces are compiled once and reused, no recompilation). That works and gives the same results, but compiles
-pieces between units; :func:`units_under_compile` names such units so that setup can say so. ``module.compile()``
-of a unit compiles its ``_call_impl``, hooks included, and is such a case too.
+always runs eagerly (see [Note: hooks under torch.compile] in ``engine/compiled.py``). Where the hooks sit decides
+what a compiled model costs. A block compiled by the user (``self.blocks[i] = torch.compile(block)``) is an
+``OptimizedModule`` wrapping the original block; the unit is the *wrapper*, whose module hooks run in
+``nn.Module.__call__`` before and after the compiled call, outside the graph: the graph sees only the block's
+computation over gathered parameters (their tensors, shapes and strides never change, only their storage is resized,
+so dynamo's guards hold and it compiles once). A unit *inside* a compiled region (a compiled ``forward`` around the
+blocks, ``module.compile()`` of a block, ``torch.compile(self.model)``) has its hooks called from compiled code:
+dynamo splits the graph at each of them (the pieces are compiled once and reused, no recompilation). That works and
+gives the same results, but compiles pieces between units; :func:`units_under_compile` names such units so that
+setup can say so. ``module.compile()`` of a unit compiles its ``_call_impl``, hooks included, and is such a case
+too.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ counted (graphs compiled, graph breaks, recompilations).
 
 Arguments: ``out_dir cases backend steps``; ``cases`` is a comma-separated list of ``strategy:mode[:options]`` with
 mode ``eager``, ``block`` (``self.blocks[i] = torch.compile(block)`` in ``configure_model``) or ``whole``
-(``self.forward = torch.compile(self.forward)``) or ``inplace`` (``block.compile()``), and options ``ac`` (``activation_checkpointing=True``), ``units``
-(``unit_classes=[Block]``: stage 3 finds the original block inside the compiled wrapper), ``meta`` (built in
-``configure_model``), ``ca`` (backward under compiled autograd).
+(``self.forward = torch.compile(self.forward)``) or ``inplace`` (``block.compile()``), and options ``ac``
+(``activation_checkpointing=True``), ``units`` (``unit_classes=[Block]``: stage 3 finds the original block inside
+the compiled wrapper), ``meta`` (built in ``configure_model``), ``ca`` (backward under compiled autograd).
 """
 
 from __future__ import annotations
