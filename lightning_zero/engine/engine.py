@@ -58,7 +58,7 @@ from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
 from lightning_zero.engine.stages import policy_for
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
-from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units
+from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units, units_under_compile
 
 
 class ZeroEngine:
@@ -131,7 +131,9 @@ class ZeroEngine:
             self.optimizers = [self._make_sharded(torch.optim.SGD(trainable, lr=0.0))]
         shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
-        self._root_hook = self.module.register_forward_pre_hook(lambda *_: self.begin_step())
+        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile])
+        self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
+        _warn_if_units_compiled_inside(self.module, self.unit_plan)
         pretrained.fill_pending(self.module, self.optimizers, self.runtime)  # loads recorded at construction
 
     def add_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -346,6 +348,21 @@ class ZeroEngine:
         if not gather:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
+
+
+def _warn_if_units_compiled_inside(module: nn.Module, plan: UnitPlan) -> None:
+    """Say once (rank 0) that a compiled region around stage 3 units is split at each of them."""
+    inside = units_under_compile(module, plan)
+    if inside and collectives.rank() == 0:
+        shown = ", ".join(f"'{name}'" for name in inside[:4]) + (", ..." if len(inside) > 4 else "")
+        warnings.warn(
+            f"zero3: {len(inside)} stage 3 units ({shown}) run inside a region compiled by torch.compile (a compiled "
+            "`forward` around them, `torch.compile(self.model)` or `module.compile()`). Their gather/free hooks "
+            "issue collectives that dynamo cannot trace: they run eagerly and dynamo splits the compiled graph at each "
+            "of them (results unchanged, compiled once, not every step; but the region is compiled in pieces, not "
+            "as one graph). To compile whole blocks, compile the units themselves in `configure_model`: "
+            "`self.blocks[i] = torch.compile(block)`.",
+            UserWarning, stacklevel=4)
 
 
 @contextmanager

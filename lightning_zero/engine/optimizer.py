@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine import offload
 from lightning_zero.engine.buckets import GradientReducer
+from lightning_zero.engine.compiled import eager_hook
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
 from lightning_zero.engine.optimizer_support import (
@@ -190,7 +191,9 @@ class ShardedOptimizer:
 
         Stage 3 calls this once the parameters are materialized (materialization swaps tensors, hooks and all).
         """
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(j)) for j, p in enumerate(self.params)]
+        what = "the gradient hook of stages 2 and 3"
+        self._hooks = [p.register_post_accumulate_grad_hook(eager_hook(self._make_hook(j), what))
+                       for j, p in enumerate(self.params)]
 
     # ------------------------------------------------------------------ setup
     def _copy_pieces(self, buckets: list[Bucket], shard: Tensor) -> None:

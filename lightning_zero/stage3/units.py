@@ -25,10 +25,25 @@ afterwards the next units in that order (the previous ones in backward) are gath
 current one computes, up to ``prefetch_size`` elements in flight. A rank whose control flow runs a different unit
 than the others cannot be matched: its collective fails after the process group timeout, and the error names the
 unit.
+
+[Note: units and torch.compile]
+The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
+always runs eagerly (see [Note: hooks under torch.compile] in ``engine/compiled.py``). Where the hooks sit decides
+what a compiled model costs. A block compiled by the user (``self.blocks[i] = torch.compile(block)``) is an
+``OptimizedModule`` wrapping the original block; the unit is the *wrapper*, whose module hooks run in
+``nn.Module.__call__`` before and after the compiled call, outside the graph: the graph sees only the block's
+computation over gathered parameters (their tensors, shapes and strides never change, only their storage is resized,
+so dynamo's guards hold and it compiles once). A unit *inside* a compiled region (a compiled ``forward`` around the
+blocks, ``module.compile()`` of a block, ``torch.compile(self.model)``) has its hooks called from compiled code:
+dynamo splits the graph at each of them (the pieces are compiled once and reused, no recompilation). That works and
+gives the same results, but compiles pieces between units; :func:`units_under_compile` names such units so that
+setup can say so. ``module.compile()`` of a unit compiles its ``_call_impl``, hooks included, and is such a case
+too.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -37,6 +52,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.compiled import eager_hook
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedOptimizer
@@ -59,7 +75,8 @@ class UnitPlan:
 
 def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of ``module``, outermost first: modules of ``unit_classes`` (classes or class names) if
-    given, else the children of ``nn.ModuleList`` / ``nn.Sequential``; only those with parameters."""
+    given, else the children of ``nn.ModuleList`` / ``nn.Sequential``; only those with parameters. A block compiled
+    with ``torch.compile(block)`` is found as its wrapper (see [Note: units and torch.compile])."""
     chosen: list[tuple[str, nn.Module]] = []
 
     def is_unit_class(m: nn.Module) -> bool:
@@ -68,9 +85,12 @@ def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()
                    f"{cls.__module__}.{cls.__qualname__}") for c in unit_classes)
 
     def visit(name: str, mod: nn.Module, in_container: bool) -> None:
-        is_block = is_unit_class(mod) if unit_classes else in_container
+        is_block = is_unit_class(compiled_inner(mod)) if unit_classes else in_container
         if name and is_block and _has_params(mod):
-            chosen.append((name, mod))
+            chosen.append((name, mod))  # a compiled block: its wrapper (see [Note: units and torch.compile])
+            return
+        if mod is not compiled_inner(mod):  # a wrapper that is not a block: look inside as if it were not there
+            visit(f"{name}._orig_mod" if name else "_orig_mod", compiled_inner(mod), in_container)
             return
         container = isinstance(mod, (nn.ModuleList, nn.Sequential))
         for child_name, child in mod.named_children():
@@ -101,6 +121,39 @@ def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
 
     leftovers("", module)
     return _assign(chosen, persistence_threshold)
+
+
+def compiled_inner(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) runs, else ``module`` itself."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return module
+
+
+def _runs_compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` (instance attribute) or whole call (``module.compile()``) is compiled."""
+    compiled_call = module.__dict__.get("_compiled_call_impl")
+    forward = module.__dict__.get("forward")
+    return compiled_call is not None or hasattr(forward, "_torchdynamo_orig_callable") or \
+        compiled_inner(module) is not module
+
+
+def units_under_compile(root: nn.Module, plan: UnitPlan) -> list[str]:
+    """Names of the units whose hooks run inside a region compiled by ``torch.compile`` (see [Note: units and
+    torch.compile]): below a compiled ancestor, or compiled with ``module.compile()`` themselves."""
+    units = {id(m): name for name, m in zip(plan.names, plan.modules) if m is not None}
+    found: list[str] = []
+
+    def visit(mod: nn.Module, compiled_above: bool) -> None:
+        own_call = mod.__dict__.get("_compiled_call_impl") is not None
+        if id(mod) in units and (compiled_above or own_call):
+            found.append(units[id(mod)])
+        for child in mod.children():
+            visit(child, compiled_above or _runs_compiled(mod))
+
+    visit(root, False)
+    return found
 
 
 def _has_params(m: nn.Module) -> bool:
@@ -229,7 +282,7 @@ class UnitRuntime:
             # needs next, not the ones after this unit, which backward has already finished with
             self._prefetch(unit, step=-1 if recompute else 1)
 
-        return hook
+        return eager_hook(hook, "stage 3's pre-forward hook (gathers the unit)")
 
     def _post_forward_hook(self, unit: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -240,14 +293,14 @@ class UnitRuntime:
                 t.register_hook(self._pre_backward_hook(unit))
             self.release(unit)
 
-        return hook
+        return eager_hook(hook, "stage 3's post-forward hook (frees the unit)")
 
     def _pre_backward_hook(self, unit: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             self.gather(unit)
             self._prefetch(unit, step=-1)
 
-        return hook
+        return eager_hook(hook, "stage 3's pre-backward hook (gathers the unit)")
 
     def _grad_hook(self, unit: int) -> Any:
         def hook(param: torch.Tensor) -> None:
@@ -257,7 +310,7 @@ class UnitRuntime:
                 state.grads_seen = 0
                 self.release(unit)
 
-        return hook
+        return eager_hook(hook, "stage 3's gradient hook (frees the unit)")
 
     def _prefetch(self, unit: int, step: int) -> None:
         if unit not in self.forward_order or self.prefetch_size <= 0:
