@@ -1,4 +1,5 @@
-"""Typed, validated options of :class:`~lightning_zero.ZeroStrategy`.
+"""Typed, validated options of the engine, defined once: :class:`ZeroConfig`. ``ZeroStrategy``,
+``ZeroFabricStrategy`` and ``ZeroEngine`` take them as keyword arguments and hand them here.
 
 Every option is checked when the strategy is constructed, so a bad value fails before any process is launched.
 """

@@ -27,7 +27,6 @@ import warnings
 from typing import Optional, Sequence
 
 import torch
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch import nn
 
 from lightning_zero.engine import collectives
@@ -82,7 +81,7 @@ def materialize(module: nn.Module, device: torch.device, recording: Optional[Rec
     that owns a meta tensor runs its ``reset_parameters``, children before parents (see [Note: children before
     parents]).
     """
-    pending = [m for m in _post_order(module) if _has_meta_device_parameters_or_buffers(m, recurse=False)]
+    pending = [m for m in _post_order(module) if _has_own_meta(m)]
     if recording is not None:
         _replay_into(pending, device, recording)
         return
@@ -122,6 +121,11 @@ def _replay_into(modules: list[nn.Module], device: torch.device, recording: Reco
             m._buffers[name] = values[i]
 
 
+def _has_own_meta(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters or buffers (not its children's) are on the meta device."""
+    return any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values()))
+
+
 def _owned(value: torch.Tensor) -> torch.Tensor:
     """``value`` alone in a storage of its own size (a replayed tensor may be a view into a larger storage)."""
     whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
@@ -135,7 +139,7 @@ def _empty_onto(modules: list[nn.Module], device: torch.device) -> None:
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         for m in modules:
-            if _has_meta_device_parameters_or_buffers(m, recurse=False):  # a tied weight may have come with a sibling
+            if _has_own_meta(m):  # a tied weight may have come with a sibling
                 m.to_empty(device=device, recurse=False)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)

@@ -24,7 +24,7 @@ from tests.workers.parity import bucket_size
 
 warnings.filterwarnings("ignore")
 
-STEPS = 4  # optimizer steps of two micro-batches each
+STEPS = 3  # optimizer steps of two micro-batches each
 CLIP = 0.05
 
 
