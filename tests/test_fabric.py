@@ -91,3 +91,13 @@ def test_trainer_checkpoint_loads_under_fabric_at_another_world_size(launches):
     _assert_same_checkpoint_content(out / "fabric-from-trainer", out / "trainer-ws2")
     loaded = results[0]["fabric_from_trainer"]
     assert loaded["global_step"] == 2 and "loops" in loaded["keys"]  # the Trainer's own entries come back
+
+
+def test_load_raw_takes_a_plain_state_dict_file(launches):
+    _, out = launches(3)
+    # the Trainer's weights as one torch.save'd state dict, loaded by fabric.load_raw into a fresh zero3 model at 3 ranks
+    actual = load_full_checkpoint(out / "fabric-raw", weights_only=True)["state_dict"]
+    expected = torch.load(out / "raw_model.pt", weights_only=True)
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key

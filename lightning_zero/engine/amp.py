@@ -174,6 +174,10 @@ def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None,
 
     ``device``: where the all-reduce runs (the collectives' device), when the gradients are elsewhere (offload).
     ``group``: the ranks whose shards together make one copy of the gradients (default: all).
+
+    [Note: the norm over the shard group]
+    Under hybrid sharding every shard group holds all gradients once and its replicas hold the same again, so the
+    powers are summed over the shard group only: summed over the world, each would count N/k times.
     """
     at = grads[0].device if grads else (device or torch.device("cpu"))
     local = torch.zeros(1, dtype=torch.float32, device=at)

@@ -188,10 +188,9 @@ class ZeroEngine:
         """The shards of ``optimizer``; it borrows the parameters the ones made before it already hold."""
         unit_of = self.unit_plan.unit if self.policy.shards_params else None
         kind = PartitionedOptimizer if self.policy.shards_params else FlatShardedOptimizer
-        return kind(optimizer, self.policy, self.config, self.precision.working_dtype,
-                                self.precision.master_dtype, self.device, module=self.module, unit_of=unit_of,
-                                unit_names=self.unit_plan.names, owners=list(self.optimizers),
-                                whole_params=whole_params, groups=self.shard_groups)
+        return kind(optimizer, self.policy, self.config, self.precision.working_dtype, self.precision.master_dtype,
+                    self.device, module=self.module, unit_of=unit_of, unit_names=self.unit_plan.names,
+                    owners=list(self.optimizers), whole_params=whole_params, groups=self.shard_groups)
 
     # ------------------------------------------------------------------ forward and backward
     def forward_context(self) -> AbstractContextManager:
@@ -231,10 +230,11 @@ class ZeroEngine:
                 raise ValueError(f"This engine has {len(self.optimizers)} optimizers: name the one to step, clip or "
                                  "zero (`engine.step(optimizer)`).")
             return self.optimizers[0]
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's and Fabric's wrappers
-        for sharded in self.optimizers:
-            if sharded.optimizer is optimizer:
-                return sharded
+        # the optimizer itself, or the one inside Lightning's or Fabric's wrapper (both keep it as `_optimizer`)
+        for candidate in (optimizer, getattr(optimizer, "_optimizer", None)):
+            for sharded in self.optimizers:
+                if sharded.optimizer is candidate:
+                    return sharded
         raise ValueError(f"{type(optimizer).__name__} was not set up by this ZeRO engine: pass the optimizers to "
                          "`ZeroEngine(module, [optimizer, ...])` (the Trainer: return them from `configure_optimizers`;"
                          " Fabric: `fabric.setup(model, optimizer)`).")
@@ -253,7 +253,7 @@ class ZeroEngine:
         returns the norm before clipping. A non-finite norm raises with ``error_if_nonfinite``, unless the loss
         scaler found an overflow (that step is skipped anyway)."""
         overflow = self.prepare(optimizer)
-        # [Note: the norm over the shard group] under hybrid sharding the replicas hold the same shards again
+        # see [Note: the norm over the shard group] in amp.py
         total = clip_grad_norm(self.sharded(optimizer).grads(), max_norm, self.device, norm_type,
                                self.shard_groups.shard)
         if error_if_nonfinite and not overflow and not torch.isfinite(total).all():

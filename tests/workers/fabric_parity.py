@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 
 import lightning_zero
-from lightning_zero import ZeroEngine, ZeroFabricStrategy, ZeroStrategy, sharded_construction
+from lightning_zero import ZeroEngine, ZeroFabricStrategy, ZeroStrategy, load_full_checkpoint, sharded_construction
 from tests.models import TinyGPT, TinyLM
 from tests.workers.parity import bucket_size
 
@@ -198,6 +198,20 @@ def fabric_resumes_trainer(out: Path, saved_at: int, world_size: int) -> dict:
     return {"global_step": remainder.get("global_step"), "keys": sorted(remainder)}
 
 
+def fabric_loads_raw(out: Path, saved_at: int, world_size: int) -> None:
+    """``fabric.load_raw``: a plain state dict file (the Trainer's weights) into a fresh zero3 model, saved again."""
+    raw = out / "raw_model.pt"
+    if torch.distributed.get_rank() == 0:
+        torch.save(load_full_checkpoint(out / f"trainer-ws{saved_at}", weights_only=True)["state_dict"], raw)
+    torch.distributed.barrier()
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(stage=3))
+    fabric.launch()
+    L.seed_everything(1, verbose=False)  # other initial weights than the file's
+    model = fabric.setup_module(TinyLM(frozen=True))
+    fabric.load_raw(raw, model)
+    fabric.save(out / "fabric-raw", {"model": model})
+
+
 RUNNERS: dict[str, Callable[[str, str, int], dict]] = {
     "ddp": fabric_run, "zero1": fabric_run, "zero2": fabric_run, "zero3": fabric_run,
     "engine1": engine_run, "engine2": engine_run, "engine3": engine_run,
@@ -221,6 +235,7 @@ def main() -> None:
     else:  # each API resumes the other's checkpoint, written at world size 2
         trainer_resumes_fabric(out, 2, world_size)
         results["fabric_from_trainer"] = fabric_resumes_trainer(out, 2, world_size)
+        fabric_loads_raw(out, 2, world_size)
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
