@@ -183,7 +183,8 @@ def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None,
     local = torch.zeros(1, dtype=torch.float32, device=at)
     if math.isinf(norm_type):
         for g in grads:
-            local = torch.maximum(local, g.detach().float().abs().max().reshape(1))
+            if g.numel():
+                local = torch.maximum(local, g.detach().float().abs().max().reshape(1))
         return collectives.all_reduce(local.to(device or at), op=collectives.MAX, group=group)
     for g in grads:
         local += g.detach().float().abs().pow(norm_type).sum()

@@ -104,7 +104,8 @@ class ZeroEngine:
         self.unit_plan = UnitPlan()
         self._root_hook: Optional[Any] = None
         self.torn_down = False
-        self._user_optimizers: list[Optimizer] = []
+        self._holder: Optional[ShardedOptimizer] = None
+        """Stage 3 without optimizers: the internal SGD's shards that hold the weights (see :meth:`add_optimizers`)."""
         self._setup(list(optimizers), recording)
 
     # ------------------------------------------------------------------ setup
@@ -128,7 +129,8 @@ class ZeroEngine:
         elif any(p.requires_grad for p in self.module.parameters()):
             # evaluation: an internal SGD (never stepped) holds the shards of the weights
             trainable = [p for p in self.module.parameters() if p.requires_grad]
-            self.optimizers = [self._make_sharded(torch.optim.SGD(trainable, lr=0.0))]
+            self._holder = self._make_sharded(torch.optim.SGD(trainable, lr=0.0))
+            self.optimizers = [self._holder]
         shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile])
@@ -146,37 +148,33 @@ class ZeroEngine:
         if not self.policy.shards_params:
             self._add_optimizers(list(optimizers))
             return
-        holders = [sharded for sharded in self.optimizers if sharded.optimizer not in self._user_optimizers]
-        if len(holders) != len(self.optimizers):
+        holder = self._holder
+        if holder is None:
             raise RuntimeError("Under stage 3 the optimizers are set up together, once: pass all of them to "
                                "`fabric.setup_optimizers(...)` (or `fabric.setup(model, *optimizers)`) in one call.")
         assert self.runtime is not None
         self.runtime.release_all(include_root=True)
         self.runtime.remove()
-        self.optimizers = []
+        self.optimizers, self._holder = [], None
         self._add_optimizers(list(optimizers))
         managed = {id(p) for sharded in self.optimizers for p in sharded.params}
         for unit in [*range(1, len(self.unit_plan.names)), ROOT]:
-            for holder in holders:
-                for work in holder.gather_unit(unit):
-                    collectives.wait(work, f"move stage 3 unit '{self.unit_plan.names[unit]}' to the optimizers")
-                with torch.no_grad():  # trainable but in no optimizer: kept whole, as at setup
-                    for p, p_unit in zip(holder.params, holder.param_units):
-                        if p_unit == unit and id(p) not in managed:
-                            p.data = p.detach().clone()
+            for work in holder.gather_unit(unit):
+                collectives.wait(work, f"move stage 3 unit '{self.unit_plan.names[unit]}' to the optimizers")
+            with torch.no_grad():  # trainable but in no optimizer: kept whole, as at setup
+                for p, p_unit in zip(holder.params, holder.param_units):
+                    if p_unit == unit and id(p) not in managed:
+                        p.data = p.detach().clone()
             for sharded in self.optimizers:
                 if sharded.has_unit(unit):
                     sharded.fill_unit(unit)
-            for holder in holders:
-                holder.release_unit(unit)
-        for holder in holders:
-            holder.remove_hooks()
+            holder.release_unit(unit)
+        holder.remove_hooks()
         for sharded in self.optimizers:
             sharded.install_grad_hooks()
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
-        self._user_optimizers.extend(optimizers)
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
         for optimizer, whole_params in zip(optimizers, whole_params_per_optimizer(optimizers, self.config)):
             self.optimizers.append(self._make_sharded(optimizer, whole_params))

@@ -8,8 +8,8 @@ Trainer's checkpoint format (see [Note: one checkpoint format for every way in] 
 [Note: the Fabric state dict in the Trainer's format]
 ``fabric.save(path, {"model": model, "optimizer": opt, "step": 7})`` writes the module under ``state_dict`` and the
 optimizers under ``optimizer_states`` in the engine's order; every other entry is stored as itself (objects with a
-``state_dict`` as their state dict), and the names of the module and optimizer entries are recorded, so that
-``fabric.load`` puts each back under its name. A Trainer checkpoint loads the same way (its ``epoch``,
+``state_dict`` as their state dict). ``fabric.load`` restores the module and the optimizers it is given from those two
+keys (the engine knows their order) and the other entries by name. A Trainer checkpoint loads the same way (its ``epoch``,
 ``global_step``, ``loops``... come back as the remainder), and a Fabric checkpoint resumes under the Trainer.
 """
 
@@ -47,8 +47,6 @@ from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.engine import ZeroEngine, sharded_construction
 from lightning_zero.stage3.materialize import move_materialized
 
-#: Where ``fabric.save`` records the names of the module and optimizer entries (see the note above).
-FABRIC_NAMES = "fabric_names"
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
 PRECISION_KEY = "ZeroPrecision"
 
@@ -288,17 +286,14 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                              "any world size and stage): remove `filter=` from `fabric.save`.")
         engine = self._engine()
         checkpoint: dict[str, Any] = {}
-        names: dict[str, Any] = {"model": None, "optimizers": {}}
         states: dict[int, Any] = {}
         for key, obj in state.items():
             if isinstance(obj, Module):
                 self._check_module(obj)
                 checkpoint["state_dict"] = engine_state.model_state(engine)
-                names["model"] = key
             elif isinstance(obj, Optimizer):
                 index = engine.optimizers.index(engine.sharded(obj))
                 states[index] = engine_state.optimizer_state(engine, obj)
-                names["optimizers"][key] = index
             else:
                 checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         if states:
@@ -310,7 +305,6 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             raise ValueError("`fabric.save` under ZeroFabricStrategy needs the model in the state: "
                              "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
         checkpoint[PRECISION_KEY] = self.precision.state_dict()
-        checkpoint[FABRIC_NAMES] = names
         engine_state.save(engine, checkpoint, Path(path), writer="fabric")
 
     @override
@@ -320,8 +314,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         checkpoint is returned. A bare module or optimizer (``fabric.load_raw``) takes a raw state dict file too."""
         path = Path(path)
         if not state:
-            return load_full_checkpoint(path) if path.is_dir() else torch.load(path, map_location="cpu",
-                                                                                weights_only=bool(weights_only))
+            if path.is_dir():
+                return load_full_checkpoint(path)
+            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         engine = self._engine()
         checkpoint = engine_state.read(path)
         if isinstance(state, Module):
@@ -335,7 +330,6 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
 
     def _restore(self, engine: ZeroEngine, checkpoint: dict[str, Any], state: dict[str, Any],
                  strict: bool) -> dict[str, Any]:
-        names = checkpoint.get(FABRIC_NAMES, {"model": None, "optimizers": {}})
         modules = [key for key, obj in state.items() if isinstance(obj, Module)]
         optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
         if optimizers and len(optimizers) != len(engine.optimizers):
@@ -346,8 +340,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if strict and missing:
             raise KeyError(f"The requested state contains keys that are not present in the checkpoint: {missing}. "
                            "Pass `strict=False` to load what is there.")
-        for key in modules:
+        for key in modules:  # one module: the engine's
             self._check_module(state[key])
+        if modules:
             engine_state.load_model(engine, checkpoint, strict)
         if optimizers:
             engine_state.load_optimizers(engine, checkpoint)
@@ -359,9 +354,8 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                     obj.load_state_dict(checkpoint[key])
                 else:
                     state[key] = checkpoint[key]
-        used = set(engine_state.INTERNAL_KEYS) | set(others) | {FABRIC_NAMES, PRECISION_KEY}
-        return {key: value for key, value in checkpoint.items()
-                if key not in used and key not in (names["model"], *names["optimizers"])}
+        used = set(engine_state.INTERNAL_KEYS) | set(others) | {PRECISION_KEY}
+        return {key: value for key, value in checkpoint.items() if key not in used}
 
     def _check_module(self, module: Module) -> None:
         if module is not self._engine().module:
