@@ -95,6 +95,11 @@ class ZeroConfig:
     """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
     [Note: hybrid sharding and its traffic] in ``collectives.py``). ``None``: the devices of one node when
     ``num_nodes > 1``, else the whole world. Must divide the world size."""
+    tensor_parallel_size: int = 1
+    """ZeRO with tensor parallelism: the ranks form a (data x tensor) mesh with this many ranks per tensor group;
+    ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
+    shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``collectives.py``). Must divide the
+    world size."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
@@ -103,6 +108,12 @@ class ZeroConfig:
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
         if self.shard_group_size is not None:
             _check_positive_int("shard_group_size", self.shard_group_size, "ranks")
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size, "ranks")
+        if self.tensor_parallel_size > 1 and self.state_dict_type == "full":
+            raise ValueError("`state_dict_type='full'` writes one file of full tensors on rank 0, which holds only its "
+                             "own tensor-parallel slices. With `tensor_parallel_size > 1` save sharded checkpoints "
+                             "(the default) and make one full file afterwards with `lightning-zero consolidate`, which "
+                             "joins the slices.")
         for name in ("overlap_comm", "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
@@ -192,9 +203,22 @@ def process_group_timeout(value: object) -> Optional[timedelta]:
 
 
 def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
-                             num_nodes: int) -> int:
+                             num_nodes: int, tensor_parallel_size: int = 1) -> int:
     """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
-    the whole world. Raises a ``ValueError`` if it does not divide ``world_size``."""
+    the whole world; with tensor parallelism the data-parallel size. Raises a ``ValueError`` if it does not divide
+    ``world_size``, or if tensor parallelism is combined with hybrid sharding."""
+    t = tensor_parallel_size
+    if t > 1:
+        if world_size % t:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
+                             f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
+                             f"Pick one of {divisors} (e.g. the devices per node).")
+        if configured is not None and configured != world_size // t:
+            raise ValueError(f"`shard_group_size={configured}` with `tensor_parallel_size={t}`: hybrid sharding of "
+                             "the data dimension together with tensor parallelism is not supported yet; ZeRO shards "
+                             f"over the whole data dimension ({world_size // t} ranks). Leave `shard_group_size` out.")
+        return world_size // t
     k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
     if k < 1 or world_size % k:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -287,3 +287,86 @@ class SharedOptimizers(L.LightningModule):
         x = torch.randn(64, 6, generator=g)
         return DataLoader(TensorDataset(x, torch.sin(x[:, :3]) + 0.1 * torch.randn(64, 3, generator=g)),
                           batch_size=4)
+
+
+class TPBlock(nn.Module):
+    """``examples.gpt.Block``'s computation with separate q, k and v projections, so that :meth:`parallelize` can
+    split the heads over a tensor group (Megatron's attention and MLP: column-parallel in, row-parallel out)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, width, bias=False) for _ in range(3))
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def parallelize(self, group: Any) -> None:
+        """Replace the linear layers by this rank's slices of them over the tensor group ``group``."""
+        from lightning_zero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        self.heads //= torch.distributed.get_world_size(group)
+        self.q, self.k, self.v, self.fc = (ColumnParallelLinear.from_linear(layer, group)
+                                           for layer in (self.q, self.k, self.v, self.fc))
+        self.proj = RowParallelLinear.from_linear(self.proj, group)
+        self.out = RowParallelLinear.from_linear(self.out, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (layer(h).view(b, s, self.heads, -1).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.proj(attention)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyTPGPT(L.LightningModule):
+    """A tiny GPT (tied embedding and head) whose blocks are tensor parallel over ``self.device_mesh`` when the
+    strategy gives one (``ZeroStrategy(tensor_parallel_size=t)``), and whole otherwise: the same weights either
+    way, since each block is built whole and then cut (:meth:`TPBlock.parallelize`). Built in ``configure_model``
+    from a fixed seed; records every training loss."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 16, heads: int = 2, layers: int = 2, context: int = 8,
+                 lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
+        h = self.hparams
+        torch.manual_seed(5)
+        self.wte = nn.Embedding(h.vocab, h.width)
+        self.pos = nn.Parameter(0.02 * torch.randn(h.context, h.width))
+        self.blocks = nn.ModuleList(TPBlock(h.width, h.heads) for _ in range(h.layers))
+        self.ln_f = nn.LayerNorm(h.width)
+        self.head = nn.Linear(h.width, h.vocab, bias=False)
+        self.head.weight = self.wte.weight
+        mesh = self.device_mesh
+        if mesh is not None:
+            for block in self.blocks:
+                block.parallelize(mesh["tensor_parallel"].get_group())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(self(inputs).flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_data(n=8, seq=self.hparams.context), batch_size=2)

@@ -14,7 +14,15 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_zero.checkpoints.storage import KEY, META_FILE, check_files, load_sharded, read_meta, save_file
+from lightning_zero.checkpoints.storage import (
+    KEY,
+    META_FILE,
+    CheckpointError,
+    check_files,
+    load_sharded,
+    read_meta,
+    save_file,
+)
 from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
 from lightning_zero.checkpoints.shards import Shard
 
@@ -51,7 +59,7 @@ def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optiona
             optimizer_states.append((state, saved["param_groups"]))
     shards = {key: Shard.whole(t) for key, t in full.items() if t.numel()}
     load_sharded(path, shards, objects, collective=False)
-    values = {**full, **objects}
+    values = {**full, **objects, **_joined_slices(info, full)}
     meta["state_dict"] = {key: values[stored] for key, stored in info["model"].items()}
     if weights_only:
         meta.pop("optimizer_states", None)
@@ -63,6 +71,23 @@ def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optiona
             for state, groups in optimizer_states
         ]
     return meta
+
+
+def _joined_slices(info: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole tensors of the tensor-parallel slices read (stacked) into ``full``: see [Note: tensor-parallel
+    slices in a checkpoint] in ``shards.py``."""
+    joined = {}
+    for key, dim in info.get("tensor_parallel", {}).items():
+        if key not in full:
+            continue
+        if dim is None:
+            raise CheckpointError(
+                f"{key} is a statistic of a tensor-parallel slice that is not per element (Adafactor's factored "
+                "statistics, for instance): the slices' statistics do not make the whole tensor's. Consolidate the "
+                "weights only (`weights_only=True`, `lightning-zero consolidate --weights-only`), or resume the "
+                f"sharded checkpoint with `tensor_parallel_size={info.get('tensor_parallel_size')}`.")
+        joined[key] = torch.cat(tuple(full[key]), dim=dim)
+    return joined
 
 
 def consolidate(path: _PATH, out: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None) -> Path:
@@ -84,6 +109,7 @@ def inspect_checkpoint(path: _PATH, verify: bool = False) -> dict[str, Any]:
             per_rank[int(name[2:].split("_")[0])] += size
     return {
         "path": str(path), "format": info["format"], "stage": info["stage"], "world_size": info["world_size"],
+        "tensor_parallel_size": info.get("tensor_parallel_size", 1),
         "precision": info["precision"], "epoch": meta.get("epoch"), "global_step": meta.get("global_step"),
         "num_parameters": info["num_parameters"], "model_tensors": len(info["model"]),
         "optimizers": [o["class"] for o in info["optimizers"]],

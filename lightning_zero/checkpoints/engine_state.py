@@ -21,6 +21,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.sharded import (
     check_optimizer_count,
+    check_tensor_parallel,
     copy_full_state,
     load_model_from_dir,
     load_optimizers_from_dir,
@@ -51,7 +52,11 @@ def model_state(engine: "ZeroEngine") -> dict[str, Any]:
     (fp32 under mixed precision) on rank 0 (a collective)."""
     if engine.config.state_dict_type == "full":
         return full_model_state_dict(engine.module, engine.optimizers)
-    return model_shards(engine.module, engine.optimizers, full_copies=collectives.rank() == 0)
+    # whole tensors are written by rank 0, under tensor parallelism by the first rank of every data-parallel group
+    # (each holds its own slices; the replicated ones are the same pieces, which DCP writes once)
+    groups = engine.shard_groups
+    writes_whole = collectives.rank() == 0 or (groups.tensor is not None and collectives.rank(groups.shard) == 0)
+    return model_shards(engine.module, engine.optimizers, full_copies=writes_whole)
 
 
 def optimizer_state(engine: "ZeroEngine", optimizer: Optimizer) -> dict[str, Any]:
@@ -72,6 +77,7 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
             save_file(checkpoint, Path(path))
         return
     info = {"stage": engine.config.stage, "world_size": collectives.world_size(),
+            "tensor_parallel_size": engine.shard_groups.tensor_size,
             "precision": engine.precision.precision, "writer": writer,
             "num_parameters": sum(p.numel() for p in engine.module.parameters())}
     objects, shards, meta = split_checkpoint(checkpoint, engine.optimizers, info)
@@ -107,6 +113,7 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
         sharded.settle()
     dest = model_shards(engine.module, engine.optimizers, full_copies=True)
     if is_directory(checkpoint):
+        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"])
         load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True)
     else:
         state_dict = checkpoint["state_dict"] if "state_dict" in checkpoint else checkpoint
@@ -123,6 +130,7 @@ def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None
     if not states:
         return
     if is_directory(checkpoint):
+        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"])
         load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), engine.optimizers, collective=True)
         return
     check_optimizer_count(len(states), engine.optimizers, "file")

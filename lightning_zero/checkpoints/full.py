@@ -11,6 +11,7 @@ world size and under ``ddp`` too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.optimizer import ShardedOptimizer
-from lightning_zero.checkpoints.shards import is_per_element, optimizer_destination, param_groups
+from lightning_zero.checkpoints.shards import Shard, is_per_element, optimizer_destination, param_groups, stack_slices
 
 # (canonical parameter index, state key or None for the weight, start in the flattened parameter, value)
 _Piece = tuple[int, Optional[str], Optional[int], Any]
@@ -56,7 +57,8 @@ def load_optimizer_state(engine: ShardedOptimizer, state_dict: dict[str, Any]) -
     """Load a canonical optimizer state dict into the shard this rank owns: the pieces of its parameters are copied
     into the same destinations a sharded checkpoint is read into (``shards.optimizer_destination``)."""
     _check_canonical(engine, state_dict)
-    entries = {(int(i), key): value for i, entry in state_dict["state"].items() for key, value in entry.items()}
+    entries = {(int(i), key): _as_slices(engine.canonical[int(i)], value)
+               for i, entry in state_dict["state"].items() for key, value in entry.items()}
     dest = optimizer_destination(engine, {k: (tuple(v.shape), v.dtype) for k, v in entries.items()
                                           if isinstance(v, Tensor)})
     with torch.no_grad():
@@ -66,6 +68,15 @@ def load_optimizer_state(engine: ShardedOptimizer, state_dict: dict[str, Any]) -
                 piece.copy_(full[start : start + piece.numel()])
     dest.values = {k: v for k, v in entries.items() if not isinstance(v, Tensor)}
     dest.install(state_dict["param_groups"])
+
+
+def _as_slices(param: Tensor, value: Any) -> Any:
+    """A whole per-element state of a tensor-parallel slice ``param`` in the stacked form its shards read from (see
+    [Note: tensor-parallel slices in a checkpoint] in ``shards.py``); anything else as it is."""
+    placed = Shard.placed(param, param.dtype)[0]
+    if placed.local_shape is not None and isinstance(value, Tensor) and tuple(value.shape) == placed.full_shape:
+        return stack_slices(value, placed)
+    return value
 
 
 # ---------------------------------------------------------------------- pieces
@@ -128,7 +139,8 @@ def _check_canonical(engine: ShardedOptimizer, state_dict: dict[str, Any]) -> No
     for canon, saved in state_dict["state"].items():
         param = engine.canonical[int(canon)]
         for key, value in saved.items():
-            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() != param.numel():
+            whole = Shard.placed(param, param.dtype)[0].full_shape
+            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() not in (param.numel(), math.prod(whole)):
                 raise ValueError(
                     f"Optimizer state '{key}' of parameter {canon} has shape {tuple(value.shape)}, but the parameter "
                     f"has shape {tuple(param.shape)}. The checkpoint comes from a different model."

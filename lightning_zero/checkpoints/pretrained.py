@@ -221,6 +221,11 @@ def fill_shards(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: A
 
 
 def _fill(files: WeightFiles, name: str, shard: Shard) -> None:
+    if shard.local_shape is not None:
+        raise ValueError(f"load_pretrained: '{name}' is a tensor-parallel slice here, and reading pretrained files "
+                         "into slices is not supported. Load the pretrained weights into the model built without "
+                         "tensor parallelism, or into a ZeRO run without `tensor_parallel_size`, save, and load "
+                         "that checkpoint's consolidated file (`lightning-zero consolidate`) into this run.")
     for start, piece in shard.pieces:
         files.copy_range(name, start, piece)
 

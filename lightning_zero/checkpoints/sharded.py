@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_zero.engine import collectives
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
 from lightning_zero.engine.optimizer import ShardedOptimizer
-from lightning_zero.checkpoints.shards import Shard, optimizer_destination
+from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object
 TensorInfo = Optional[tuple[tuple[int, ...], str]]
@@ -34,38 +34,42 @@ def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer]
     objects: dict[str, Any] = {}
     shards: dict[str, Shard] = {}
     tensors: dict[str, TensorInfo] = {}
+    slices: dict[str, Optional[int]] = {}
     model: dict[str, str] = {}
     stored: dict[int, str] = {}
     for key, value in checkpoint["state_dict"].items():
         shard = value if isinstance(value, Shard) else Shard.whole(value)
         if id(value) not in stored:
             stored[id(value)] = f"model/{key}"
-            _put(f"model/{key}", shard, objects, shards, tensors)
+            _put(f"model/{key}", shard, objects, shards, tensors, slices)
         model[key] = stored[id(value)]
     optimizers = []
     for k, state in enumerate(checkpoint.get("optimizer_states", [])):
         for index, entry in state["state"].items():
             for name, value in entry.items():
-                _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors)
+                _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors, slices)
         engine = engines[k]
         optimizers.append({"class": type(engine.optimizer).__qualname__,
                            "params": [tuple(p.shape) for p in engine.canonical], "group_sizes": engine.group_sizes})
-    every = collectives.gather_objects(tensors)
+    every = collectives.gather_objects((tensors, slices))
     meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
         meta["optimizer_states"] = [{"param_groups": s["param_groups"], "sharded": True}
                                     for s in checkpoint["optimizer_states"]]
     meta[KEY] = {**info, "format": FORMAT, "model": model, "optimizers": optimizers,
-                 "tensors": {k: v for part in (every or []) for k, v in part.items()}}
+                 "tensors": {k: v for part, _ in (every or []) for k, v in part.items()},
+                 "tensor_parallel": {k: v for _, part in (every or []) for k, v in part.items()}}
     return objects, shards, meta
 
 
 def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard], tensors: dict[str, TensorInfo],
-         ) -> None:
+         slices: dict[str, Optional[int]]) -> None:
     if isinstance(value, Tensor):
         value = Shard.whole(value)
     if isinstance(value, Shard):
         tensors[key] = (value.shape, str(value.dtype).removeprefix("torch."))
+        if value.local_shape is not None:  # see [Note: tensor-parallel slices in a checkpoint]
+            slices[key] = value.joins_along
         if value.numel:
             shards[key] = value
         else:  # DCP cannot index an empty tensor by pieces: store it as an object
@@ -76,10 +80,13 @@ def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard]
 
 
 # ---------------------------------------------------------------------- model
-def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], strict: bool, source: str) -> None:
-    """Refuse a checkpoint of another model: shapes must match; with ``strict`` the keys too (as ``nn.Module``)."""
-    mismatched = [f"{k}: checkpoint {tuple(saved[k])}, model {d.shape}" for k, d in dest.items()
-                  if k in saved and tuple(saved[k]) != tuple(d.shape)]
+def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], strict: bool, source: str,
+                     full: bool = False) -> None:
+    """Refuse a checkpoint of another model: shapes must match (``full``: the shapes of whole tensors, as a file in
+    ``ddp``'s form has them); with ``strict`` the keys too (as ``nn.Module``)."""
+    shape_of = (lambda d: d.full_shape) if full else (lambda d: d.shape)
+    mismatched = [f"{k}: checkpoint {tuple(saved[k])}, model {shape_of(d)}" for k, d in dest.items()
+                  if k in saved and tuple(saved[k]) != tuple(shape_of(d))]
     missing = [k for k in dest if k not in saved]
     unexpected = [k for k in saved if k not in dest]
     problems = []
@@ -118,13 +125,25 @@ def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard]
 def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: bool, source: str) -> None:
     """Load a full ``state_dict`` (one file, DDP's form) into ``dest``: each rank copies the pieces it owns."""
     saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, Tensor)}
-    check_model_keys(saved, dest, strict, source)
+    check_model_keys(saved, dest, strict, source, full=True)
     with torch.no_grad():
         for key, shard in dest.items():
             if key in saved:
-                full = state_dict[key].reshape(-1)
+                full = stack_slices(state_dict[key], shard).reshape(-1)
                 for start, piece in shard.pieces:
                     piece.copy_(full[start : start + piece.numel()])
+
+
+def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, source: str) -> None:
+    """Refuse a sharded checkpoint written with another tensor-parallel degree (its slices are of other sizes)."""
+    saved = info.get("tensor_parallel_size", 1)
+    if saved != tensor_parallel_size:
+        raise CheckpointError(
+            f"The checkpoint {source} was written with `tensor_parallel_size={saved}` and this run has "
+            f"`tensor_parallel_size={tensor_parallel_size}`: its tensor-parallel slices are of other sizes. Resume with "
+            f"`tensor_parallel_size={saved}` (any number of data-parallel ranks and any stage work), or consolidate it "
+            "into one file (`lightning-zero consolidate`) and load that (weights and optimizer state are sliced for "
+            "this run).")
 
 
 # ---------------------------------------------------------------------- optimizers

@@ -13,6 +13,17 @@ The same :class:`Shard` objects are sources when saving (views of the master sha
 copy) and destinations when loading (views the reader writes into in place), so loading needs no second copy of
 the weights.
 
+[Note: tensor-parallel slices in a checkpoint]
+Under tensor parallelism (t ranks per tensor group) a parameter marked as a slice (``lightning_zero.tensor_parallel``)
+of local shape L is stored as slice j (this rank's tensor rank) of a tensor of shape ``(t, *L)``: its flattened
+elements ``[j * numel(L), (j + 1) * numel(L))``, in which the ZeRO pieces of the data dimension fall as usual. So the
+checkpoint records both dimensions: the data dimension reshards freely (any number of data-parallel ranks, any
+stage), and the metadata names the dimension each stacked tensor joins along (``tensor_parallel``), so that
+``consolidate`` makes the full tensors (``torch.cat`` of the t slices along it) and a full file loads into a
+tensor-parallel model (each rank its slice). A state of a sliced parameter that is not per element (Adafactor's
+factored statistics) is stacked the same way but does not join (its dimension is recorded as ``None``). Replicated
+tensors are stored as usual; the t ranks of a tensor group write the same pieces of them, which DCP writes once.
+
 Optimizer states follow the canonical numbering of ``full.py``: the index of each parameter in the user's
 param groups, per optimizer (a parameter held by two optimizers has a state in each, under each one's index). A state with one value per element (``exp_avg``) is cut like the parameter; any other value
 (``step``, Adafactor's factored statistics) is written whole, by the rank that owns the parameter's first element.
@@ -22,13 +33,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zero.engine.layout import MasterSlot
 from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.tensor_parallel import tensor_parallel_slice
 
 
 @dataclass
@@ -38,18 +50,50 @@ class Shard:
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[tuple[int, Tensor]] = field(default_factory=list)
+    local_shape: Optional[tuple[int, ...]] = None
+    """Tensor parallelism: the shape of this rank's slice when ``shape`` is ``(t, *local_shape)`` (see
+    [Note: tensor-parallel slices in a checkpoint]); ``None`` for an ordinary tensor."""
+    joins_along: Optional[int] = None
+    """The dimension of ``local_shape`` the stacked slices join along (``None``: they do not join)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole tensor: ``shape``, or for joinable tensor-parallel slices the joined shape."""
+        if self.local_shape is None or self.joins_along is None:
+            return self.shape
+        full = list(self.local_shape)
+        full[self.joins_along] *= self.shape[0]
+        return tuple(full)
+
     @classmethod
-    def whole(cls, tensor: Tensor) -> "Shard":
-        """All of ``tensor`` as one piece (a view: loading into it writes ``tensor``)."""
+    def placed(cls, tensor: Tensor, dtype: torch.dtype, owner: Optional[Tensor] = None,
+               per_element: bool = True) -> tuple["Shard", int]:
+        """An empty ``Shard`` for ``tensor`` (a parameter, or a state of the parameter ``owner``) and the offset of this
+        rank's slice in it: 0, or for a tensor-parallel slice ``j * numel`` of the stacked tensor."""
+        where = tensor_parallel_slice(owner if owner is not None else tensor)
+        if where is None:
+            return cls(tuple(tensor.shape), dtype), 0
+        local = tuple(tensor.shape)
+        return (cls((where.size, *local), dtype, local_shape=local, joins_along=where.dim if per_element else None),
+                where.rank * math.prod(local))
+
+    @classmethod
+    def whole(cls, tensor: Tensor, owner: Optional[Tensor] = None, per_element: bool = True) -> "Shard":
+        """All of ``tensor`` as one piece (a view: loading into it writes ``tensor``); a tensor-parallel slice (or
+        a state of one, ``owner``) as its slice of the stacked tensor."""
         flat = tensor.detach().reshape(-1)
         if tensor.numel() and flat.data_ptr() != tensor.data_ptr():
             raise ValueError("Shard.whole needs a contiguous tensor to load into in place.")
-        return cls(tuple(tensor.shape), tensor.dtype, [(0, flat)] if tensor.numel() else [])
+        if tensor.dim() == 0:  # a scalar (a step count) is the same on every tensor-parallel rank
+            owner = tensor
+        shard, base = cls.placed(tensor, tensor.dtype, owner, per_element)
+        if tensor.numel():
+            shard.pieces.append((base, flat))
+        return shard
 
 
 def model_shards(module: torch.nn.Module, engines: list[ShardedOptimizer], full_copies: bool) -> dict[str, Shard]:
@@ -61,13 +105,15 @@ def model_shards(module: torch.nn.Module, engines: list[ShardedOptimizer], full_
     Tied parameters map to the same ``Shard`` object under each of their names.
     """
     managed: dict[int, Shard] = {}
+    base: dict[int, int] = {}
     for engine in engines:
         for j, p in enumerate(engine.params):
-            managed[id(p)] = Shard(tuple(p.shape), engine.masters[0].dtype if engine.masters else p.dtype)
+            managed[id(p)], base[id(p)] = Shard.placed(p, engine.masters[0].dtype if engine.masters else p.dtype)
         for slot, master in engine.own_masters():  # a parameter held by several optimizers: its owner's pieces
             flat = master.detach().reshape(-1)
             for p, p_start, length, offset in slot.pieces:
-                managed[id(engine.params[p])].pieces.append((p_start, flat[offset : offset + length]))
+                param = engine.params[p]
+                managed[id(param)].pieces.append((base[id(param)] + p_start, flat[offset : offset + length]))
     out: dict[str, Shard] = {}
     seen: dict[int, Shard] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
@@ -76,9 +122,17 @@ def model_shards(module: torch.nn.Module, engines: list[ShardedOptimizer], full_
         elif id(tensor) in seen:
             out[key] = seen[id(tensor)]
         else:
-            shard = Shard.whole(tensor) if full_copies else Shard(tuple(tensor.shape), tensor.dtype)
+            shard = Shard.whole(tensor) if full_copies else Shard.placed(tensor, tensor.dtype)[0]
             out[key] = seen[id(tensor)] = shard
     return out
+
+
+def stack_slices(tensor: Tensor, shard: Shard) -> Tensor:
+    """A whole tensor in the stacked form of ``shard`` (see [Note: tensor-parallel slices in a checkpoint]): its t
+    slices along the joined dimension, stacked; any other tensor as it is."""
+    if shard.local_shape is None or shard.joins_along is None:
+        return tensor
+    return torch.stack(tensor.chunk(shard.shape[0], dim=shard.joins_along))
 
 
 def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:
@@ -87,16 +141,19 @@ def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     Values that are not per-element are kept only by the owner of the parameter's first element.
     """
     out: dict[int, dict[str, Any]] = {}
+    bases: dict[tuple[int, str], int] = {}
     for slot, master in zip(engine.slots, engine.masters):
         for key, value in engine.optimizer.state.get(master, {}).items():
             for p, p_start, length, offset in slot.pieces:
                 param = engine.members[p]
                 entry = out.setdefault(engine.managed[p], {})
                 if is_per_element(value, slot, param):
-                    shard = entry.setdefault(key, Shard(tuple(param.shape), value.dtype))
-                    shard.pieces.append((p_start, value.detach().reshape(-1)[offset : offset + length]))
+                    if key not in entry:
+                        entry[key], bases[(p, key)] = Shard.placed(param, value.dtype)
+                    piece = value.detach().reshape(-1)[offset : offset + length]
+                    entry[key].pieces.append((bases[(p, key)] + p_start, piece))
                 elif p_start == 0:
-                    entry[key] = Shard.whole(value) if isinstance(value, Tensor) else value
+                    entry[key] = Shard.whole(value, param, per_element=False) if isinstance(value, Tensor) else value
     return out
 
 
@@ -156,7 +213,8 @@ class OptimizerDestination:
 def _whole_value(value: Any) -> Any:
     if not isinstance(value, Shard):
         return value
-    return value.pieces[0][1].view(value.shape).clone() if value.pieces else torch.zeros(value.shape, dtype=value.dtype)
+    shape = value.local_shape if value.local_shape is not None else value.shape
+    return value.pieces[0][1].view(shape).clone() if value.pieces else torch.zeros(shape, dtype=value.dtype)
 
 
 def optimizer_destination(engine: ShardedOptimizer, saved: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]],
@@ -170,16 +228,18 @@ def optimizer_destination(engine: ShardedOptimizer, saved: dict[tuple[int, str],
     for s, slot in enumerate(engine.slots):
         for p, p_start, length, offset in slot.pieces:
             canon, param = engine.managed[p], engine.members[p]
+            placed, base = Shard.placed(param, param.dtype)
             for key, shape, dtype in by_param.get(canon, []):
-                if shape == tuple(param.shape) and len(shape) > 0:
+                if shape == placed.shape and len(shape) > 0:
                     state = dest.slot_states[s].get(key)
                     if state is None:
                         state = dest.slot_states[s][key] = torch.zeros(slot.shape, dtype=dtype)
-                    shard = dest.shards.setdefault((canon, key), Shard(shape, dtype))
-                    shard.pieces.append((p_start, state.view(-1)[offset : offset + length]))
+                    shard = dest.shards.setdefault((canon, key), Shard.placed(param, dtype)[0])
+                    shard.pieces.append((base + p_start, state.view(-1)[offset : offset + length]))
                 elif (canon, key) not in dest.shards:
-                    shard = dest.shards[(canon, key)] = Shard.whole(torch.zeros(shape, dtype=dtype))
-                    dest.whole.setdefault(canon, {})[key] = shard
+                    local = shape[1:] if tensor_parallel_slice(param) is not None and len(shape) > 0 else shape
+                    shard = Shard.whole(torch.zeros(local, dtype=dtype), param, per_element=False)
+                    dest.shards[(canon, key)] = dest.whole.setdefault(canon, {})[key] = shard
     return dest
 
 

@@ -22,9 +22,10 @@ to return the right values. On a CPU-only machine the host *is* the device: offl
 Partitioning saves memory only where k ranks hold *identical* activations: tensor (model) parallelism, where every
 rank of a TP group sees the same block input. Each rank keeps slice ``rank`` of the flattened input (padded to a
 multiple of k); the slices are all-gathered before the recomputation, in backward order, which every rank of the group
-follows. ZeroStrategy itself is data parallel only: its ranks see different data, so no group of its ranks holds
-identical activations; ``activation_partition_group`` is for a module that runs its own tensor parallelism over the
-named ranks. The first checkpoint of every store is compared across the group (a fingerprint all-reduce), and a
+follows. The data-parallel ranks see different data, so no group of them holds identical activations: with
+``tensor_parallel_size=t`` Pa partitions over the tensor group by default (the paper's Pa: ZeRO over the data
+dimension, model parallelism inside the node); ``activation_partition_group`` names the group of a module that runs
+its own tensor parallelism otherwise. The first checkpoint of every store is compared across the group (a fingerprint all-reduce), and a
 mismatch fails with an error instead of silently training on another rank's values.
 
 [Note: contiguous checkpoints (MD)]
@@ -318,12 +319,16 @@ def checkpoint_blocks(module: nn.Module, blocks: Union[bool, Sequence[Union[type
     return ActivationCheckpointing(found, ActivationStore(offload, partition_group, contiguous))
 
 
-def activations_from_config(module: nn.Module, config: Any) -> Optional[ActivationCheckpointing]:
+def activations_from_config(module: nn.Module, config: Any, tensor_group: Optional[Any] = None,
+                            ) -> Optional[ActivationCheckpointing]:
     """What :class:`~lightning_zero.config.ZeroConfig` asks for (``None`` without ``activation_checkpointing``);
-    collective when a partition group is named (every rank must call it)."""
+    collective when a partition group is named (every rank must call it). Under tensor parallelism Pa partitions
+    over ``tensor_group`` unless ``activation_partition_group`` names another group: the paper's Pa, whose ranks
+    hold the same block inputs."""
     if not config.activation_checkpointing:
         return None
-    group = resolve_partition_group(config.activation_partition_group)
+    spec = config.activation_partition_group
+    group = resolve_partition_group(spec) if spec is not None else tensor_group
     return checkpoint_blocks(module, config.activation_checkpointing, config.activation_offload, group,
                              config.contiguous_checkpoints, config.unit_classes)
 

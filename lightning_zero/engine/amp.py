@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -169,35 +170,54 @@ class UsesPrecisionMode:
 
 
 def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None, norm_type: float = 2.0,
-                     group: Optional[Any] = None) -> Tensor:
+                     group: Optional[Any] = None, tensor_group: Optional[Any] = None,
+                     replicated: Sequence[Tensor] = ()) -> Tensor:
     """The ``norm_type``-norm of all gradients of all ranks (each rank passes its shard); identical on every rank.
 
     ``device``: where the all-reduce runs (the collectives' device), when the gradients are elsewhere (offload).
     ``group``: the ranks whose shards together make one copy of the gradients (default: all).
+    ``tensor_group``, ``replicated``: under tensor parallelism, ``grads`` are slices of tensors cut over
+    ``tensor_group`` and ``replicated`` the gradients of parameters every rank of it holds whole.
 
     [Note: the norm over the shard group]
     Under hybrid sharding every shard group holds all gradients once and its replicas hold the same again, so the
     powers are summed over the shard group only: summed over the world, each would count N/k times.
+
+    [Note: the norm over both dimensions]
+    Under tensor parallelism the shard group holds one copy of this rank's *slices*; the t tensor-parallel ranks
+    hold the other slices, and each holds the same copy of the replicated parameters (LayerNorms, embeddings). The
+    norm counts every element of the full model once: the powers of the slices are summed over the shard group and
+    then over the tensor group, those of the replicated gradients enter each tensor rank's sum divided by t (the t
+    equal shares add up to one copy; t is a power of two in practice, so the division is exact). The inf-norm takes
+    the maximum over both groups. ``torch.nn.utils.clip_grad_norm_`` on the full model under DDP gives the same norm.
     """
-    at = grads[0].device if grads else (device or torch.device("cpu"))
+    at = grads[0].device if grads else (replicated[0].device if replicated else (device or torch.device("cpu")))
     local = torch.zeros(1, dtype=torch.float32, device=at)
+    t = collectives.world_size(tensor_group) if tensor_group is not None else 1
     if math.isinf(norm_type):
-        for g in grads:
+        for g in [*grads, *replicated]:
             if g.numel():
-                local = torch.maximum(local, g.detach().float().abs().max().reshape(1))
-        return collectives.all_reduce(local.to(device or at), op=collectives.MAX, group=group)
+                local = torch.maximum(local, g.detach().float().abs().max().to(at).reshape(1))
+        total = collectives.all_reduce(local.to(device or at), op=collectives.MAX, group=group)
+        return collectives.all_reduce(total, op=collectives.MAX, group=tensor_group) if t > 1 else total
     for g in grads:
-        local += g.detach().float().abs().pow(norm_type).sum()
-    return collectives.all_reduce(local.to(device or at), group=group).pow(1.0 / norm_type)
+        local += g.detach().float().abs().pow(norm_type).sum().to(at)
+    for g in replicated:
+        local += g.detach().float().abs().pow(norm_type).sum().to(at) / t
+    total = collectives.all_reduce(local.to(device or at), group=group)
+    if t > 1:
+        total = collectives.all_reduce(total, group=tensor_group)
+    return total.pow(1.0 / norm_type)
 
 
 def clip_grad_norm(grads: list[Tensor], max_norm: float, device: Optional[torch.device] = None,
-                   norm_type: float = 2.0, group: Optional[Any] = None) -> Tensor:
-    """Scale ``grads`` in place so that their global norm is at most ``max_norm`` (``clip_grad_norm_``'s rule);
-    returns the norm before clipping."""
-    total = global_grad_norm(grads, device, norm_type, group)
+                   norm_type: float = 2.0, group: Optional[Any] = None, tensor_group: Optional[Any] = None,
+                   replicated: Sequence[Tensor] = ()) -> Tensor:
+    """Scale ``grads`` (and ``replicated``) in place so that their global norm is at most ``max_norm``
+    (``clip_grad_norm_``'s rule); returns the norm before clipping."""
+    total = global_grad_norm(grads, device, norm_type, group, tensor_group, replicated)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in [*grads, *replicated]:
         g.mul_(coef.to(g.device, g.dtype))
     return total
 

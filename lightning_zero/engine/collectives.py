@@ -68,8 +68,8 @@ class Traffic:
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"other"``) and kind: see [Note: hybrid
-    sharding and its traffic]. ``elements`` is their sum over scopes."""
+    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"other"``) and kind: see
+    [Note: hybrid sharding and its traffic]. ``elements`` is their sum over scopes."""
 
     def add(self, kind: str, tensor: torch.Tensor, group: Optional[Any] = None) -> None:
         """Count ``tensor`` as the payload of one ``kind`` collective over ``group`` (``None``: the world)."""
@@ -97,7 +97,7 @@ _SCOPES: dict[int, str] = {}
 
 def scope_of(group: Optional[Any]) -> str:
     """The traffic scope of ``group``: ``"world"`` for the default group, ``"shard"`` / ``"replicate"`` for hybrid
-    sharding's groups, ``"other"`` for any other group (Pa's, for instance)."""
+    sharding's groups (``"shard"`` / ``"tensor"`` under tensor parallelism), ``"other"`` for any other group."""
     if group is None:
         return "world"
     return _SCOPES.get(id(group), "other")
@@ -289,6 +289,12 @@ class ShardGroups:
     """The ranks holding the same shard (the gradient shards are all-reduced over it); ``None``: no replicas."""
     replicas: int = 1
     """R, the size of ``replicate``: the world size is ``replicas`` times the shard group's size."""
+    tensor: Optional[Any] = None
+    """Tensor parallelism: the ranks that hold the slices of the same tensors (``None``: no tensor parallelism). The
+    shard group is then the data-parallel group: see [Note: ZeRO over the data dimension]."""
+    mesh: Optional[Any] = None
+    """Tensor parallelism: the 2-D ``DeviceMesh`` (``"data_parallel"``, ``"tensor_parallel"``) the module's
+    ``configure_model`` parallelizes over."""
 
     @property
     def first_replica(self) -> bool:
@@ -296,18 +302,38 @@ class ShardGroups:
         ``replicate``, i.e. in the first shard group)."""
         return self.replicate is None or rank(self.replicate) == 0
 
+    @property
+    def tensor_size(self) -> int:
+        """t, the tensor-parallel degree (1 without tensor parallelism)."""
+        return world_size(self.tensor) if self.tensor is not None else 1
 
-_HYBRID: dict[tuple[int, int, int], ShardGroups] = {}
+    @property
+    def data_group(self) -> Optional[Any]:
+        """The ranks that must start from the same weights (``None``: the world); under tensor parallelism the
+        shard group, since the tensor-parallel ranks hold different slices."""
+        return self.shard if self.tensor is not None else None
+
+    @property
+    def data_source(self) -> int:
+        """The global rank whose weights :attr:`data_group` starts from (its first rank)."""
+        group = self.data_group
+        return dist.get_global_rank(group, 0) if group is not None else 0
 
 
-def make_shard_groups(shard_group_size: int) -> ShardGroups:
-    """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks.
+_HYBRID: dict[tuple[Any, ...], ShardGroups] = {}
+
+
+def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu") -> ShardGroups:
+    """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
+    ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh.
 
     Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
     requires; made once per default process group and size (a second ``fit`` reuses them). A group size equal to
     the world size is plain ZeRO and makes no group.
     """
     world = world_size()
+    if tensor_parallel_size > 1:
+        return _tensor_parallel_groups(world, tensor_parallel_size, device_type)
     if shard_group_size == world:
         return ShardGroups()
     key = (id(dist.group.WORLD), world, shard_group_size)
@@ -316,6 +342,35 @@ def make_shard_groups(shard_group_size: int) -> ShardGroups:
         shard, replicate = new_group(shard_lists), new_group(replica_lists)
         _SCOPES[id(shard)], _SCOPES[id(replicate)] = "shard", "replicate"
         _HYBRID[key] = ShardGroups(shard, replicate, world // shard_group_size)
+    return _HYBRID[key]
+
+
+def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str) -> ShardGroups:
+    """The data-parallel and tensor-parallel groups of a (world / t) x t ``DeviceMesh``, made once per job.
+
+    [Note: ZeRO over the data dimension]
+    With tensor parallelism of degree t the N ranks form a mesh of d = N / t data-parallel rows (Lightning's
+    ``ModelParallelStrategy`` layout: the t ranks of a tensor group are consecutive, i.e. inside one node). Rank
+    ``i * t + j`` holds slice j of every tensor-parallel weight and the data of row i. ZeRO sees only this rank's
+    slices: it shards them, their gradients and optimizer states over the d ranks with the same j (the shard group),
+    exactly as plain ZeRO over d ranks would; the tensor group is the module's own business (its layers'
+    collectives), except for three things that span both dimensions: the gradient norm (see [Note: the norm over
+    both dimensions] in ``amp.py``), Pa (the checkpointed block inputs are replicated over the tensor group, so that
+    is the default partition group) and checkpoints (every tensor-parallel slice is a piece of its tensor: see
+    [Note: tensor-parallel slices in a checkpoint] in ``checkpoints/shards.py``). Traffic over the tensor group
+    counts under the scope ``"tensor"``.
+    """
+    if world % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} does not divide the world size {world}.")
+    key = ("tensor", id(dist.group.WORLD), world, tensor_parallel_size, device_type)
+    if key not in _HYBRID:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
+                                mesh_dim_names=("data_parallel", "tensor_parallel"))
+        shard, tensor = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
+        _SCOPES[id(shard)], _SCOPES[id(tensor)] = "shard", "tensor"
+        _HYBRID[key] = ShardGroups(shard=shard, tensor=tensor, mesh=mesh)
     return _HYBRID[key]
 
 

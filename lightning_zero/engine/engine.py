@@ -41,7 +41,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.checkpoints import pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
-from lightning_zero.config import ZeroConfig, check_option_names
+from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
 from lightning_zero.stage3.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
 from lightning_zero.stage3.materialize import (
@@ -53,6 +53,7 @@ from lightning_zero.stage3.materialize import (
 )
 from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
 from lightning_zero.engine.offload import fused_hint
+from lightning_zero.engine.optimizer_support import check_not_dtensor
 from lightning_zero.engine.flat import FlatShardedOptimizer
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
@@ -74,8 +75,11 @@ class ZeroEngine:
         config: the options as a :class:`~lightning_zero.ZeroConfig`, or give them as keyword arguments instead
             (``stage=3, offload_optimizer=True``, ...).
         recording: stage 3: the construction recorded by :func:`sharded_construction`, replayed unit by unit.
-        shard_groups: hybrid sharding: the groups to shard over and replicate across (default: made from
-            ``shard_group_size``, or plain ZeRO over every rank; see [Note: hybrid sharding and its traffic]).
+        shard_groups: the groups to shard over and replicate across (default: made from ``shard_group_size`` and
+            ``tensor_parallel_size``, or plain ZeRO over every rank; see [Note: hybrid sharding and its traffic] and
+            [Note: ZeRO over the data dimension]). With tensor parallelism, build the module after
+            :func:`~lightning_zero.tensor_parallel.make_device_mesh` and pass that mesh's groups here (or let the
+            engine make the same mesh: it is made once per job).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = (), *,
@@ -94,8 +98,9 @@ class ZeroEngine:
             recording.keep(module)  # before the precision converts the module (see [Note: record and replay])
         self.module = self.precision.convert_module(module)
         if shard_groups is None:
-            size = self.config.shard_group_size
-            shard_groups = collectives.make_shard_groups(size if size is not None else collectives.world_size())
+            world, t = collectives.world_size(), self.config.tensor_parallel_size
+            size = resolve_shard_group_size(self.config.shard_group_size, world, world, 1, t)
+            shard_groups = collectives.make_shard_groups(size, t, self.device.type)
         self.shard_groups = shard_groups
         self.optimizers: list[ShardedOptimizer] = []
         """One :class:`ShardedOptimizer` per user optimizer, in their order (plus stage 3's evaluation holder)."""
@@ -110,12 +115,14 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ setup
     def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
-        self.activations = activations_from_config(self.module, self.config)
+        for name, param in self.module.named_parameters():  # before any collective
+            check_not_dtensor(param, name)
+        self.activations = activations_from_config(self.module, self.config, self.shard_groups.tensor)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
         else:
             self.module.to(self.device)
-            broadcast_module_states(self.module)
+            broadcast_module_states(self.module, self.shard_groups)
             self._add_optimizers(optimizers)
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
 
@@ -251,9 +258,13 @@ class ZeroEngine:
         returns the norm before clipping. A non-finite norm raises with ``error_if_nonfinite``, unless the loss
         scaler found an overflow (that step is skipped anyway)."""
         overflow = self.prepare(optimizer)
-        # see [Note: the norm over the shard group] in amp.py
-        total = clip_grad_norm(self.sharded(optimizer).grads(), max_norm, self.device, norm_type,
-                               self.shard_groups.shard)
+        # see [Note: the norm over the shard group] and [Note: the norm over both dimensions] in amp.py
+        sharded, groups = self.sharded(optimizer), self.shard_groups
+        if groups.tensor is None:
+            total = clip_grad_norm(sharded.grads(), max_norm, self.device, norm_type, groups.shard)
+        else:
+            sliced, replicated = sharded.grads_by_kind()
+            total = clip_grad_norm(sliced, max_norm, self.device, norm_type, groups.shard, groups.tensor, replicated)
         if error_if_nonfinite and not overflow and not torch.isfinite(total).all():
             raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
                                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
@@ -298,8 +309,10 @@ class ZeroEngine:
     # ------------------------------------------------------------------ reports and teardown
     def summary(self) -> str:
         """One line: what each rank holds, next to what DDP would hold (DESIGN.md's table, with the shard group's
-        size k in place of N under hybrid sharding)."""
-        n = collectives.world_size()
+        size k in place of N under hybrid sharding; under tensor parallelism of this rank's slices, over the data
+        dimension)."""
+        t = self.shard_groups.tensor_size
+        n = collectives.world_size() // t  # the data-parallel ranks (all ranks without tensor parallelism)
         k = n // self.shard_groups.replicas
         psi = sum(p.numel() for sharded in self.optimizers for p in sharded.params)
         mode = self.precision.precision
@@ -314,8 +327,10 @@ class ZeroEngine:
                                                 self.config.offload_params)
             where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
         hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
-        return (f"ZeRO stage {self.config.stage} on {n} rank{'s' if n != 1 else ''}{hybrid}, precision {mode}: "
-                f"{psi:,} trainable parameters; model states {human_bytes(zero)}{where} per rank (DDP: "
+        ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
+        own = "" if t == 1 else " (this rank's tensor-parallel slices)"
+        return (f"ZeRO stage {self.config.stage} on {ranks}{hybrid}, precision {mode}: "
+                f"{psi:,} trainable parameters{own}; model states {human_bytes(zero)}{where} per rank (DDP: "
                 f"{human_bytes(ddp)}, {zero / ddp:.0%} of it)")
 
     def teardown(self, gather: bool = True) -> None:

@@ -45,6 +45,7 @@ from lightning_zero.engine.optimizer_support import (
 )
 from lightning_zero.engine.sharing import borrowed_slots, split_members
 from lightning_zero.engine.stages import StagePolicy
+from lightning_zero.tensor_parallel import tensor_parallel_slice
 
 
 class ShardedOptimizer:
@@ -276,6 +277,20 @@ class ShardedOptimizer:
     def grads(self) -> list[Tensor]:
         """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""
         return [m.grad for m in self.masters if m.grad is not None]
+
+    def grads_by_kind(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Under tensor parallelism: the master gradients of this rank split into views of the tensor-parallel
+        slices and of the replicated parameters (see [Note: the norm over both dimensions] in ``amp.py``)."""
+        sliced: list[Tensor] = []
+        replicated: list[Tensor] = []
+        for slot, master in zip(self.slots, self.masters):
+            if master.grad is None:
+                continue
+            flat = master.grad.view(-1)
+            for p, _, length, offset in slot.pieces:
+                kind = sliced if tensor_parallel_slice(self.members[p]) is not None else replicated
+                kind.append(flat[offset : offset + length])
+        return sliced, replicated
 
     def after_step(self, stepped: bool) -> None:
         """Drop the master gradients (the shard keeps the reduced sum, see [Note: gradients live until zero_grad])

@@ -151,5 +151,18 @@ def check_params(params: list[Tensor], optimizer: Optimizer) -> None:
         if id(p) in seen:
             raise ValueError(f"A parameter appears twice in the param groups of {optimizer_name(optimizer)}.")
         seen.add(id(p))
+        check_not_dtensor(p)
         if p.is_sparse or not p.is_floating_point():
             raise TypeError(f"ZeroStrategy shards dense floating-point parameters only, got one of dtype {p.dtype}.")
+
+
+def check_not_dtensor(param: Tensor, name: str = "") -> None:
+    """Refuse a DTensor parameter (``parallelize_module``, ``distribute_tensor``) with what to use instead."""
+    if type(param).__name__ == "DTensor":
+        raise TypeError(
+            f"ZeRO got a DTensor parameter{f' ({name})' if name else ''}, from "
+            "`torch.distributed.tensor.parallel.parallelize_module` or `distribute_tensor`: ZeRO's flat buffers hold "
+            "plain tensors. For tensor parallelism under ZeRO use `ZeroStrategy(tensor_parallel_size=t)` and build "
+            "the layers with `lightning_zero.tensor_parallel` (ColumnParallelLinear, RowParallelLinear, or your own "
+            "layers with `mark_tensor_parallel`) over `self.device_mesh['tensor_parallel']`; for DTensor tensor "
+            "parallelism use Lightning's ModelParallelStrategy (FSDP2).")

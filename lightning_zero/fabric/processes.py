@@ -59,6 +59,9 @@ class ZeroProcesses:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        mesh = self.shard_groups.mesh
+        if mesh is not None:  # the tensor-parallel ranks of a data-parallel row see the same batches
+            return {"num_replicas": mesh["data_parallel"].size(), "rank": mesh["data_parallel"].get_local_rank()}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -70,7 +73,13 @@ class ZeroProcesses:
         """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
         per_node = max(1, self.num_processes)
         return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
-                                        self.num_nodes)
+                                        self.num_nodes, self.config.tensor_parallel_size)
+
+    @property
+    def device_mesh(self) -> Optional[Any]:
+        """With ``tensor_parallel_size > 1``, the (``"data_parallel"``, ``"tensor_parallel"``) ``DeviceMesh`` (made
+        with the process group), as Lightning's ``ModelParallelStrategy`` has it; ``None`` otherwise."""
+        return self.shard_groups.mesh
 
     def _make_launcher(self, script_launcher: type, multiprocessing_launcher: type) -> Any:
         """Lightning's script launcher (``popen``) or its multiprocessing launcher; a bad ``shard_group_size``
@@ -92,7 +101,8 @@ class ZeroProcesses:
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.shard_groups = collectives.make_shard_groups(self.shard_group_size)
+        self.shard_groups = collectives.make_shard_groups(self.shard_group_size, self.config.tensor_parallel_size,
+                                                          self.root_device.type)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""

@@ -115,7 +115,9 @@ def _replay_into(modules: list[nn.Module], device: torch.device, recording: Reco
             param = m._parameters[name]
             if param is not None and param.is_meta:  # a tied parameter is swapped once, under its first name
                 value = _owned(values.pop(i).to(device=device, dtype=dtypes[i]))
-                torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+                replayed = nn.Parameter(value, requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, replayed)
+                param.__dict__.update(replayed.__dict__)  # the swap took the attributes set at construction along
         for m, name, i in buffers:
             values[i] = values[i].to(device=device, dtype=dtypes[i])
             m._buffers[name] = values[i]
@@ -165,11 +167,10 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return order
 
 
-def broadcast_module_states(module: torch.nn.Module) -> None:
-    """Start every rank from rank 0's parameters and buffers, as DDP does."""
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            collectives.broadcast(tensor.data, src=0)
+def broadcast_module_states(module: torch.nn.Module, groups: collectives.ShardGroups) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DDP does (under tensor parallelism: the first rank
+    of its data-parallel group, which holds the same slices)."""
+    _broadcast(list(module.parameters()) + list(module.buffers()), groups)
 
 
 def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
@@ -192,6 +193,7 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partitio
 def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
                     device: torch.device, recording: Optional[Recording]) -> None:
     managed = {id(p) for engine in engines for p in engine.params}
+    groups = engines[0].groups if engines else collectives.ShardGroups()
     for unit in range(1, len(plan.names)):
         GUARD.safe_point()  # Ctrl-C between two units stops every rank here
         fault_point("materialize.unit")
@@ -199,19 +201,19 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partiti
         assert unit_module is not None
         materialize(unit_module, device, recording)
         params = [p for p in unit_module.parameters() if plan.unit(p) == unit and id(p) in managed]
-        _broadcast(params)
+        _broadcast(params, groups)
         _fill(engines, unit)
     # the root: parameters of no unit, plus everything not managed by an optimizer and the buffers, in full
     materialize(module, device, recording)
     unit_params = {id(p) for p in module.parameters() if plan.unit(p) != ROOT and id(p) in managed}
-    _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()))
+    _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()), groups)
     _fill(engines, ROOT)
 
 
-def _broadcast(tensors: list[torch.Tensor]) -> None:
+def _broadcast(tensors: list[torch.Tensor], groups: collectives.ShardGroups) -> None:
     with torch.no_grad():
         for tensor in tensors:
-            collectives.broadcast(tensor.data, src=0)
+            collectives.broadcast(tensor.data, src=groups.data_source, group=groups.data_group)
 
 
 def _fill(engines: Sequence[PartitionedOptimizer], unit: int) -> None:

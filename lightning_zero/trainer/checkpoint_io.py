@@ -17,7 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_zero.checkpoints.storage import check_files, read_meta
+from lightning_zero.checkpoints.storage import KEY, check_files, read_meta
 from lightning_zero.checkpoints.sharded import load_model_from_dir
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.checkpoints.shards import Shard
@@ -42,8 +42,13 @@ def load_from_checkpoint(cls: type[ModuleT], path: _PATH, map_location: Optional
     check_files(path, meta)
     model = _instantiate(cls, meta, kwargs)
     model.on_load_checkpoint(meta)
-    dest = {key: Shard.whole(t) for key, t in model.state_dict(keep_vars=True).items()}
-    load_model_from_dir(path, meta, dest, strict, collective=False)
+    if meta[KEY].get("tensor_parallel_size", 1) > 1:
+        # tensor-parallel slices join into the model built without a device mesh: read them whole, then load
+        full = load_full_checkpoint(path, weights_only=True, verify=False)
+        model.load_state_dict(full["state_dict"], strict=strict)
+    else:
+        dest = {key: Shard.whole(t) for key, t in model.state_dict(keep_vars=True).items()}
+        load_model_from_dir(path, meta, dest, strict, collective=False)
     if map_location is not None:
         if callable(map_location) or isinstance(map_location, dict):
             raise TypeError("`map_location` must be a device or a device name for a sharded checkpoint.")

@@ -53,7 +53,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             ``elementwise_optimizers``, ``unit_classes``, ``persistence_threshold``, ``prefetch_size``,
             ``host_mmap_threshold``, ``state_dict_type``, ``activation_checkpointing``, ``activation_offload``,
             ``activation_partition_group``, ``contiguous_checkpoints``, ``offload_optimizer``, ``offload_params``,
-            ``shard_group_size``. LightningCLI reads their types and help from there too.
+            ``shard_group_size``, ``tensor_parallel_size``. LightningCLI reads their types and help from there too.
     """
 
     strategy_name = "zero"
@@ -121,6 +121,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         GUARD.install()  # see [Note: signals act at agreed step boundaries] in shutdown.py
         super().setup_environment()
         self._start_distributed()
+        if self.device_mesh is not None and self.lightning_module is not None:
+            # as Lightning's ModelParallelStrategy: `configure_model` parallelizes over `self.device_mesh`
+            self.lightning_module._device_mesh = self.device_mesh
 
     # ------------------------------------------------------------------ setup
     @property

@@ -1,0 +1,185 @@
+"""ZeRO over the data dimension of a (data x tensor) mesh: ``tensor_parallel_size=t`` (issue 16 part 2).
+
+One 4-rank launch (2 data x 2 tensor, tests/workers/tensor_parallel.py) trains ``tests.models.TinyTPGPT`` (its
+blocks tensor parallel over ``self.device_mesh``) under zero1-3 and against two plain-PyTorch references on the same
+seed and data: the same tensor-parallel model under DDP over the data dimension, and the model without tensor
+parallelism (the oracle for the tensor parallelism and for the clipping norm over both dimensions). The rest runs in
+this process: the layers at one rank, options and their errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import ZeroConfig, ZeroStrategy, inspect_checkpoint
+from lightning_zero.config import resolve_shard_group_size
+from lightning_zero.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelSlice,
+    mark_tensor_parallel,
+    tensor_parallel_slice,
+)
+from tests.launch import launch
+
+WORLD, T = 4, 2
+MICRO, STEPS, LAYERS = 2, 3, 2
+RTOL = 1e-5  # fp32 against DDP: only the order of the sums differs (see tests/test_parity.py)
+STAGES = ["zero1", "zero2", "zero3"]
+
+
+# ---------------------------------------------------------------------- in this process
+def test_layers_at_one_rank_are_the_linear_layer():
+    torch.manual_seed(0)
+    full = nn.Linear(6, 4)
+    x = torch.randn(3, 6)
+    for layer in (ColumnParallelLinear.from_linear(full, None), RowParallelLinear.from_linear(full, None)):
+        torch.testing.assert_close(layer(x), full(x), rtol=0, atol=0)
+    assert tensor_parallel_slice(ColumnParallelLinear(6, 4).weight) is None  # a group of one slices nothing
+    bound = 1 / 6 ** 0.5  # nn.Linear's bound, from the full fan-in
+    weight = RowParallelLinear(6, 400).weight
+    assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound
+
+
+def test_marks_record_the_slice():
+    p = nn.Parameter(torch.zeros(4, 6))
+    mark_tensor_parallel(p, -1, None)
+    assert getattr(p, "_lightning_zero_tensor_parallel") == TensorParallelSlice(1, 0, 1)
+    with pytest.raises(ValueError, match="dim 2 is out of range.*shape \\(4, 6\\)"):
+        mark_tensor_parallel(p, 2, None)
+
+
+def test_options_and_their_errors():
+    assert resolve_shard_group_size(None, 4, 4, 1, tensor_parallel_size=2) == 2
+    assert resolve_shard_group_size(None, 8, 4, 2, tensor_parallel_size=4) == 2  # the data dimension, not a node
+    with pytest.raises(ValueError, match="`tensor_parallel_size=3` does not divide the world size 4.*\\[1, 2, 4\\]"):
+        resolve_shard_group_size(None, 4, 4, 1, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="hybrid sharding of the data dimension together with tensor parallelism"):
+        resolve_shard_group_size(1, 4, 4, 1, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        L.Trainer(strategy=ZeroStrategy(tensor_parallel_size=3), accelerator="cpu", devices=4, logger=False)
+    with pytest.raises(ValueError, match="positive number of ranks"):
+        ZeroConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="state_dict_type='full'.*lightning-zero consolidate"):
+        ZeroStrategy(stage=3, tensor_parallel_size=2, state_dict_type="full")
+
+
+# ---------------------------------------------------------------------- the 4-rank launch
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return launch("tensor_parallel.py", WORLD, tmp_path_factory.mktemp("tp"), timeout=240)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    return float((torch.as_tensor(actual, dtype=torch.float64) - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def _same_run(run: dict, reference: dict, batches: int = STEPS * MICRO) -> None:
+    """The same losses (the reference's last ``batches``) and final weights, within ``RTOL``."""
+    assert len(run["losses"]) == batches and len(reference["losses"]) >= batches
+    for step, (a, e) in enumerate(zip(run["losses"], reference["losses"][-batches:])):
+        assert abs(a - e) <= RTOL * abs(e), f"step {step}: loss {a} vs {e}"
+    for name, expected in reference["params"].items():
+        assert run["params"][name].shape == expected.shape, name
+        assert _relative(run["params"][name], expected) <= RTOL, name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_matches_ddp_with_the_same_tensor_parallelism(ranks, stage):
+    for rank in ranks:
+        _same_run(rank[stage], rank["ddp_tp"])
+
+
+def test_the_tensor_parallel_reference_is_the_whole_model(ranks):
+    """DDP with tensor parallelism (clipped by the norm over both dimensions) follows the model without it (clipped
+    by ``clip_grad_norm_``): the layers and the norm's definition are right. The clipping acts at every step."""
+    for rank in ranks:
+        losses, full = rank["ddp_tp"]["losses"], rank["full"]["losses"]
+        assert len(losses) == len(full) == STEPS * MICRO
+        assert all(abs(a - e) <= RTOL * abs(e) for a, e in zip(losses, full)), (losses, full)
+        assert rank["full"]["norm"] > 0.05 and abs(rank["ddp_tp"]["norm"] / rank["full"]["norm"] - 1) <= RTOL
+
+
+def test_the_data_dimension_sees_different_batches(ranks):
+    """The sampler follows the data dimension: the two ranks of a tensor group see the same batches."""
+    assert [r["zero2"]["sampler"] for r in ranks] == [{"num_replicas": 2, "rank": i // T} for i in range(WORLD)]
+    assert ranks[0]["zero2"]["losses"] == ranks[1]["zero2"]["losses"] != ranks[2]["zero2"]["losses"]
+
+
+def test_pa_partitions_over_the_tensor_group_by_default(ranks):
+    """zero3 with ``activation_checkpointing=True`` and no partition group: Pa over the tensor group, which holds the
+    same block inputs; each rank keeps half of each checkpoint, and training is unchanged."""
+    for rank in ranks:
+        run = rank["zero3_pa"]
+        assert run["pa_group_is_tensor"]
+        stats = run["pa_stats"]
+        assert stats["packed"] == stats["unpacked"] == STEPS * MICRO * LAYERS
+        assert stats["peak_full_bytes"] == T * stats["peak_bytes"] > 0
+        _same_run(run, rank["ddp_tp"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_traffic_over_the_data_and_tensor_groups(ranks, stage):
+    """Per optimizer step and rank, with T_p this rank's padded flat size: over the data-parallel group (scope
+    ``"shard"``) exactly ZeRO's payloads with d in place of N (reduce-scatters of T_p per reduction, all-gathers of
+    T_p; stage 3 each unit twice per micro-batch, the root unit, which stays gathered through backward, once) and the
+    clipping norm's one element; over the tensor group the layers' own
+    all-reduces, 6 activations of (batch, sequence, width) per block and micro-batch (2 in forward, 4 in backward),
+    and the norm's second element; over the world only the signal agreement."""
+    reductions = 1 if stage == "zero1" else MICRO
+    activation = 2 * 8 * 16  # batch x sequence x width of TinyTPGPT
+    for rank in ranks:
+        run = rank[stage]
+        padded, shard, root = run["padded"], run["shard"], run["root"]
+        assert padded == (WORLD // T) * shard
+        gathered = MICRO * (2 * (padded - root) + root) if stage == "zero3" else padded
+        batches = run["traffic"]
+        for first, second in zip(batches[::2], batches[1::2]):
+            scopes: dict[str, dict[str, int]] = {}
+            for batch in (first, second):
+                for scope, kinds in batch["scopes"].items():
+                    for kind, n in kinds.items():
+                        scopes.setdefault(scope, {}).setdefault(kind, 0)
+                        scopes[scope][kind] += n
+            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathered,
+                                       "all_reduce": 1}, scopes
+            assert scopes["tensor"] == {"all_reduce": MICRO * LAYERS * 6 * activation + 1}, scopes
+            assert scopes["world"] == {"control": 3 * MICRO}, scopes
+
+
+def test_checkpoints_record_both_dimensions(ranks):
+    """zero3's checkpoint resumes zero1 on the same mesh (exactly the saved weights); its consolidated file holds the
+    whole tensors (the model trained without tensor parallelism, within fp32 rounding) and loads into a zero2 run,
+    each rank cut its slices again; both resumed runs follow DDP with the same tensor parallelism, Adam's moments
+    included."""
+    for rank in ranks:
+        final = rank["zero3"]["params"]
+        for run in (rank["zero1_resumed"], rank["zero2_from_file"]):
+            for name, value in final.items():
+                assert torch.equal(run["start"][name], value), name
+            _same_run(run, rank["ddp_tp_resumed"], batches=1)
+    full = torch.load(_ckpt_dir(ranks) / "zero3_full.ckpt", weights_only=False)["state_dict"]
+    whole = ranks[0]["inference"]
+    assert set(whole) <= set(full) and torch.equal(full["head.weight"], full["wte.weight"])  # tied
+    for name, value in whole.items():
+        assert torch.equal(full[name], value), name  # load_from_checkpoint builds the model without a mesh
+        assert full[name].shape == ranks[0]["full"]["params"][name].shape
+        assert _relative(value, ranks[0]["full"]["params"][name]) <= RTOL, name
+    assert inspect_checkpoint(_ckpt_dir(ranks) / "zero3.ckpt")["tensor_parallel_size"] == T
+
+
+def _ckpt_dir(ranks: list[dict]) -> Path:
+    return Path(ranks[0]["ckpt_dir"])
+
+
+def test_refusals(ranks):
+    for rank in ranks:
+        assert rank["mismatch"].startswith("CheckpointError: The checkpoint") and \
+            "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"]
+        assert "DTensor parameter" in rank["dtensor"] and "ColumnParallelLinear" in rank["dtensor"]
