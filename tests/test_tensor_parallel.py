@@ -90,10 +90,13 @@ def _same_run(run: dict, reference: dict, batches: int = STEPS * MICRO) -> None:
         assert _relative(run["params"][name], expected) <= RTOL, name
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_matches_ddp_with_the_same_tensor_parallelism(ranks, stage):
+@pytest.mark.parametrize("run", [*STAGES, "engine2", "fabric3"])
+def test_matches_ddp_with_the_same_tensor_parallelism(ranks, run):
+    """The Trainer at every stage, ``ZeroEngine`` in a plain loop (zero2) and Fabric (zero3, the model built under
+    ``fabric.init_module()``)."""
     for rank in ranks:
-        _same_run(rank[stage], rank["ddp_tp"])
+        _same_run(rank[run], rank["ddp_tp"])
+        assert rank[run].get("same_mesh", True)  # the engine found the mesh the model was built over
 
 
 def test_the_tensor_parallel_reference_is_the_whole_model(ranks):

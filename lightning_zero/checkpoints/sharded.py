@@ -140,10 +140,10 @@ def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, sourc
     if saved != tensor_parallel_size:
         raise CheckpointError(
             f"The checkpoint {source} was written with `tensor_parallel_size={saved}` and this run has "
-            f"`tensor_parallel_size={tensor_parallel_size}`: its tensor-parallel slices are of other sizes. Resume with "
-            f"`tensor_parallel_size={saved}` (any number of data-parallel ranks and any stage work), or consolidate it "
-            "into one file (`lightning-zero consolidate`) and load that (weights and optimizer state are sliced for "
-            "this run).")
+            f"`tensor_parallel_size={tensor_parallel_size}`: its tensor-parallel slices are of other sizes. Resume "
+            f"with `tensor_parallel_size={saved}` (any number of data-parallel ranks and any stage work), or "
+            "consolidate it into one file (`lightning-zero consolidate`) and load that (weights and optimizer state "
+            "are sliced for this run).")
 
 
 # ---------------------------------------------------------------------- optimizers

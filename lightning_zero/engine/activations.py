@@ -25,8 +25,8 @@ multiple of k); the slices are all-gathered before the recomputation, in backwar
 follows. The data-parallel ranks see different data, so no group of them holds identical activations: with
 ``tensor_parallel_size=t`` Pa partitions over the tensor group by default (the paper's Pa: ZeRO over the data
 dimension, model parallelism inside the node); ``activation_partition_group`` names the group of a module that runs
-its own tensor parallelism otherwise. The first checkpoint of every store is compared across the group (a fingerprint all-reduce), and a
-mismatch fails with an error instead of silently training on another rank's values.
+its own tensor parallelism otherwise. The first checkpoint of every store is compared across the group (a
+fingerprint all-reduce), and a mismatch fails with an error instead of silently training on another rank's values.
 
 [Note: contiguous checkpoints (MD)]
 With ``contiguous=True`` the checkpoints of a forward are copied end to end into one preallocated buffer instead of

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_zero import TRAFFIC, ZeroEngine, ZeroStrategy, consolidate, load_from_checkpoint
+from lightning_zero import TRAFFIC, ZeroEngine, ZeroFabricStrategy, ZeroStrategy, consolidate, load_from_checkpoint
 from lightning_zero.tensor_parallel import make_device_mesh, tensor_parallel_slice
 from tests.models import TinyTPGPT
 
@@ -84,29 +84,37 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
             "pa_stats": vars(activations.store.stats).copy() if activations is not None else {}}
 
 
+def _model(mesh: Any) -> TinyTPGPT:
+    L.seed_everything(0, verbose=False)
+    model = TinyTPGPT()
+    model._device_mesh = mesh
+    model.configure_model()
+    return model
+
+
+def _batches(model: TinyTPGPT, mesh: Any, step: int, count: int = MICRO) -> list[Any]:
+    """The Trainer's micro-batches of optimizer step ``step`` (one step per epoch here): a shuffled
+    ``DistributedSampler`` over the data dimension, seed 0."""
+    dataset = model.train_dataloader().dataset
+    sampler = DistributedSampler(dataset, num_replicas=WORLD // T, rank=mesh["data_parallel"].get_local_rank(),
+                                 shuffle=True, seed=0)
+    sampler.set_epoch(step)
+    return list(DataLoader(dataset, batch_size=2, sampler=sampler))[:count]
+
+
 def reference(tensor_parallel: bool, steps: int, last_micro: int = MICRO) -> dict[str, Any]:
     """A plain loop: DDP over the data-parallel group, AdamW, accumulation and clipping as the Trainer's; the last
     step takes ``last_micro`` micro-batches (a run resumed from a checkpoint saved at the end of ``fit`` restarts
     mid-epoch, and Lightning steps after the one batch left)."""
     mesh = make_device_mesh(T)
-    data_group, tensor_group = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
-    L.seed_everything(0, verbose=False)
-    model = TinyTPGPT()
-    model._device_mesh = mesh if tensor_parallel else None
-    model.configure_model()
-    ddp = DistributedDataParallel(model, process_group=data_group)
+    model = _model(mesh if tensor_parallel else None)
+    ddp = DistributedDataParallel(model, process_group=mesh.get_group("data_parallel"))
     optimizer = model.configure_optimizers()
-    dataset = model.train_dataloader().dataset
-    # the Trainer's sampler: shuffled per epoch (one optimizer step per epoch here), seed 0
-    sampler = DistributedSampler(dataset, num_replicas=WORLD // T, rank=mesh["data_parallel"].get_local_rank(),
-                                 shuffle=True, seed=0)
     losses = []
     for step in range(steps):
-        sampler.set_epoch(step)
-        batches = list(DataLoader(dataset, batch_size=2, sampler=sampler))[: last_micro if step == steps - 1 else MICRO]
+        batches = _batches(model, mesh, step, last_micro if step == steps - 1 else MICRO)
         for i, (x, y) in enumerate(batches):
-            sync = i == len(batches) - 1
-            with (ddp.no_sync() if not sync else torch.enable_grad()):
+            with (ddp.no_sync() if i < len(batches) - 1 else torch.enable_grad()):
                 loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
                 (loss / MICRO).backward()
             losses.append(loss.item())
@@ -114,7 +122,7 @@ def reference(tensor_parallel: bool, steps: int, last_micro: int = MICRO) -> dic
         if tensor_parallel:  # the definition: every element of the full model once
             sliced = sum(p.grad.pow(2).sum() for p in params if tensor_parallel_slice(p) is not None)
             replicated = sum(p.grad.pow(2).sum() for p in params if tensor_parallel_slice(p) is None)
-            dist.all_reduce(sliced, group=tensor_group)
+            dist.all_reduce(sliced, group=mesh.get_group("tensor_parallel"))
             norm = (sliced + replicated).sqrt()
             for p in params:
                 p.grad.mul_(torch.clamp(CLIP / (norm + 1e-6), max=1.0))
@@ -123,6 +131,52 @@ def reference(tensor_parallel: bool, steps: int, last_micro: int = MICRO) -> dic
         optimizer.step()
         optimizer.zero_grad()
     return {"losses": losses, "params": _weights(model), "norm": float(norm)}
+
+
+def engine_run(stage: int) -> dict[str, Any]:
+    """The plain loop of ``ZeroEngine``: the mesh first (``make_device_mesh``), the model over it, then the engine
+    with the same ``tensor_parallel_size`` (it finds the same mesh)."""
+    mesh = make_device_mesh(T)
+    model = _model(mesh)
+    optimizer = model.configure_optimizers()
+    engine = ZeroEngine(model, [optimizer], stage=stage, tensor_parallel_size=T)
+    losses = []
+    for step in range(STEPS):
+        for x, y in _batches(model, mesh, step):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            engine.backward(loss / MICRO)
+            losses.append(loss.item())
+        engine.step(clip_grad_norm=CLIP)
+    engine.teardown()
+    return {"losses": losses, "params": _weights(model), "same_mesh": engine.shard_groups.mesh is mesh}
+
+
+def fabric_run(stage: int) -> dict[str, Any]:
+    """Fabric: ``fabric.strategy.device_mesh`` for the model, ``setup_dataloaders`` samples over the data
+    dimension, ``clip_gradients`` takes the norm over both dimensions."""
+    fabric = L.Fabric(strategy=ZeroFabricStrategy(stage=stage, tensor_parallel_size=T), accelerator="cpu",
+                      devices=WORLD)
+    fabric.launch()
+    mesh = fabric.strategy.device_mesh
+    L.seed_everything(0, verbose=False)
+    model = TinyTPGPT()
+    model._device_mesh = mesh
+    with fabric.init_module():
+        model.configure_model()
+    model, optimizer = fabric.setup(model, model.configure_optimizers())
+    loader = fabric.setup_dataloaders(DataLoader(model.train_dataloader().dataset, batch_size=2, shuffle=True))
+    losses = []
+    for step in range(STEPS):
+        loader.sampler.set_epoch(step)
+        for i, (x, y) in zip(range(MICRO), loader):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            fabric.backward(loss / MICRO)
+            losses.append(loss.item())
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.strategy.teardown()
+    return {"losses": losses, "params": _weights(model.module)}
 
 
 def main() -> None:
@@ -134,6 +188,8 @@ def main() -> None:
     runs["ddp_tp"] = reference(True, STEPS)
     runs["ddp_tp_resumed"] = reference(True, STEPS + 1, last_micro=1)
     runs["full"] = reference(False, STEPS)
+    runs["engine2"] = engine_run(2)
+    runs["fabric3"] = fabric_run(3)
     runs["zero3_pa"] = fit(3, STEPS, activation_checkpointing=True)
     runs["zero1_resumed"] = fit(1, STEPS + 1, resume=out / "zero3.ckpt")
     if rank == 0:
