@@ -177,6 +177,17 @@ def test_checkpoints_record_both_dimensions(ranks):
     assert inspect_checkpoint(_ckpt_dir(ranks) / "zero3.ckpt")["tensor_parallel_size"] == T
 
 
+def test_checkpoint_resumes_at_another_data_parallel_size(ranks, tmp_path):
+    """The 2 data x 2 tensor zero3 checkpoint resumes under zero2 at 1 data x 2 tensor (2 ranks): each rank reads
+    its tensor slice whole, exactly the weights the 4-rank run ended with."""
+    resumed = launch("tensor_parallel.py", T, tmp_path, args=("resume", str(_ckpt_dir(ranks) / "zero3.ckpt")),
+                     timeout=180)
+    for j, run in enumerate(resumed):
+        assert run["sampler"] == {"num_replicas": 1, "rank": 0}
+        for name, value in ranks[j]["zero3"]["params"].items():
+            assert torch.equal(run["start"][name], value), name
+
+
 def _ckpt_dir(ranks: list[dict]) -> Path:
     return Path(ranks[0]["ckpt_dir"])
 
