@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy, inspect_checkpoint
@@ -26,6 +27,7 @@ from lightning_zero.tensor_parallel import (
     tensor_parallel_slice,
 )
 from tests.launch import launch
+from tests.models import TinyTPGPT
 
 WORLD, T = 4, 2
 MICRO, STEPS, LAYERS = 2, 3, 2
@@ -67,6 +69,15 @@ def test_options_and_their_errors():
         ZeroConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="state_dict_type='full'.*lightning-zero consolidate"):
         ZeroStrategy(stage=3, tensor_parallel_size=2, state_dict_type="full")
+
+
+def test_yaml_sets_the_tensor_parallel_size(tmp_path):
+    config = tmp_path / "tp.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 4\n  strategy:\n"
+                      "    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n"
+                      "      tensor_parallel_size: 2\n")
+    cli = LightningCLI(TinyTPGPT, args=["--config", str(config)], run=False, save_config_callback=None)
+    assert cli.trainer.strategy.config.tensor_parallel_size == 2 and cli.trainer.strategy.shard_group_size == 2
 
 
 # ---------------------------------------------------------------------- the 4-rank launch
