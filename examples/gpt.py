@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names used in examples/configs/*.yaml)
+from lightning_zero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 VOCAB_SIZE = 256  # byte-level tokens
@@ -97,12 +98,21 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
+    def parallelize(self, group: Any) -> None:
+        """Cut this block over the tensor-parallel group ``group`` (Megatron's layout): each rank keeps its share of
+        the heads (q, k and v) and of the MLP's hidden units; the norms stay whole. The same function of the input."""
+        self.heads //= torch.distributed.get_world_size(group)
+        self.qkv = ColumnParallelLinear.from_linear(self.qkv, group, parts=3)
+        self.proj = RowParallelLinear.from_linear(self.proj, group)
+        self.mlp[0] = ColumnParallelLinear.from_linear(self.mlp[0], group)
+        self.mlp[2] = RowParallelLinear.from_linear(self.mlp[2], group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)  # this rank's heads only, once parallelized
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (q, k, v))
         p = self.drop.p if self.training else 0.0
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).transpose(1, 2).reshape(b, t, c)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).transpose(1, 2).reshape(b, t, -1)
         x = x + self.proj(attn)
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -155,6 +165,11 @@ class GPT(L.LightningModule):
     def configure_model(self) -> None:
         if not hasattr(self, "blocks"):
             self._build()
+        mesh = self.device_mesh  # ZeroStrategy(tensor_parallel_size=t): cut the blocks over the tensor dimension
+        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            if not isinstance(self.blocks[0].proj, RowParallelLinear):
+                for block in self.blocks:
+                    block.parallelize(mesh["tensor_parallel"].get_group())
 
     def _build(self) -> None:
         s = self.arch

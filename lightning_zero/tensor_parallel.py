@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -43,22 +44,39 @@ _ATTRIBUTE = "_lightning_zero_tensor_parallel"
 @dataclass(frozen=True)
 class TensorParallelSlice:
     """Where a parameter sits in its full tensor: the full tensor is cut into ``size`` equal slices along ``dim``
-    and this rank holds slice ``rank``."""
+    and this rank holds slice ``rank``; with ``parts > 1`` the full tensor is ``parts`` equal blocks along ``dim``
+    (a fused q/k/v projection), each cut so, and the slice is this rank's piece of every block, in order."""
 
     dim: int
     rank: int
     size: int
+    parts: int = 1
 
 
-def mark_tensor_parallel(param: Tensor, dim: int, group: Optional[Any]) -> Tensor:
+def mark_tensor_parallel(param: Tensor, dim: int, group: Optional[Any], parts: int = 1) -> Tensor:
     """Record that ``param`` is this rank's slice, along ``dim``, of a tensor cut over the tensor group ``group``
-    (it survives stage 3's construction on the meta device); returns ``param``."""
+    (of ``parts`` blocks, each cut: see :class:`TensorParallelSlice`); it survives stage 3's construction on the
+    meta device. Returns ``param``."""
     if not -param.dim() <= dim < max(param.dim(), 1):
         raise ValueError(f"mark_tensor_parallel: dim {dim} is out of range for a parameter of shape "
                          f"{tuple(param.shape)}.")
     setattr(param, _ATTRIBUTE, TensorParallelSlice(dim % max(param.dim(), 1), collectives.rank(group),
-                                                   collectives.world_size(group)))
+                                                   collectives.world_size(group), parts))
     return param
+
+
+def cut(full: Tensor, size: int, dim: int, parts: int = 1) -> list[Tensor]:
+    """The ``size`` slices of a whole tensor (see :class:`TensorParallelSlice`), as views where they can be."""
+    blocks = full.chunk(parts, dim)
+    if parts == 1:
+        return list(full.chunk(size, dim))
+    return [torch.cat([block.chunk(size, dim)[j] for block in blocks], dim) for j in range(size)]
+
+
+def join(slices: Sequence[Tensor], dim: int, parts: int = 1) -> Tensor:
+    """The whole tensor of ``slices`` (every rank's, in rank order): the inverse of :func:`cut`."""
+    pieces = [piece.chunk(parts, dim) for piece in slices]
+    return torch.cat([torch.cat([p[q] for p in pieces], dim) for q in range(parts)], dim)
 
 
 def tensor_parallel_slice(tensor: Tensor) -> Optional[TensorParallelSlice]:
@@ -102,79 +120,46 @@ def reduce_from_tensor_parallel(x: Tensor, group: Optional[Any]) -> Tensor:
     return _ReduceFromTensorParallel.apply(x, group)
 
 
-def _slice_size(features: int, group: Optional[Any], what: str) -> int:
-    size = collectives.world_size(group)
-    if features % size:
-        raise ValueError(f"{what}={features} does not split over a tensor group of {size} ranks: make it a multiple "
-                         f"of {size}.")
-    return features // size
+class _GroupRef:
+    """A process group held by a layer: deep copies of the module (EMA callbacks, ``copy.deepcopy(model)``) share it
+    (a process group cannot be copied)."""
 
-
-class ColumnParallelLinear(nn.Module):
-    """``nn.Linear(in_features, out_features)`` with its output features cut over ``group``: this rank computes
-    ``out_features / t`` of them from the full (replicated) input. Its weight and bias are marked slices (dim 0).
-
-    Initialized as ``nn.Linear`` initializes the full layer (the bounds use the full fan-in); :meth:`from_linear`
-    takes this rank's slice of an existing layer instead.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Optional[Any] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__()
+    def __init__(self, group: Optional[Any]) -> None:
         self.group = group
+
+    def __deepcopy__(self, memo: dict) -> "_GroupRef":
+        return self
+
+
+class _ParallelLinear(nn.Module):
+    """What the two layers share: the full layer's sizes, the group, the weight (cut along ``cut_dim``), the bias
+    (cut with the output features, or whole), ``nn.Linear``'s initialization of the full layer."""
+
+    cut_dim: int  # of the weight: 0 cuts the output features, 1 the input features
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Optional[Any],
+                 device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
+        super().__init__()
+        self._group = _GroupRef(group)
         self.in_features, self.out_features = in_features, out_features
-        local = _slice_size(out_features, group, "out_features")
-        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
-        mark_tensor_parallel(self.weight, 0, group)
-        if self.bias is not None:
+        shape = [out_features, in_features]
+        size = collectives.world_size(group)
+        if shape[self.cut_dim] % size:
+            what = ("out_features", "in_features")[self.cut_dim]
+            raise ValueError(f"{what}={shape[self.cut_dim]} does not split over a tensor group of {size} ranks: make "
+                             f"it a multiple of {size}.")
+        shape[self.cut_dim] //= size
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)),
+                                           self.cut_dim, group)
+        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
+        if self.bias is not None and self.cut_dim == 0:
             mark_tensor_parallel(self.bias, 0, group)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialization: uniform in ``±1/sqrt(in_features)``."""
-        bound = 1 / math.sqrt(self.in_features) if self.in_features else 0.0
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Optional[Any]) -> "ColumnParallelLinear":
-        """This rank's slice of ``linear`` (the same function of the input as ``linear``, once the slices are
-        joined)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,
-                    linear.weight.device, linear.weight.dtype)
-        rank, local = collectives.rank(group), layer.weight.shape[0]
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rank * local : (rank + 1) * local])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias[rank * local : (rank + 1) * local])
-        return layer
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
-                f"{self.weight.shape[0]}), bias={self.bias is not None}")
-
-
-class RowParallelLinear(nn.Module):
-    """``nn.Linear(in_features, out_features)`` with its input features cut over ``group``: this rank multiplies its
-    ``in_features / t`` input features (a :class:`ColumnParallelLinear`'s output) and the partial products are summed
-    over the group. The weight is a marked slice (dim 1); the bias is replicated and added once, after the sum.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Optional[Any] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__()
-        self.group = group
-        self.in_features, self.out_features = in_features, out_features
-        local = _slice_size(in_features, group, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        mark_tensor_parallel(self.weight, 1, group)
-        self.reset_parameters()
+    @property
+    def group(self) -> Optional[Any]:
+        """The tensor-parallel process group (``None``: the default group)."""
+        return self._group.group
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialization of the full layer: uniform in ``±1/sqrt(in_features)``."""
@@ -184,24 +169,71 @@ class RowParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Optional[Any]) -> "RowParallelLinear":
-        """This rank's slice of ``linear`` (the bias whole on every rank)."""
+    def _cut_from(cls, linear: nn.Linear, group: Optional[Any], parts: int) -> Any:
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,
                     linear.weight.device, linear.weight.dtype)
-        rank, local = collectives.rank(group), layer.weight.shape[1]
+        rank, size = collectives.rank(group), collectives.world_size(group)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, rank * local : (rank + 1) * local])
+            layer.weight.copy_(cut(linear.weight, size, cls.cut_dim, parts)[rank])
             if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
+                layer.bias.copy_(cut(linear.bias, size, 0, parts)[rank] if cls.cut_dim == 0 else linear.bias)
+        for param in layer.parameters():
+            if tensor_parallel_slice(param) is not None:
+                mark_tensor_parallel(param, cls.cut_dim if param.dim() > 1 else 0, group, parts)
         return layer
+
+    def extra_repr(self) -> str:
+        local = self.weight.shape[1 - self.cut_dim]
+        sizes = [f"in_features={self.in_features}", f"out_features={self.out_features}"]
+        sizes[1 - self.cut_dim] += f" (this rank: {local})"
+        return f"{', '.join(sizes)}, bias={self.bias is not None}"
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``nn.Linear(in_features, out_features)`` with its output features cut over ``group``: this rank computes
+    ``out_features / t`` of them from the full (replicated) input. Its weight and bias are marked slices (dim 0).
+
+    Initialized as ``nn.Linear`` initializes the full layer (the bounds use the full fan-in); :meth:`from_linear`
+    takes this rank's slice of an existing layer instead.
+    """
+
+    cut_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Optional[Any] = None,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, bias, group, device, dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[Any], parts: int = 1) -> "ColumnParallelLinear":
+        """This rank's slice of ``linear`` (the same function of the input as ``linear``, once the slices are
+        joined). ``parts``: the output features are that many equal blocks (a fused q/k/v projection: 3), each cut
+        over the group, so that this rank computes its share of every block (its heads of q, k and v)."""
+        return cls._cut_from(linear, group, parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``nn.Linear(in_features, out_features)`` with its input features cut over ``group``: this rank multiplies its
+    ``in_features / t`` input features (a :class:`ColumnParallelLinear`'s output) and the partial products are summed
+    over the group. The weight is a marked slice (dim 1); the bias is replicated and added once, after the sum.
+    """
+
+    cut_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Optional[Any] = None,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, bias, group, device, dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[Any]) -> "RowParallelLinear":
+        """This rank's slice of ``linear`` (the bias whole on every rank)."""
+        return cls._cut_from(linear, group, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         out = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
         return out + self.bias if self.bias is not None else out
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
 
 
 def make_device_mesh(tensor_parallel_size: int, device_type: str = "cpu") -> Any:

@@ -1,7 +1,7 @@
 """ZeRO over the data dimension of a (data x tensor) mesh: ``tensor_parallel_size=t`` (issue 16 part 2).
 
-One 4-rank launch (2 data x 2 tensor, tests/workers/tensor_parallel.py) trains ``tests.models.TinyTPGPT`` (its
-blocks tensor parallel over ``self.device_mesh``) under zero1-3 and against two plain-PyTorch references on the same
+One 4-rank launch (2 data x 2 tensor, tests/workers/tensor_parallel.py) trains the project's GPT
+(``tests.models.TinyGPT``, whose blocks cut themselves over ``self.device_mesh``) under zero1-3 and against two plain-PyTorch references on the same
 seed and data: the same tensor-parallel model under DDP over the data dimension, and the model without tensor
 parallelism (the oracle for the tensor parallelism and for the clipping norm over both dimensions). The rest runs in
 this process: the layers at one rank, options and their errors.
@@ -27,10 +27,10 @@ from lightning_zero.tensor_parallel import (
     tensor_parallel_slice,
 )
 from tests.launch import launch
-from tests.models import TinyTPGPT
+from tests.models import TinyGPT
 
 WORLD, T = 4, 2
-MICRO, STEPS, LAYERS = 2, 3, 2
+MICRO, STEPS, LAYERS = 2, 3, 3
 RTOL = 1e-5  # fp32 against DDP: only the order of the sums differs (see tests/test_parity.py)
 STAGES = ["zero1", "zero2", "zero3"]
 
@@ -76,7 +76,7 @@ def test_yaml_sets_the_tensor_parallel_size(tmp_path):
     config.write_text("trainer:\n  accelerator: cpu\n  devices: 4\n  strategy:\n"
                       "    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n"
                       "      tensor_parallel_size: 2\n")
-    cli = LightningCLI(TinyTPGPT, args=["--config", str(config)], run=False, save_config_callback=None)
+    cli = LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
     assert cli.trainer.strategy.config.tensor_parallel_size == 2 and cli.trainer.strategy.shard_group_size == 2
 
 
@@ -144,10 +144,11 @@ def test_traffic_over_the_data_and_tensor_groups(ranks, stage):
     ``"shard"``) exactly ZeRO's payloads with d in place of N (reduce-scatters of T_p per reduction, all-gathers of
     T_p; stage 3 each unit twice per micro-batch, the root unit, which stays gathered through backward, once) and the
     clipping norm's one element; over the tensor group the layers' own
-    all-reduces, 6 activations of (batch, sequence, width) per block and micro-batch (2 in forward, 4 in backward),
-    and the norm's second element; over the world only the signal agreement."""
+    all-reduces, 4 activations of (batch, sequence, width) per block and micro-batch (forward: after the attention
+    and after the MLP; backward: into the fused q/k/v projection and into the MLP), and the norm's second element;
+    over the world only the signal agreement."""
     reductions = 1 if stage == "zero1" else MICRO
-    activation = 2 * 8 * 16  # batch x sequence x width of TinyTPGPT
+    activation = 4 * 8 * 32  # batch x sequence x width of TinyGPT
     for rank in ranks:
         run = rank[stage]
         padded, shard, root = run["padded"], run["shard"], run["root"]
@@ -163,7 +164,7 @@ def test_traffic_over_the_data_and_tensor_groups(ranks, stage):
                         scopes[scope][kind] += n
             assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathered,
                                        "all_reduce": 1}, scopes
-            assert scopes["tensor"] == {"all_reduce": MICRO * LAYERS * 6 * activation + 1}, scopes
+            assert scopes["tensor"] == {"all_reduce": MICRO * LAYERS * 4 * activation + 1}, scopes
             assert scopes["world"] == {"control": 3 * MICRO}, scopes
 
 
@@ -177,10 +178,12 @@ def test_checkpoints_record_both_dimensions(ranks):
         for run in (rank["zero1_resumed"], rank["zero2_from_file"]):
             for name, value in final.items():
                 assert torch.equal(run["start"][name], value), name
-            _same_run(run, rank["ddp_tp_resumed"], batches=1)
+            assert all(torch.equal(a, b) for x, y in zip(run["batches"], rank["zero1_resumed"]["batches"])
+                       for a, b in zip(x, y))
+            _same_run(run, rank["ddp_tp_resumed"], batches=len(run["losses"]))
     full = torch.load(_ckpt_dir(ranks) / "zero3_full.ckpt", weights_only=False)["state_dict"]
     whole = ranks[0]["inference"]
-    assert set(whole) <= set(full) and torch.equal(full["head.weight"], full["wte.weight"])  # tied
+    assert set(whole) <= set(full) and torch.equal(full["lm_head.weight"], full["wte.weight"])  # tied
     for name, value in whole.items():
         assert torch.equal(full[name], value), name  # load_from_checkpoint builds the model without a mesh
         assert full[name].shape == ranks[0]["full"]["params"][name].shape

@@ -25,6 +25,7 @@ from lightning_zero.checkpoints.storage import (
 )
 from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
 from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.tensor_parallel import join
 
 _PATH = Union[str, "os.PathLike[str]"]
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -77,16 +78,16 @@ def _joined_slices(info: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[
     """The whole tensors of the tensor-parallel slices read (stacked) into ``full``: see [Note: tensor-parallel
     slices in a checkpoint] in ``shards.py``."""
     joined = {}
-    for key, dim in info.get("tensor_parallel", {}).items():
+    for key, joins in info.get("tensor_parallel", {}).items():
         if key not in full:
             continue
-        if dim is None:
+        if joins is None:
             raise CheckpointError(
                 f"{key} is a statistic of a tensor-parallel slice that is not per element (Adafactor's factored "
                 "statistics, for instance): the slices' statistics do not make the whole tensor's. Consolidate the "
                 "weights only (`weights_only=True`, `lightning-zero consolidate --weights-only`), or resume the "
                 f"sharded checkpoint with `tensor_parallel_size={info.get('tensor_parallel_size')}`.")
-        joined[key] = torch.cat(tuple(full[key]), dim=dim)
+        joined[key] = join(tuple(full[key]), *joins)
     return joined
 
 

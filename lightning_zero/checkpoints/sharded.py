@@ -34,7 +34,7 @@ def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer]
     objects: dict[str, Any] = {}
     shards: dict[str, Shard] = {}
     tensors: dict[str, TensorInfo] = {}
-    slices: dict[str, Optional[int]] = {}
+    slices: dict[str, Optional[tuple[int, int]]] = {}
     model: dict[str, str] = {}
     stored: dict[int, str] = {}
     for key, value in checkpoint["state_dict"].items():
@@ -63,13 +63,13 @@ def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer]
 
 
 def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard], tensors: dict[str, TensorInfo],
-         slices: dict[str, Optional[int]]) -> None:
+         slices: dict[str, Optional[tuple[int, int]]]) -> None:
     if isinstance(value, Tensor):
         value = Shard.whole(value)
     if isinstance(value, Shard):
         tensors[key] = (value.shape, str(value.dtype).removeprefix("torch."))
         if value.local_shape is not None:  # see [Note: tensor-parallel slices in a checkpoint]
-            slices[key] = value.joins_along
+            slices[key] = (value.joins_along, value.parts) if value.joins_along is not None else None
         if value.numel:
             shards[key] = value
         else:  # DCP cannot index an empty tensor by pieces: store it as an object

@@ -19,7 +19,7 @@ of local shape L is stored as slice j (this rank's tensor rank) of a tensor of s
 elements ``[j * numel(L), (j + 1) * numel(L))``, in which the ZeRO pieces of the data dimension fall as usual. So the
 checkpoint records both dimensions: the data dimension reshards freely (any number of data-parallel ranks, any
 stage), and the metadata names the dimension each stacked tensor joins along (``tensor_parallel``), so that
-``consolidate`` makes the full tensors (``torch.cat`` of the t slices along it) and a full file loads into a
+``consolidate`` makes the full tensors (``tensor_parallel.join`` of the t slices along it) and a full file loads into a
 tensor-parallel model (each rank its slice). A state of a sliced parameter that is not per element (Adafactor's
 factored statistics) is stacked the same way but does not join (its dimension is recorded as ``None``). Replicated
 tensors are stored as usual; the t ranks of a tensor group write the same pieces of them, which DCP writes once.
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_zero.engine.layout import MasterSlot
 from lightning_zero.engine.optimizer import ShardedOptimizer
-from lightning_zero.tensor_parallel import tensor_parallel_slice
+from lightning_zero.tensor_parallel import cut, tensor_parallel_slice
 
 
 @dataclass
@@ -55,6 +55,8 @@ class Shard:
     [Note: tensor-parallel slices in a checkpoint]); ``None`` for an ordinary tensor."""
     joins_along: Optional[int] = None
     """The dimension of ``local_shape`` the stacked slices join along (``None``: they do not join)."""
+    parts: int = 1
+    """The blocks the joined tensor is made of along that dimension (see ``TensorParallelSlice``)."""
 
     @property
     def numel(self) -> int:
@@ -78,8 +80,9 @@ class Shard:
         if where is None:
             return cls(tuple(tensor.shape), dtype), 0
         local = tuple(tensor.shape)
-        return (cls((where.size, *local), dtype, local_shape=local, joins_along=where.dim if per_element else None),
-                where.rank * math.prod(local))
+        shard = cls((where.size, *local), dtype, local_shape=local, joins_along=where.dim if per_element else None,
+                    parts=where.parts)
+        return shard, where.rank * math.prod(local)
 
     @classmethod
     def whole(cls, tensor: Tensor, owner: Optional[Tensor] = None, per_element: bool = True) -> "Shard":
@@ -132,7 +135,7 @@ def stack_slices(tensor: Tensor, shard: Shard) -> Tensor:
     slices along the joined dimension, stacked; any other tensor as it is."""
     if shard.local_shape is None or shard.joins_along is None:
         return tensor
-    return torch.stack(tensor.chunk(shard.shape[0], dim=shard.joins_along))
+    return torch.stack(cut(tensor, shard.shape[0], shard.joins_along, shard.parts))
 
 
 def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:

@@ -1,7 +1,9 @@
 """One rank of the ZeRO x tensor parallelism run: 4 ranks as 2 data x 2 tensor (``tensor_parallel_size=2``).
 
-References, plain PyTorch loops on the same seed and data:
-- ``ddp_tp``: the same tensor-parallel model (``tests.models.TinyTPGPT``) under torch's DDP over the data-parallel
+The model is the project's GPT (``tests.models.TinyGPT``, built in ``configure_model``), whose blocks cut themselves
+over ``self.device_mesh["tensor_parallel"]`` (``examples/gpt.py``: ``Block.parallelize``). References, plain PyTorch
+loops on the same seed and data:
+- ``ddp_tp``: the same tensor-parallel model under torch's DDP over the data-parallel
   group, clipped by the norm over both dimensions computed here from the definition;
 - ``full``: the model without tensor parallelism under DDP over the data-parallel group (each tensor rank computes
   the same), clipped by ``torch.nn.utils.clip_grad_norm_``: the oracle for the tensor parallelism itself.
@@ -29,12 +31,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import TRAFFIC, ZeroEngine, ZeroFabricStrategy, ZeroStrategy, consolidate, load_from_checkpoint
 from lightning_zero.tensor_parallel import make_device_mesh, tensor_parallel_slice
-from tests.models import TinyTPGPT
+from tests.models import TinyGPT
 
 warnings.filterwarnings("ignore")
 
 WORLD, T = int(os.environ["WORLD_SIZE"]), 2
-STEPS, MICRO, CLIP = 3, 2, 0.05
+STEPS, MICRO, CLIP, BATCH = 3, 2, 0.05, 4
 FIT = dict(gradient_clip_val=CLIP, accumulate_grad_batches=MICRO, limit_train_batches=MICRO)
 
 
@@ -44,14 +46,15 @@ class Probe(L.Callback):
     def __init__(self) -> None:
         self.traffic: list[dict[str, Any]] = []
         self.start: dict[str, torch.Tensor] = {}
-        self.groups: dict[str, Any] = {}
+        self.batches: list[list[torch.Tensor]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(trainer.strategy, "runtime", None) is None:  # stage 3's parameters are not gathered here
             self.start = _weights(pl_module)
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
         TRAFFIC.reset()
+        self.batches.append([t.clone() for t in batch])
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.traffic.append(TRAFFIC.snapshot())
@@ -63,9 +66,9 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Path] = None, t: int = T,
         **options: Any) -> dict[str, Any]:
-    """Train ``TinyTPGPT`` to ``steps`` optimizer steps (from ``resume``), then save ``ckpt``."""
+    """Train ``TinyGPT`` to ``steps`` optimizer steps (from ``resume``), then save ``ckpt``."""
     L.seed_everything(0, verbose=False)
-    model, probe = TinyTPGPT(), Probe()
+    model, probe = TinyGPT(meta_init=True), Probe()
     # few buckets: parameters span buckets (stages 1-2), units split into several (stage 3)
     sizes = dict(persistence_threshold=0, reduce_bucket_size=1500) if stage == 3 else dict(reduce_bucket_size=700)
     strategy = ZeroStrategy(stage=stage, tensor_parallel_size=t, **sizes, **options)
@@ -78,6 +81,7 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
     engines = trainer.strategy.engines
     activations = trainer.strategy.activations
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
+            "batches": probe.batches,
             "padded": sum(e.layout.total for e in engines), "shard": sum(e.layout.shard_size for e in engines),
             "root": sum(b.chunk_size * e.layout.world_size for e in engines for b in e.layout.buckets if b.unit == 0),
             "sampler": trainer.strategy.distributed_sampler_kwargs,
@@ -85,35 +89,34 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
             "pa_stats": vars(activations.store.stats).copy() if activations is not None else {}}
 
 
-def _model(mesh: Any) -> TinyTPGPT:
+def _model(mesh: Any) -> TinyGPT:
     L.seed_everything(0, verbose=False)
-    model = TinyTPGPT()
+    model = TinyGPT(meta_init=True)
     model._device_mesh = mesh
     model.configure_model()
     return model
 
 
-def _batches(model: TinyTPGPT, mesh: Any, step: int, count: int = MICRO) -> list[Any]:
+def _batches(model: TinyGPT, mesh: Any, step: int, count: int = MICRO) -> list[Any]:
     """The Trainer's micro-batches of optimizer step ``step`` (one step per epoch here): a shuffled
     ``DistributedSampler`` over the data dimension, seed 0."""
     dataset = model.train_dataloader().dataset
     sampler = DistributedSampler(dataset, num_replicas=WORLD // T, rank=mesh["data_parallel"].get_local_rank(),
                                  shuffle=True, seed=0)
     sampler.set_epoch(step)
-    return list(DataLoader(dataset, batch_size=2, sampler=sampler))[:count]
+    return list(DataLoader(dataset, batch_size=BATCH, sampler=sampler))[:count]
 
 
-def reference(tensor_parallel: bool, steps: int, last_micro: int = MICRO) -> dict[str, Any]:
-    """A plain loop: DDP over the data-parallel group, AdamW, accumulation and clipping as the Trainer's; the last
-    step takes ``last_micro`` micro-batches (a run resumed from a checkpoint saved at the end of ``fit`` restarts
-    mid-epoch, and Lightning steps after the one batch left)."""
+def reference(tensor_parallel: bool, steps: int, last: Optional[list[Any]] = None) -> dict[str, Any]:
+    """A plain loop: DDP over the data-parallel group, AdamW, accumulation and clipping as the Trainer's; ``last``:
+    the micro-batches of the last step (those a resumed run took: Lightning resumes mid-epoch)."""
     mesh = make_device_mesh(T)
     model = _model(mesh if tensor_parallel else None)
     ddp = DistributedDataParallel(model, process_group=mesh.get_group("data_parallel"))
     optimizer = model.configure_optimizers()
     losses = []
     for step in range(steps):
-        batches = _batches(model, mesh, step, last_micro if step == steps - 1 else MICRO)
+        batches = last if last is not None and step == steps - 1 else _batches(model, mesh, step)
         for i, (x, y) in enumerate(batches):
             with (ddp.no_sync() if i < len(batches) - 1 else torch.enable_grad()):
                 loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
@@ -160,12 +163,12 @@ def fabric_run(stage: int) -> dict[str, Any]:
     fabric.launch()
     mesh = fabric.strategy.device_mesh
     L.seed_everything(0, verbose=False)
-    model = TinyTPGPT()
+    model = TinyGPT(meta_init=True)
     model._device_mesh = mesh
     with fabric.init_module():
         model.configure_model()
     model, optimizer = fabric.setup(model, model.configure_optimizers())
-    loader = fabric.setup_dataloaders(DataLoader(model.train_dataloader().dataset, batch_size=2, shuffle=True))
+    loader = fabric.setup_dataloaders(DataLoader(model.train_dataloader().dataset, batch_size=BATCH, shuffle=True))
     losses = []
     for step in range(STEPS):
         loader.sampler.set_epoch(step)
@@ -190,15 +193,15 @@ def main() -> None:
     for stage in (1, 2, 3):
         runs[f"zero{stage}"] = fit(stage, STEPS, out / f"zero{stage}.ckpt")
     runs["ddp_tp"] = reference(True, STEPS)
-    runs["ddp_tp_resumed"] = reference(True, STEPS + 1, last_micro=1)
     runs["full"] = reference(False, STEPS)
     runs["engine2"] = engine_run(2)
     runs["fabric3"] = fabric_run(3)
     runs["zero3_pa"] = fit(3, STEPS, activation_checkpointing=True)
     runs["zero1_resumed"] = fit(1, STEPS + 1, resume=out / "zero3.ckpt")
+    runs["ddp_tp_resumed"] = reference(True, STEPS + 1, last=runs["zero1_resumed"]["batches"])
     if rank == 0:
         consolidate(out / "zero3.ckpt", out / "zero3_full.ckpt")
-        runs["inference"] = _weights(load_from_checkpoint(TinyTPGPT, out / "zero3.ckpt"))
+        runs["inference"] = _weights(load_from_checkpoint(TinyGPT, out / "zero3.ckpt"))
     dist.barrier()
     runs["zero2_from_file"] = fit(2, STEPS + 1, resume=out / "zero3_full.ckpt")
     try:
