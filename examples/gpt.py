@@ -7,7 +7,10 @@
 
 The model and the data module are ordinary Lightning code: nothing in them knows about ZeRO. The only line that does
 is ``import lightning_zero``, which registers ``strategy: zero1 | zero2 | zero3`` for the YAML file. (Without it,
-``lightning-zero fit --model examples.gpt.GPT --data examples.gpt.ShakespeareData ...`` runs the same.)
+``lightning-zero fit --model examples.gpt.GPT --data examples.gpt.ShakespeareData ...`` runs the same.) One thing is
+optional: when the strategy gives ``configure_model`` a device mesh (``tensor_parallel_size`` in
+``examples/configs/zero3_tp.yaml``, 4 processes), each block cuts itself over its ``"tensor_parallel"`` dimension with
+``lightning_zero.tensor_parallel``'s layers (``Block.parallelize``); under any other strategy the blocks stay whole.
 
 Tokens are the text's UTF-8 bytes, so the model needs no vocabulary file and any text file can be the corpus.
 

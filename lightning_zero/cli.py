@@ -165,7 +165,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"checkpoint   {summary['path']}",
         f"saved by     zero{summary['stage']} on {summary['world_size']} rank{'s' if summary['world_size'] != 1 else ''}"
-        f", precision {summary['precision']}",
+        f"{_mesh(summary)}, precision {summary['precision']}",
         f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
         f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
         f"optimizers   {', '.join(summary['optimizers']) or 'none'}"
@@ -175,6 +175,12 @@ def format_summary(summary: dict[str, Any]) -> str:
                                      "also checks the checksums)"),
     ]
     return "\n".join(lines)
+
+
+def _mesh(summary: dict[str, Any]) -> str:
+    """`` (d data x t tensor)`` for a tensor-parallel checkpoint, else nothing."""
+    t = summary.get("tensor_parallel_size", 1)
+    return f" ({summary['world_size'] // t} data x {t} tensor parallel)" if t > 1 else ""
 
 
 def _consolidate(args: argparse.Namespace) -> None:

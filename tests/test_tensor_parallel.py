@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
+from examples.gpt import GPT, ShakespeareData
 from lightning_zero import ZeroConfig, ZeroStrategy, inspect_checkpoint
 from lightning_zero.config import resolve_shard_group_size
 from lightning_zero.tensor_parallel import (
@@ -27,7 +28,6 @@ from lightning_zero.tensor_parallel import (
     tensor_parallel_slice,
 )
 from tests.launch import launch
-from tests.models import TinyGPT
 
 WORLD, T = 4, 2
 MICRO, STEPS, LAYERS = 2, 3, 3
@@ -71,13 +71,13 @@ def test_options_and_their_errors():
         ZeroStrategy(stage=3, tensor_parallel_size=2, state_dict_type="full")
 
 
-def test_yaml_sets_the_tensor_parallel_size(tmp_path):
-    config = tmp_path / "tp.yaml"
-    config.write_text("trainer:\n  accelerator: cpu\n  devices: 4\n  strategy:\n"
-                      "    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n"
-                      "      tensor_parallel_size: 2\n")
-    cli = LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
-    assert cli.trainer.strategy.config.tensor_parallel_size == 2 and cli.trainer.strategy.shard_group_size == 2
+def test_the_shipped_config_sets_the_tensor_parallel_size():
+    """examples/configs/zero3_tp.yaml (run by hand for the README: 4 CPU processes) parses into the strategy."""
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "zero3_tp.yaml"
+    cli = LightningCLI(GPT, ShakespeareData, args=["--config", str(config)], run=False, save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert strategy.config.tensor_parallel_size == 2 and strategy.shard_group_size == 2
+    assert strategy.config.activation_checkpointing is True and cli.model.hparams.meta_init
 
 
 # ---------------------------------------------------------------------- the 4-rank launch
@@ -188,7 +188,9 @@ def test_checkpoints_record_both_dimensions(ranks):
         assert torch.equal(full[name], value), name  # load_from_checkpoint builds the model without a mesh
         assert full[name].shape == ranks[0]["full"]["params"][name].shape
         assert _relative(value, ranks[0]["full"]["params"][name]) <= RTOL, name
-    assert inspect_checkpoint(_ckpt_dir(ranks) / "zero3.ckpt")["tensor_parallel_size"] == T
+    summary = inspect_checkpoint(_ckpt_dir(ranks) / "zero3.ckpt")
+    assert summary["tensor_parallel_size"] == T
+    assert summary["num_parameters"] == sum(v.numel() for v in ranks[0]["full"]["params"].values())  # the whole
 
 
 def test_checkpoint_resumes_at_another_data_parallel_size(ranks, tmp_path):

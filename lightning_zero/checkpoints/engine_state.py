@@ -18,6 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.tensor_parallel import tensor_parallel_slice
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.sharded import (
     check_optimizer_count,
@@ -79,7 +80,8 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
     info = {"stage": engine.config.stage, "world_size": collectives.world_size(),
             "tensor_parallel_size": engine.shard_groups.tensor_size,
             "precision": engine.precision.precision, "writer": writer,
-            "num_parameters": sum(p.numel() for p in engine.module.parameters())}
+            "num_parameters": sum(p.numel() * (engine.shard_groups.tensor_size if tensor_parallel_slice(p) else 1)
+                                  for p in engine.module.parameters())}
     objects, shards, meta = split_checkpoint(checkpoint, engine.optimizers, info)
     if not engine.shard_groups.first_replica:
         # [Note: one replica writes] Under hybrid sharding the replicas of a shard group hold the same pieces;
