@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from examples.gpt import GPT, ShakespeareData
-from lightning_zero import ZeroConfig, ZeroStrategy, inspect_checkpoint
+from lightning_zero import ZeroConfig, ZeroStrategy, expected_model_state_bytes, inspect_checkpoint
 from lightning_zero.config import resolve_shard_group_size
 from lightning_zero.tensor_parallel import (
     ColumnParallelLinear,
@@ -118,6 +118,18 @@ def test_the_tensor_parallel_reference_is_the_whole_model(ranks):
         assert len(losses) == len(full) == STEPS * MICRO
         assert all(abs(a - e) <= RTOL * abs(e) for a, e in zip(losses, full)), (losses, full)
         assert rank["full"]["norm"] > 0.05 and abs(rank["ddp_tp"]["norm"] / rank["full"]["norm"] - 1) <= RTOL
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_states_follow_the_table_over_the_data_dimension(ranks, stage):
+    """Measured after a backward (``measure_model_states``): the paper's table for this rank's Ψ_t trainable
+    elements (its slices and the replicated parameters, between Ψ/t and Ψ) with d = N/t in place of N, within 5%
+    (stage 3: plus the root unit, gathered at that moment)."""
+    for rank in ranks:
+        run, whole = rank[stage], sum(v.numel() for v in rank["full"]["params"].values())
+        assert whole / T < run["trainable"] < whole
+        expected = expected_model_state_bytes(run["trainable"], WORLD // T, int(stage[-1]), "32-true")
+        assert abs(run["states"]["model_states"] - expected) <= 0.05 * expected, (run["states"], expected)
 
 
 def test_the_data_dimension_sees_different_batches(ranks):

@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_zero import TRAFFIC, ZeroEngine, ZeroFabricStrategy, ZeroStrategy, consolidate, load_from_checkpoint
+from lightning_zero import (
+    TRAFFIC,
+    ZeroEngine,
+    ZeroFabricStrategy,
+    ZeroStrategy,
+    consolidate,
+    load_from_checkpoint,
+    measure_model_states,
+)
 from lightning_zero.tensor_parallel import make_device_mesh, tensor_parallel_slice
 from tests.models import TinyGPT
 
@@ -47,6 +55,7 @@ class Probe(L.Callback):
         self.traffic: list[dict[str, Any]] = []
         self.start: dict[str, torch.Tensor] = {}
         self.batches: list[list[torch.Tensor]] = []
+        self.states: dict[str, int] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(trainer.strategy, "runtime", None) is None:  # stage 3's parameters are not gathered here
@@ -58,6 +67,10 @@ class Probe(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.traffic.append(TRAFFIC.snapshot())
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == 1 and not self.states:
+            self.states = measure_model_states(pl_module, trainer.optimizers).as_dict()
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -81,7 +94,8 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
     engines = trainer.strategy.engines
     activations = trainer.strategy.activations
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
-            "batches": probe.batches,
+            "batches": probe.batches, "states": probe.states,
+            "trainable": sum(p.numel() for e in engines for p in e.params),
             "padded": sum(e.layout.total for e in engines), "shard": sum(e.layout.shard_size for e in engines),
             "root": sum(b.chunk_size * e.layout.world_size for e in engines for b in e.layout.buckets if b.unit == 0),
             "sampler": trainer.strategy.distributed_sampler_kwargs,
