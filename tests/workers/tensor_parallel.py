@@ -78,7 +78,7 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Path] = None, t: int = T,
-        **options: Any) -> dict[str, Any]:
+        precision: str = "32-true", **options: Any) -> dict[str, Any]:
     """Train ``TinyGPT`` to ``steps`` optimizer steps (from ``resume``), then save ``ckpt``."""
     L.seed_everything(0, verbose=False)
     model, probe = TinyGPT(meta_init=True), Probe()
@@ -86,6 +86,7 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
     sizes = dict(persistence_threshold=0, reduce_bucket_size=1500) if stage == 3 else dict(reduce_bucket_size=700)
     strategy = ZeroStrategy(stage=stage, tensor_parallel_size=t, **sizes, **options)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=steps, callbacks=[probe],
+                        precision=precision,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, **FIT)
     trainer.fit(model, ckpt_path=resume)
@@ -211,6 +212,8 @@ def main() -> None:
     runs["engine2"] = engine_run(2)
     runs["fabric3"] = fabric_run(3)
     runs["zero3_pa"] = fit(3, STEPS, activation_checkpointing=True)
+    runs["zero3_offload"] = fit(3, STEPS, offload_optimizer=True, offload_params=True)
+    runs["zero2_bf16"] = fit(2, STEPS, precision="bf16-mixed")
     runs["zero1_resumed"] = fit(1, STEPS + 1, resume=out / "zero3.ckpt")
     runs["ddp_tp_resumed"] = reference(True, STEPS + 1, last=runs["zero1_resumed"]["batches"])
     if rank == 0:
