@@ -233,3 +233,5 @@ def test_refusals(ranks):
         assert rank["mismatch"].startswith("CheckpointError: The checkpoint") and \
             "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"]
         assert "DTensor parameter" in rank["dtensor"] and "ColumnParallelLinear" in rank["dtensor"]
+    assert "no parameter of TinyGPT is a tensor-parallel slice" in ranks[0]["unsliced_warning"]
+    assert not any(rank["unsliced_warning"] for rank in ranks[1:])  # said once

@@ -54,6 +54,7 @@ from lightning_zero.stage3.materialize import (
 from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
 from lightning_zero.engine.offload import fused_hint
 from lightning_zero.engine.optimizer_support import check_not_dtensor
+from lightning_zero.tensor_parallel import tensor_parallel_slice
 from lightning_zero.engine.flat import FlatShardedOptimizer
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
@@ -117,6 +118,7 @@ class ZeroEngine:
     def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
         for name, param in self.module.named_parameters():  # before any collective
             check_not_dtensor(param, name)
+        _warn_if_nothing_is_sliced(self.module, self.shard_groups)
         self.activations = activations_from_config(self.module, self.config, self.shard_groups.tensor)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
@@ -361,6 +363,19 @@ class ZeroEngine:
         if not gather:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
+
+
+def _warn_if_nothing_is_sliced(module: nn.Module, groups: collectives.ShardGroups) -> None:
+    """Say once (rank 0) that ``tensor_parallel_size`` is set but no parameter is a tensor-parallel slice."""
+    if groups.tensor is None or collectives.rank() != 0:
+        return
+    if not any(tensor_parallel_slice(p) is not None for p in module.parameters()):
+        warnings.warn(
+            f"`tensor_parallel_size={groups.tensor_size}` is set, but no parameter of {type(module).__name__} is a "
+            "tensor-parallel slice: the ranks of each tensor group hold the same weights and see the same batches, so "
+            "they compute the same thing. Cut the layers over `self.device_mesh['tensor_parallel']` in "
+            "`configure_model` (lightning_zero.tensor_parallel's layers, or `mark_tensor_parallel` on your own), or "
+            "leave `tensor_parallel_size` out.", UserWarning, stacklevel=4)
 
 
 def _warn_if_units_compiled_inside(module: nn.Module, plan: UnitPlan) -> None:

@@ -227,8 +227,19 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001 - the test reads the message
         runs["mismatch"] = f"{type(error).__name__}: {error}"
     runs["dtensor"] = dtensor_error()
+    runs["unsliced_warning"] = unsliced_warning()
     runs["ckpt_dir"] = str(out)
     torch.save(runs, out / f"rank{rank}.pt")
+
+
+def unsliced_warning() -> str:
+    """What ZeRO says when ``tensor_parallel_size`` is set but the module cut nothing (rank 0 only)."""
+    model = TinyGPT()  # built whole in __init__; no mesh is handed to it here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = ZeroEngine(model, [model.configure_optimizers()], stage=1, tensor_parallel_size=T)
+    engine.teardown()
+    return " ".join(str(w.message) for w in caught if "no parameter" in str(w.message))
 
 
 def dtensor_error() -> str:
