@@ -18,6 +18,7 @@ from lightning_zero import ZeroConfig, ZeroStrategy, load_full_checkpoint
 from lightning_zero.engine.collectives import ShardGroups, Traffic
 from lightning_zero.config import resolve_shard_group_size
 from lightning_zero.engine.layout import hybrid_rank_lists
+from tests.compare import relative, traffic_per_step
 from tests.launch import launch
 from tests.models import TinyGPT
 
@@ -92,11 +93,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return launch("hybrid.py", WORLD, tmp_path_factory.mktemp("hybrid"), timeout=240)
 
 
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = torch.as_tensor(expected, dtype=torch.float64)
-    return float((torch.as_tensor(actual, dtype=torch.float64) - expected).norm() / expected.norm().clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_matches_ddp_step_for_step(ranks, stage):
     for rank in ranks:
@@ -105,7 +101,7 @@ def test_matches_ddp_step_for_step(ranks, stage):
         for step, (a, e) in enumerate(zip(zero["losses"], ddp["losses"])):
             assert abs(a - e) <= RTOL * abs(e), f"step {step}: loss {a} vs DDP {e}"
         for name, expected in ddp["params"].items():
-            assert _relative(zero["params"][name], expected) <= RTOL, name
+            assert relative(zero["params"][name], expected) <= RTOL, name
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -129,14 +125,7 @@ def test_traffic_inside_and_across_groups(ranks, stage):
         run = rank[stage]
         padded, shard = run["padded"], run["shard"]
         assert padded == K * shard and 0 <= padded - sum(p.numel() for p in run["params"].values()) < 12 * K
-        batches = run["traffic"]
-        for first, second in zip(batches[::2], batches[1::2]):  # the micro-batches of one optimizer step
-            scopes: dict[str, dict[str, int]] = {}
-            for batch in (first, second):
-                for scope, kinds in batch["scopes"].items():
-                    for kind, n in kinds.items():
-                        scopes.setdefault(scope, {}).setdefault(kind, 0)
-                        scopes[scope][kind] += n
+        for scopes in traffic_per_step(run["traffic"], MICRO):
             assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathers * padded,
                                        "all_reduce": 1}, scopes
             assert scopes["replicate"] == {"all_reduce": reductions * shard}, scopes
@@ -153,12 +142,12 @@ def test_hybrid_checkpoint_loads_in_one_process(ranks, stage):
     full = load_full_checkpoint(run["ckpt"])
     for name, value in run["params"].items():
         assert torch.equal(full["state_dict"][name], value), name
-        assert _relative(full["state_dict"][name], ddp["state_dict"][name]) <= RTOL, name
+        assert relative(full["state_dict"][name], ddp["state_dict"][name]) <= RTOL, name
     ddp_state, zero_state = ddp["optimizer_states"][0]["state"], full["optimizer_states"][0]["state"]
     assert zero_state.keys() == ddp_state.keys()
     for index, expected in ddp_state.items():
         for key, value in expected.items():
-            assert _relative(zero_state[index][key], value) <= RTOL, (index, key)
+            assert relative(zero_state[index][key], value) <= RTOL, (index, key)
 
 
 def test_checkpoints_cross_layouts_both_ways(ranks):

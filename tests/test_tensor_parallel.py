@@ -27,6 +27,7 @@ from lightning_zero.tensor_parallel import (
     mark_tensor_parallel,
     tensor_parallel_slice,
 )
+from tests.compare import relative, traffic_per_step
 from tests.launch import launch
 
 WORLD, T = 4, 2
@@ -86,11 +87,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return launch("tensor_parallel.py", WORLD, tmp_path_factory.mktemp("tp"), timeout=240)
 
 
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = torch.as_tensor(expected, dtype=torch.float64)
-    return float((torch.as_tensor(actual, dtype=torch.float64) - expected).norm() / expected.norm().clamp_min(1e-12))
-
-
 def _same_run(run: dict, reference: dict, batches: int = STEPS * MICRO) -> None:
     """The same losses (the reference's last ``batches``) and final weights, within ``RTOL``."""
     assert len(run["losses"]) == batches and len(reference["losses"]) >= batches
@@ -98,7 +94,7 @@ def _same_run(run: dict, reference: dict, batches: int = STEPS * MICRO) -> None:
         assert abs(a - e) <= RTOL * abs(e), f"step {step}: loss {a} vs {e}"
     for name, expected in reference["params"].items():
         assert run["params"][name].shape == expected.shape, name
-        assert _relative(run["params"][name], expected) <= RTOL, name
+        assert relative(run["params"][name], expected) <= RTOL, name
 
 
 @pytest.mark.parametrize("run", [*STAGES, "zero3_offload", "engine2", "fabric3"])
@@ -174,14 +170,9 @@ def test_traffic_over_the_data_and_tensor_groups(ranks, stage):
         padded, shard, root = run["padded"], run["shard"], run["root"]
         assert padded == (WORLD // T) * shard
         gathered = MICRO * (2 * (padded - root) + root) if stage == "zero3" else padded
-        batches = run["traffic"]
-        for first, second in zip(batches[::2], batches[1::2]):
-            scopes: dict[str, dict[str, int]] = {}
-            for batch in (first, second):
-                for scope, kinds in batch["scopes"].items():
-                    for kind, n in kinds.items():
-                        scopes.setdefault(scope, {}).setdefault(kind, 0)
-                        scopes[scope][kind] += n
+        steps = traffic_per_step(run["traffic"], MICRO)
+        assert len(steps) == STEPS
+        for scopes in steps:
             assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathered,
                                        "all_reduce": 1}, scopes
             assert scopes["tensor"] == {"all_reduce": MICRO * LAYERS * 4 * activation + 1}, scopes
@@ -207,7 +198,7 @@ def test_checkpoints_record_both_dimensions(ranks):
     for name, value in whole.items():
         assert torch.equal(full[name], value), name  # load_from_checkpoint builds the model without a mesh
         assert full[name].shape == ranks[0]["full"]["params"][name].shape
-        assert _relative(value, ranks[0]["full"]["params"][name]) <= RTOL, name
+        assert relative(value, ranks[0]["full"]["params"][name]) <= RTOL, name
     summary = inspect_checkpoint(_ckpt_dir(ranks) / "zero3.ckpt")
     assert summary["tensor_parallel_size"] == T
     assert summary["num_parameters"] == sum(v.numel() for v in ranks[0]["full"]["params"].values())  # the whole
