@@ -94,7 +94,8 @@ class ZeroConfig:
     shard_group_size: Optional[int] = None
     """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
     [Note: hybrid sharding and its traffic] in ``collectives.py``). ``None``: the devices of one node when
-    ``num_nodes > 1``, else the whole world. Must divide the world size."""
+    ``num_nodes > 1``, else the whole world (with ``tensor_parallel_size``: the whole data dimension, which it must
+    divide). Must divide the world size."""
     tensor_parallel_size: int = 1
     """ZeRO with tensor parallelism: the ranks form a (data x tensor) mesh with this many ranks per tensor group;
     ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
@@ -205,8 +206,8 @@ def process_group_timeout(value: object) -> Optional[timedelta]:
 def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
                              num_nodes: int, tensor_parallel_size: int = 1) -> int:
     """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
-    the whole world; with tensor parallelism the data-parallel size. Raises a ``ValueError`` if it does not divide
-    ``world_size``, or if tensor parallelism is combined with hybrid sharding."""
+    the whole world; with tensor parallelism ``configured`` or the data-parallel size. Raises a ``ValueError`` if it
+    does not divide ``world_size`` (the data-parallel size)."""
     t = tensor_parallel_size
     if t > 1:
         if world_size % t:
@@ -214,11 +215,13 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, devices
             raise ValueError(f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
                              f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
                              f"Pick one of {divisors} (e.g. the devices per node).")
-        if configured is not None and configured != world_size // t:
-            raise ValueError(f"`shard_group_size={configured}` with `tensor_parallel_size={t}`: hybrid sharding of "
-                             "the data dimension together with tensor parallelism is not supported yet; ZeRO shards "
-                             f"over the whole data dimension ({world_size // t} ranks). Leave `shard_group_size` out.")
-        return world_size // t
+        d = world_size // t
+        if configured is not None and (configured < 1 or d % configured):
+            divisors = [k for k in range(1, d + 1) if d % k == 0]
+            raise ValueError(f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
+                             f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
+                             f"groups split the data dimension. Pick one of {divisors}, or leave it out (all {d}).")
+        return configured if configured is not None else d
     k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
     if k < 1 or world_size % k:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -1,10 +1,12 @@
 """ZeRO over the data dimension of a (data x tensor) mesh: ``tensor_parallel_size=t`` (issue 16 part 2).
 
 One 4-rank launch (2 data x 2 tensor, tests/workers/tensor_parallel.py) trains the project's GPT
-(``tests.models.TinyGPT``, whose blocks cut themselves over ``self.device_mesh``) under zero1-3 and against two plain-PyTorch references on the same
-seed and data: the same tensor-parallel model under DDP over the data dimension, and the model without tensor
-parallelism (the oracle for the tensor parallelism and for the clipping norm over both dimensions). The rest runs in
-this process: the layers at one rank, options and their errors.
+(``tests.models.TinyGPT``, whose blocks cut themselves over ``self.device_mesh``) under zero1-3 and against two
+plain-PyTorch references on the same seed and data: the same tensor-parallel model under DDP over the data
+dimension, and the model without tensor parallelism (the oracle for the tensor parallelism and for the clipping norm
+over both dimensions). One 8-rank launch adds hybrid sharding of the data dimension (2 replicas x 2 shard x 2
+tensor); a 2-rank one resumes both runs' checkpoints. The rest runs in this process: the layers at one rank, options
+and their errors.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lightning_zero.tensor_parallel import (
 from tests.compare import relative, traffic_per_step
 from tests.launch import launch
 
-WORLD, T = 4, 2
+WORLD, T, HYBRID_WORLD = 4, 2, 8
 MICRO, STEPS, LAYERS = 2, 3, 3
 RTOL = 1e-5  # fp32 against DDP: only the order of the sums differs (see tests/test_parity.py)
 STAGES = ["zero1", "zero2", "zero3"]
@@ -62,8 +64,9 @@ def test_options_and_their_errors():
     assert resolve_shard_group_size(None, 8, 4, 2, tensor_parallel_size=4) == 2  # the data dimension, not a node
     with pytest.raises(ValueError, match="`tensor_parallel_size=3` does not divide the world size 4.*\\[1, 2, 4\\]"):
         resolve_shard_group_size(None, 4, 4, 1, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="hybrid sharding of the data dimension together with tensor parallelism"):
-        resolve_shard_group_size(1, 4, 4, 1, tensor_parallel_size=2)
+    assert resolve_shard_group_size(3, 12, 12, 1, tensor_parallel_size=2) == 3  # hybrid inside the data dimension
+    with pytest.raises(ValueError, match=r"`shard_group_size=4` does not divide the data-parallel size 6.*\[1, 2, 3"):
+        resolve_shard_group_size(4, 12, 12, 1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="does not divide the world size 4"):
         L.Trainer(strategy=ZeroStrategy(tensor_parallel_size=3), accelerator="cpu", devices=4, logger=False)
     with pytest.raises(ValueError, match="positive number of ranks"):
@@ -204,15 +207,47 @@ def test_checkpoints_record_both_dimensions(ranks):
     assert summary["num_parameters"] == sum(v.numel() for v in ranks[0]["full"]["params"].values())  # the whole
 
 
-def test_checkpoint_resumes_at_another_data_parallel_size(ranks, tmp_path):
-    """The 2 data x 2 tensor zero3 checkpoint resumes under zero2 at 1 data x 2 tensor (2 ranks): each rank reads
-    its tensor slice whole, exactly the weights the 4-rank run ended with."""
-    resumed = launch("tensor_parallel.py", T, tmp_path, args=("resume", str(_ckpt_dir(ranks) / "zero3.ckpt")),
-                     timeout=180)
-    for j, run in enumerate(resumed):
-        assert run["sampler"] == {"num_replicas": 1, "rank": 0}
-        for name, value in ranks[j]["zero3"]["params"].items():
-            assert torch.equal(run["start"][name], value), name
+def test_checkpoints_resume_at_another_data_parallel_size(ranks, hybrid_ranks, tmp_path):
+    """The zero3 checkpoints of 2 data x 2 tensor and of 2 replicas x 2 shard x 2 tensor resume under zero2 at
+    1 data x 2 tensor (2 ranks): each rank reads its tensor slice whole, exactly the weights the runs ended with."""
+    paths = [str(_ckpt_dir(ranks) / "zero3.ckpt"), str(_ckpt_dir(hybrid_ranks) / "hybrid3.ckpt")]
+    resumed = launch("tensor_parallel.py", T, tmp_path, args=("resume", *paths), timeout=180)
+    for j, runs in enumerate(resumed):
+        for run, written in zip(runs, (ranks[j], hybrid_ranks[j])):
+            assert run["sampler"] == {"num_replicas": 1, "rank": 0}
+            for name, value in written["zero3"]["params"].items():
+                assert torch.equal(run["start"][name], value), name
+
+
+# ---------------------------------------------------------------------- the 8-rank launch: hybrid sharding too
+@pytest.fixture(scope="module")
+def hybrid_ranks(tmp_path_factory) -> list[dict]:
+    return launch("tensor_parallel.py", HYBRID_WORLD, tmp_path_factory.mktemp("tp_hybrid"), args=("hybrid",),
+                  timeout=300)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_hybrid_sharding_of_the_data_dimension(hybrid_ranks, stage):
+    """8 ranks, ``tensor_parallel_size=2, shard_group_size=2``: every stage follows DDP over the 4 data-parallel
+    ranks with the same tensor parallelism; the replicas (rank r and r + 4) end bitwise equal; per optimizer step the
+    shard group moves ZeRO's payloads of this rank's padded T_p (as at 4 ranks) and the replica group one all-reduce
+    of the T_p/2 gradient shard per reduction ([Note: hybrid sharding and its traffic] with d for N)."""
+    reductions = 1 if stage == "zero1" else MICRO
+    for r, rank in enumerate(hybrid_ranks):
+        run = rank[stage]
+        _same_run(run, rank["ddp_tp"])
+        assert run["sampler"] == {"num_replicas": HYBRID_WORLD // T, "rank": r // T}
+        if r < HYBRID_WORLD // 2:
+            replica = hybrid_ranks[r + HYBRID_WORLD // 2][stage]["params"]
+            assert all(torch.equal(value, replica[name]) for name, value in run["params"].items())
+        padded, shard, root = run["padded"], run["shard"], run["root"]
+        assert padded == 2 * shard
+        gathered = MICRO * (2 * (padded - root) + root) if stage == "zero3" else padded
+        for scopes in traffic_per_step(run["traffic"], MICRO):
+            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathered,
+                                       "all_reduce": 1}, scopes
+            assert scopes["replicate"] == {"all_reduce": reductions * shard}, scopes
+            assert scopes["world"] == {"control": 3 * MICRO}, scopes
 
 
 def _ckpt_dir(ranks: list[dict]) -> Path:

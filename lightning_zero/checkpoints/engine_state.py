@@ -56,7 +56,7 @@ def model_state(engine: "ZeroEngine") -> dict[str, Any]:
     # whole tensors are written by rank 0, under tensor parallelism by the first rank of every data-parallel group
     # (each holds its own slices; the replicated ones are the same pieces, which DCP writes once)
     groups = engine.shard_groups
-    writes_whole = collectives.rank() == 0 or (groups.tensor is not None and collectives.rank(groups.shard) == 0)
+    writes_whole = collectives.rank() == 0 or (groups.tensor is not None and collectives.rank(groups.data_group) == 0)
     return model_shards(engine.module, engine.optimizers, full_copies=writes_whole)
 
 

@@ -68,8 +68,8 @@ class Traffic:
     elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"other"``) and kind: see
-    [Note: hybrid sharding and its traffic]. ``elements`` is their sum over scopes."""
+    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``, ``"other"``) and
+    kind: see [Note: hybrid sharding and its traffic]. ``elements`` is their sum over scopes."""
 
     def add(self, kind: str, tensor: torch.Tensor, group: Optional[Any] = None) -> None:
         """Count ``tensor`` as the payload of one ``kind`` collective over ``group`` (``None``: the world)."""
@@ -97,7 +97,8 @@ _SCOPES: dict[int, str] = {}
 
 def scope_of(group: Optional[Any]) -> str:
     """The traffic scope of ``group``: ``"world"`` for the default group, ``"shard"`` / ``"replicate"`` for hybrid
-    sharding's groups (``"shard"`` / ``"tensor"`` under tensor parallelism), ``"other"`` for any other group."""
+    sharding's groups (under tensor parallelism also ``"tensor"``, and ``"data"`` for the whole data dimension when it
+    is split into shard groups), ``"other"`` for any other group."""
     if group is None:
         return "world"
     return _SCOPES.get(id(group), "other")
@@ -295,6 +296,8 @@ class ShardGroups:
     mesh: Optional[Any] = None
     """Tensor parallelism: the 2-D ``DeviceMesh`` (``"data_parallel"``, ``"tensor_parallel"``) the module's
     ``configure_model`` parallelizes over."""
+    data: Optional[Any] = None
+    """Tensor parallelism with hybrid sharding: the whole data-parallel group (shard groups times replicas)."""
 
     @property
     def first_replica(self) -> bool:
@@ -310,8 +313,10 @@ class ShardGroups:
     @property
     def data_group(self) -> Optional[Any]:
         """The ranks that must start from the same weights (``None``: the world); under tensor parallelism the
-        shard group, since the tensor-parallel ranks hold different slices."""
-        return self.shard if self.tensor is not None else None
+        data-parallel group, since the tensor-parallel ranks hold different slices."""
+        if self.tensor is None:
+            return None
+        return self.data if self.data is not None else self.shard
 
     @property
     def data_source(self) -> int:
@@ -333,7 +338,7 @@ def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, devi
     """
     world = world_size()
     if tensor_parallel_size > 1:
-        return _tensor_parallel_groups(world, tensor_parallel_size, device_type)
+        return _tensor_parallel_groups(world, tensor_parallel_size, device_type, shard_group_size)
     if shard_group_size == world:
         return ShardGroups()
     key = (id(dist.group.WORLD), world, shard_group_size)
@@ -345,32 +350,46 @@ def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, devi
     return _HYBRID[key]
 
 
-def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str) -> ShardGroups:
-    """The data-parallel and tensor-parallel groups of a (world / t) x t ``DeviceMesh``, made once per job.
+def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str,
+                            shard_group_size: int) -> ShardGroups:
+    """The data-parallel and tensor-parallel groups of a (world / t) x t ``DeviceMesh``, made once per job; with a
+    ``shard_group_size`` k below the data-parallel size d, also the shard groups (k consecutive data-parallel ranks
+    of each tensor rank) and replica groups of hybrid sharding inside the data dimension.
 
     [Note: ZeRO over the data dimension]
     With tensor parallelism of degree t the N ranks form a mesh of d = N / t data-parallel rows (Lightning's
     ``ModelParallelStrategy`` layout: the t ranks of a tensor group are consecutive, i.e. inside one node). Rank
     ``i * t + j`` holds slice j of every tensor-parallel weight and the data of row i. ZeRO sees only this rank's
     slices: it shards them, their gradients and optimizer states over the d ranks with the same j (the shard group),
-    exactly as plain ZeRO over d ranks would; the tensor group is the module's own business (its layers'
-    collectives), except for three things that span both dimensions: the gradient norm (see [Note: the norm over
-    both dimensions] in ``amp.py``), Pa (the checkpointed block inputs are replicated over the tensor group, so that
-    is the default partition group) and checkpoints (every tensor-parallel slice is a piece of its tensor: see
-    [Note: tensor-parallel slices in a checkpoint] in ``checkpoints/shards.py``). Traffic over the tensor group
-    counts under the scope ``"tensor"``.
+    exactly as plain ZeRO over d ranks would (with ``shard_group_size=k``: over groups of k of them, replicated
+    across the d/k groups, as [Note: hybrid sharding and its traffic] with d for N); the tensor group is the
+    module's own business (its layers' collectives), except for three things that span both dimensions: the
+    gradient norm (see [Note: the norm over both dimensions] in ``amp.py``), Pa (the checkpointed block inputs are
+    replicated over the tensor group, so that is the default partition group) and checkpoints (every
+    tensor-parallel slice is a piece of its tensor: see [Note: tensor-parallel slices in a checkpoint] in
+    ``checkpoints/shards.py``). Traffic over the tensor group counts under the scope ``"tensor"``.
     """
-    if world % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} does not divide the world size {world}.")
-    key = ("tensor", id(dist.group.WORLD), world, tensor_parallel_size, device_type)
+    t = tensor_parallel_size
+    if world % t or (world // t) % shard_group_size:
+        raise ValueError(f"tensor_parallel_size {t} and shard_group_size {shard_group_size} do not divide the world "
+                         f"size {world} into a (data x tensor) mesh with equal shard groups.")
+    key = ("tensor", id(dist.group.WORLD), world, t, device_type, shard_group_size)
     if key not in _HYBRID:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
-                                mesh_dim_names=("data_parallel", "tensor_parallel"))
-        shard, tensor = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
-        _SCOPES[id(shard)], _SCOPES[id(tensor)] = "shard", "tensor"
-        _HYBRID[key] = ShardGroups(shard=shard, tensor=tensor, mesh=mesh)
+        d = world // t
+        mesh = init_device_mesh(device_type, (d, t), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        data, tensor = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
+        _SCOPES[id(tensor)] = "tensor"
+        if shard_group_size == d:
+            _SCOPES[id(data)] = "shard"
+            _HYBRID[key] = ShardGroups(shard=data, tensor=tensor, mesh=mesh)
+        else:  # hybrid sharding of the data dimension: the lists of hybrid_rank_lists, for each tensor rank j
+            shard_lists, replica_lists = hybrid_rank_lists(d, shard_group_size)
+            shard = new_group([[i * t + j for i in ranks] for j in range(t) for ranks in shard_lists])
+            replicate = new_group([[i * t + j for i in ranks] for j in range(t) for ranks in replica_lists])
+            _SCOPES[id(data)], _SCOPES[id(shard)], _SCOPES[id(replicate)] = "data", "shard", "replicate"
+            _HYBRID[key] = ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
     return _HYBRID[key]
 
 

@@ -7,7 +7,8 @@ loops on the same seed and data:
   group, clipped by the norm over both dimensions computed here from the definition;
 - ``full``: the model without tensor parallelism under DDP over the data-parallel group (each tensor rank computes
   the same), clipped by ``torch.nn.utils.clip_grad_norm_``: the oracle for the tensor parallelism itself.
-With the arguments ``resume <checkpoint>`` (2 ranks: 1 data x 2 tensor) it only resumes that checkpoint under zero2.
+With the arguments ``resume <checkpoint> ...`` (2 ranks: 1 data x 2 tensor) it only resumes each checkpoint under zero2;
+with ``hybrid`` (8 ranks) it runs zero1-3 with ``shard_group_size=2`` (2 replicas x 2 shard x 2 tensor) and ``ddp_tp``.
 Then the Trainer: zero1-3 with ``tensor_parallel_size=2`` (the module parallelizes its blocks over
 ``self.device_mesh`` in ``configure_model``), zero3 with activation checkpointing (Pa over the tensor group by
 default), and checkpoints: zero3's resumed by zero1 (same mesh), consolidated to one file that a zero2 run loads
@@ -201,8 +202,15 @@ def fabric_run(stage: int) -> dict[str, Any]:
 def main() -> None:
     out = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
-    if sys.argv[2:3] == ["resume"]:  # another data-parallel size: resume the 4-rank zero3 checkpoint with zero2
-        torch.save(fit(2, STEPS + 1, resume=Path(sys.argv[3])), out / f"rank{rank}.pt")
+    if sys.argv[2:3] == ["resume"]:  # another data-parallel size: resume zero3 checkpoints with zero2
+        torch.save([fit(2, STEPS + 1, resume=Path(path)) for path in sys.argv[3:]], out / f"rank{rank}.pt")
+        return
+    if sys.argv[2:3] == ["hybrid"]:  # 8 ranks: 2 replicas x 2 shard x 2 tensor
+        hybrid = {f"zero{stage}": fit(stage, STEPS, out / f"hybrid{stage}.ckpt", shard_group_size=2)
+                  for stage in (1, 2, 3)}
+        hybrid["ddp_tp"] = reference(True, STEPS)
+        hybrid["ckpt_dir"] = str(out)
+        torch.save(hybrid, out / f"rank{rank}.pt")
         return
     runs: dict[str, Any] = {}
     for stage in (1, 2, 3):
