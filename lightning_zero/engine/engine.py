@@ -78,9 +78,9 @@ class ZeroEngine:
         recording: stage 3: the construction recorded by :func:`sharded_construction`, replayed unit by unit.
         shard_groups: the groups to shard over and replicate across (default: made from ``shard_group_size`` and
             ``tensor_parallel_size``, or plain ZeRO over every rank; see [Note: hybrid sharding and its traffic] and
-            [Note: ZeRO over the data dimension]). With tensor parallelism, build the module after
-            :func:`~lightning_zero.tensor_parallel.make_device_mesh` and pass that mesh's groups here (or let the
-            engine make the same mesh: it is made once per job).
+            [Note: ZeRO over the data dimension]). With tensor parallelism, build the module over the mesh of
+            :func:`~lightning_zero.tensor_parallel.make_device_mesh`; the engine finds the same mesh (it is made once
+            per job).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = (), *,
