@@ -250,6 +250,24 @@ def test_hybrid_sharding_of_the_data_dimension(hybrid_ranks, stage):
             assert scopes["world"] == {"control": 3 * MICRO}, scopes
 
 
+def test_factored_optimizer_states_resume_and_refuse_to_join(ranks):
+    """Adafactor (whole tensors per rank, factored statistics that are not per element) under zero2 with tensor
+    parallelism: trains like DDP with the same tensor parallelism, and resumes from its checkpoint (the statistics of
+    each slice stacked per tensor rank) into the step DDP takes next; consolidating its optimizer state is refused
+    with what to do (the slices' statistics are not the whole tensor's), its weights consolidate."""
+    for rank in ranks:
+        reference = rank["adafactor_ddp_tp"]
+        first = rank["adafactor"]["losses"]
+        assert all(abs(a - e) <= RTOL * abs(e) for a, e in zip(first, reference["losses"][: len(first)]))
+        for name, value in rank["adafactor"]["params"].items():
+            assert torch.equal(rank["adafactor_resumed"]["start"][name], value), name
+        _same_run(rank["adafactor_resumed"], reference, batches=len(rank["adafactor_resumed"]["losses"]))
+    refusal = ranks[0]["adafactor_consolidate"]
+    assert "not per element" in refusal and "weights_only" in refusal
+    weights = torch.load(_ckpt_dir(ranks) / "adafactor_weights.ckpt", weights_only=False)["state_dict"]
+    assert weights["blocks.0.qkv.weight"].shape == (3 * 32, 32)
+
+
 def _ckpt_dir(ranks: list[dict]) -> Path:
     return Path(ranks[0]["ckpt_dir"])
 

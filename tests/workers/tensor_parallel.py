@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import (
     TRAFFIC,
+    CheckpointError,
     ZeroEngine,
     ZeroFabricStrategy,
     ZeroStrategy,
@@ -78,11 +79,18 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
+class AdafactorGPT(TinyGPT):
+    """TinyGPT with Adafactor: whole tensors per rank and factored statistics (states that are not per element)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adafactor(self.parameters(), lr=1e-2)
+
+
 def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Path] = None, t: int = T,
-        precision: str = "32-true", **options: Any) -> dict[str, Any]:
-    """Train ``TinyGPT`` to ``steps`` optimizer steps (from ``resume``), then save ``ckpt``."""
+        precision: str = "32-true", model_class: type = TinyGPT, **options: Any) -> dict[str, Any]:
+    """Train ``model_class`` to ``steps`` optimizer steps (from ``resume``), then save ``ckpt``."""
     L.seed_everything(0, verbose=False)
-    model, probe = TinyGPT(meta_init=True), Probe()
+    model, probe = model_class(meta_init=True), Probe()
     # few buckets: parameters span buckets (stages 1-2), units split into several (stage 3)
     sizes = dict(persistence_threshold=0, reduce_bucket_size=1500) if stage == 3 else dict(reduce_bucket_size=700)
     strategy = ZeroStrategy(stage=stage, tensor_parallel_size=t, **sizes, **options)
@@ -105,9 +113,9 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
             "pa_stats": vars(activations.store.stats).copy() if activations is not None else {}}
 
 
-def _model(mesh: Any) -> TinyGPT:
+def _model(mesh: Any, model_class: type = TinyGPT) -> TinyGPT:
     L.seed_everything(0, verbose=False)
-    model = TinyGPT(meta_init=True)
+    model = model_class(meta_init=True)
     model._device_mesh = mesh
     model.configure_model()
     return model
@@ -123,11 +131,12 @@ def _batches(model: TinyGPT, mesh: Any, step: int, count: int = MICRO) -> list[A
     return list(DataLoader(dataset, batch_size=BATCH, sampler=sampler))[:count]
 
 
-def reference(tensor_parallel: bool, steps: int, last: Optional[list[Any]] = None) -> dict[str, Any]:
+def reference(tensor_parallel: bool, steps: int, last: Optional[list[Any]] = None,
+              model_class: type = TinyGPT) -> dict[str, Any]:
     """A plain loop: DDP over the data-parallel group, AdamW, accumulation and clipping as the Trainer's; ``last``:
     the micro-batches of the last step (those a resumed run took: Lightning resumes mid-epoch)."""
     mesh = make_device_mesh(T)
-    model = _model(mesh if tensor_parallel else None)
+    model = _model(mesh if tensor_parallel else None, model_class)
     ddp = DistributedDataParallel(model, process_group=mesh.get_group("data_parallel"))
     optimizer = model.configure_optimizers()
     losses = []
@@ -224,6 +233,7 @@ def main() -> None:
     runs["zero2_bf16"] = fit(2, STEPS, precision="bf16-mixed")
     runs["zero1_resumed"] = fit(1, STEPS + 1, resume=out / "zero3.ckpt")
     runs["ddp_tp_resumed"] = reference(True, STEPS + 1, last=runs["zero1_resumed"]["batches"])
+    runs.update(adafactor_runs(out, rank))
     if rank == 0:
         consolidate(out / "zero3.ckpt", out / "zero3_full.ckpt")
         runs["inference"] = _weights(load_from_checkpoint(TinyGPT, out / "zero3.ckpt"))
@@ -238,6 +248,23 @@ def main() -> None:
     runs["unsliced_warning"] = unsliced_warning()
     runs["ckpt_dir"] = str(out)
     torch.save(runs, out / f"rank{rank}.pt")
+
+
+def adafactor_runs(out: Path, rank: int) -> dict[str, Any]:
+    """zero2 with Adafactor: saved, resumed (its factored statistics are stacked per tensor rank), against DDP with
+    the same tensor parallelism; the consolidation of its optimizer state refused, of its weights done."""
+    runs = {"adafactor": fit(2, STEPS, out / "adafactor.ckpt", model_class=AdafactorGPT)}
+    runs["adafactor_resumed"] = fit(2, STEPS + 1, resume=out / "adafactor.ckpt", model_class=AdafactorGPT)
+    runs["adafactor_ddp_tp"] = reference(True, STEPS + 1, last=runs["adafactor_resumed"]["batches"],
+                                         model_class=AdafactorGPT)
+    if rank == 0:
+        try:
+            consolidate(out / "adafactor.ckpt", out / "adafactor_full.ckpt")
+            runs["adafactor_consolidate"] = ""
+        except CheckpointError as error:
+            runs["adafactor_consolidate"] = str(error)
+        consolidate(out / "adafactor.ckpt", out / "adafactor_weights.ckpt", weights_only=True)
+    return runs
 
 
 def unsliced_warning() -> str:
