@@ -27,9 +27,10 @@ the same gradient on every rank of the group, and a sliced one the gradient of i
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -234,6 +235,52 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor) -> Tensor:
         out = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
         return out + self.bias if self.bias is not None else out
+
+
+def parallelize(module: nn.Module, tensor_group: Any, plan: dict[str, Any]) -> nn.Module:
+    """``torch.distributed.tensor.parallel.parallelize_module``'s plan, carried out with this module's plain-tensor
+    layers (ZeRO's buffers hold plain tensors, not DTensors): every ``nn.Linear`` whose name matches a key of
+    ``plan`` (``fnmatch`` wildcards, as torch's: ``"blocks.*.mlp.0"``) is replaced by its slice,
+    :class:`ColumnParallelLinear` for ``ColwiseParallel()`` and :class:`RowParallelLinear` for ``RowwiseParallel()``
+    (torch's defaults: replicated input and sharded output, sharded input and replicated output, local outputs).
+    ``tensor_group``: the process group or the 1-D ``DeviceMesh`` (``self.device_mesh["tensor_parallel"]``).
+    Returns ``module``; anything the plan names that this cannot carry out is refused before anything is replaced.
+    """
+    group = tensor_group.get_group() if hasattr(tensor_group, "get_group") else tensor_group
+    names = [name for name, _ in module.named_modules() if name]
+    replacements: list[tuple[str, Any]] = []
+    for pattern, style in plan.items():
+        matched = [name for name in names if fnmatch.fnmatch(name, pattern)]
+        if not matched:
+            raise ValueError(f"parallelize: no submodule of {type(module).__name__} matches {pattern!r}.")
+        layer = _layer_for(style, pattern)
+        for name in matched:
+            target = module.get_submodule(name)
+            if type(target) is not nn.Linear:
+                raise TypeError(f"parallelize: {name!r} is a {type(target).__name__}; only nn.Linear layers are cut "
+                                "here (write the others with `mark_tensor_parallel`).")
+            replacements.append((name, layer))
+    for name, layer in replacements:
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, layer.from_linear(module.get_submodule(name), group))
+    return module
+
+
+def _layer_for(style: Any, pattern: str) -> type:
+    """The layer class that carries out ``style`` (torch's ``ColwiseParallel`` / ``RowwiseParallel`` with their
+    default layouts), or an error that says what is supported."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    kind = type(style).__name__
+    expected = {"ColwiseParallel": (Replicate(), Shard(-1), ColumnParallelLinear),
+                "RowwiseParallel": (Shard(-1), Replicate(), RowParallelLinear)}
+    if kind in expected:
+        inputs, outputs, layer = expected[kind]
+        if (style.input_layouts, style.output_layouts, style.use_local_output) == ((inputs,), (outputs,), True):
+            return layer
+    raise ValueError(f"parallelize: {pattern!r}: {kind} with these options is not supported; ZeRO takes "
+                     "`ColwiseParallel()` and `RowwiseParallel()` with their default layouts (for other layouts, "
+                     "sequence parallelism or embeddings, write the layer with `mark_tensor_parallel`).")
 
 
 def make_device_mesh(tensor_parallel_size: int, device_type: str = "cpu") -> Any:

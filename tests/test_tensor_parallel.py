@@ -27,6 +27,7 @@ from lightning_zero.tensor_parallel import (
     RowParallelLinear,
     TensorParallelSlice,
     mark_tensor_parallel,
+    parallelize,
     tensor_parallel_slice,
 )
 from tests.compare import relative, traffic_per_step
@@ -57,6 +58,22 @@ def test_marks_record_the_slice():
     assert getattr(p, "_lightning_zero_tensor_parallel") == TensorParallelSlice(1, 0, 1)
     with pytest.raises(ValueError, match="dim 2 is out of range.*shape \\(4, 6\\)"):
         mark_tensor_parallel(p, 2, None)
+
+
+def test_parallelize_refuses_what_it_cannot_carry_out():
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Embedding(3, 4))
+    with pytest.raises(ValueError, match="no submodule of Sequential matches 'missing'"):
+        parallelize(model, None, {"missing": ColwiseParallel()})
+    with pytest.raises(TypeError, match="'2' is a Embedding; only nn.Linear"):
+        parallelize(model, None, {"0": ColwiseParallel(), "2": ColwiseParallel()})
+    assert type(model[0]) is nn.Linear  # nothing was replaced before the refusal
+    with pytest.raises(ValueError, match="SequenceParallel with these options is not supported"):
+        parallelize(model, None, {"1": SequenceParallel()})
+    with pytest.raises(ValueError, match="ColwiseParallel with these options"):
+        parallelize(model, None, {"0": ColwiseParallel(use_local_output=False)})
+    assert type(parallelize(model, None, {"0": ColwiseParallel()})[0]) is ColumnParallelLinear  # a group of one
 
 
 def test_options_and_their_errors():
@@ -278,4 +295,14 @@ def test_refusals(ranks):
             "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"]
         assert "DTensor parameter" in rank["dtensor"] and "ColumnParallelLinear" in rank["dtensor"]
     assert "no parameter of TinyGPT is a tensor-parallel slice" in ranks[0]["unsliced_warning"]
+    assert "tensor_parallel.parallelize(" in ranks[0]["dtensor"]
+
+
+def test_parallelize_carries_out_torch_plans(ranks):
+    """A plan of torch's ``ColwiseParallel()`` / ``RowwiseParallel()`` gives the layers cut by hand, and the whole
+    MLP's function (2 tensor ranks)."""
+    for rank in ranks:
+        run = rank["parallelize"]
+        assert run["types"] == ["ColumnParallelLinear", "RowParallelLinear"] and run["same_as_by_hand"]
+        assert run["output"] < 1e-6
     assert not any(rank["unsliced_warning"] for rank in ranks[1:])  # said once

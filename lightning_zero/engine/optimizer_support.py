@@ -162,7 +162,8 @@ def check_not_dtensor(param: Tensor, name: str = "") -> None:
         raise TypeError(
             f"ZeRO got a DTensor parameter{f' ({name})' if name else ''}, from "
             "`torch.distributed.tensor.parallel.parallelize_module` or `distribute_tensor`: ZeRO's flat buffers hold "
-            "plain tensors. For tensor parallelism under ZeRO use `ZeroStrategy(tensor_parallel_size=t)` and build "
-            "the layers with `lightning_zero.tensor_parallel` (ColumnParallelLinear, RowParallelLinear, or your own "
-            "layers with `mark_tensor_parallel`) over `self.device_mesh['tensor_parallel']`; for DTensor tensor "
-            "parallelism use Lightning's ModelParallelStrategy (FSDP2).")
+            "plain tensors. For tensor parallelism under ZeRO use `ZeroStrategy(tensor_parallel_size=t)` and, in "
+            "`configure_model`, `lightning_zero.tensor_parallel.parallelize(module, "
+            "self.device_mesh['tensor_parallel'], plan)` with the same plan of ColwiseParallel()/RowwiseParallel(), "
+            "or its layers (ColumnParallelLinear, RowParallelLinear, your own with `mark_tensor_parallel`); for "
+            "DTensor tensor parallelism use Lightning's ModelParallelStrategy (FSDP2).")

@@ -17,6 +17,7 @@ default), and checkpoints: zero3's resumed by zero1 (same mesh), consolidated to
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
@@ -246,6 +247,7 @@ def main() -> None:
         runs["mismatch"] = f"{type(error).__name__}: {error}"
     runs["dtensor"] = dtensor_error()
     runs["unsliced_warning"] = unsliced_warning()
+    runs["parallelize"] = parallelize_plan()
     runs["ckpt_dir"] = str(out)
     torch.save(runs, out / f"rank{rank}.pt")
 
@@ -265,6 +267,25 @@ def adafactor_runs(out: Path, rank: int) -> dict[str, Any]:
             runs["adafactor_consolidate"] = str(error)
         consolidate(out / "adafactor.ckpt", out / "adafactor_weights.ckpt", weights_only=True)
     return runs
+
+
+def parallelize_plan() -> dict[str, Any]:
+    """``parallelize`` with a plan of torch's styles, against the layers cut by hand and the whole MLP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_zero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize
+
+    mesh = make_device_mesh(T)
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    group = mesh.get_group("tensor_parallel")
+    by_hand = [ColumnParallelLinear.from_linear(whole[0], group), RowParallelLinear.from_linear(whole[2], group)]
+    cut = parallelize(copy.deepcopy(whole), mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    return {"types": [type(cut[0]).__name__, type(cut[2]).__name__],
+            "same_as_by_hand": all(torch.equal(a, b) for layer, hand in zip((cut[0], cut[2]), by_hand)
+                                   for a, b in zip(layer.parameters(), hand.parameters())),
+            "output": float((cut(x) - whole(x)).abs().max() / whole(x).abs().max())}
 
 
 def unsliced_warning() -> str:
