@@ -8,7 +8,8 @@ loops on the same seed and data:
 - ``full``: the model without tensor parallelism under DDP over the data-parallel group (each tensor rank computes
   the same), clipped by ``torch.nn.utils.clip_grad_norm_``: the oracle for the tensor parallelism itself.
 With the arguments ``resume <checkpoint> ...`` (2 ranks: 1 data x 2 tensor) it only resumes each checkpoint under zero2;
-with ``hybrid`` (8 ranks) it runs zero1-3 with ``shard_group_size=2`` (2 replicas x 2 shard x 2 tensor) and ``ddp_tp``.
+with ``hybrid`` it runs zero1-3 with two replicas of the data dimension (``shard_group_size`` = d / 2: 2 x 1 x 2 at
+4 ranks, 2 x 2 x 2 at 8) and ``ddp_tp``.
 Then the Trainer: zero1-3 with ``tensor_parallel_size=2`` (the module parallelizes its blocks over
 ``self.device_mesh`` in ``configure_model``), zero3 with activation checkpointing (Pa over the tensor group by
 default), and checkpoints: zero3's resumed by zero1 (same mesh), consolidated to one file that a zero2 run loads
@@ -215,8 +216,9 @@ def main() -> None:
     if sys.argv[2:3] == ["resume"]:  # another data-parallel size: resume zero3 checkpoints with zero2
         torch.save([fit(2, STEPS + 1, resume=Path(path)) for path in sys.argv[3:]], out / f"rank{rank}.pt")
         return
-    if sys.argv[2:3] == ["hybrid"]:  # 8 ranks: 2 replicas x 2 shard x 2 tensor
-        hybrid = {f"zero{stage}": fit(stage, STEPS, out / f"hybrid{stage}.ckpt", shard_group_size=2)
+    if sys.argv[2:3] == ["hybrid"]:  # 2 replicas x (d / 2) shard x 2 tensor
+        k = WORLD // T // 2
+        hybrid = {f"zero{stage}": fit(stage, STEPS, out / f"hybrid{stage}.ckpt", shard_group_size=k)
                   for stage in (1, 2, 3)}
         hybrid["ddp_tp"] = reference(True, STEPS)
         hybrid["ckpt_dir"] = str(out)
