@@ -130,6 +130,20 @@ def test_matches_ddp_with_the_same_tensor_parallelism(ranks, run):
         assert rank[run].get("same_mesh", True)  # the engine found the mesh the model was built over
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_gathered_parameters_read_the_weights_between_steps(ranks, stage):
+    """``trainer.strategy.gathered_parameters()`` in ``on_train_batch_end`` after the last step: every parameter
+    whole, equal bit for bit to the weights ``fit`` hands back, also after a forward inside; under zero3 the units
+    are freed again after (the run goes on to teardown normally)."""
+    for rank in ranks:
+        run = rank[stage]
+        assert run["inside"].keys() == run["params"].keys()
+        for name, value in run["params"].items():
+            assert torch.equal(run["inside"][name], value) and torch.equal(run["inside_again"][name], value), name
+        before, inside, after = run["held"]  # bytes of gathered units (stages 1-2 gather nothing)
+        assert after == before and (inside > before if stage == "zero3" else inside == 0), run["held"]
+
+
 def test_bf16_mixed_follows_fp32(ranks):
     """zero2 under ``bf16-mixed`` with tensor parallelism: the bound of the other bf16 parity tests (1e-2 relative on
     the losses) against the fp32 reference."""

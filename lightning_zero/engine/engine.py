@@ -224,6 +224,18 @@ class ZeroEngine:
         if self.runtime is not None:
             self.runtime.end_backward(include_root=include_root)
 
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Every parameter whole inside, on every rank: a collective (every rank enters), for code that reads the
+        weights between steps (an EMA copy, logging norms). Stage 3 gathers every unit (the whole model in memory,
+        as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``) and frees what it gathered after;
+        stages 1 and 2 hold them whole anyway. Read-only: what is written into them is not kept."""
+        if self.runtime is None:
+            yield
+            return
+        with self.runtime.all_gathered():
+            yield
+
     def end_step(self) -> None:
         """Stage 3: free everything gathered, the root too (after an evaluation or manual-optimization step)."""
         if self.runtime is not None:

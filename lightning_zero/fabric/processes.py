@@ -8,6 +8,7 @@ Fabric's are different classes with the same process API).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -74,6 +75,15 @@ class ZeroProcesses:
         per_node = max(1, self.num_processes)
         return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
                                         self.num_nodes, self.config.tensor_parallel_size)
+
+    def gathered_parameters(self) -> AbstractContextManager:
+        """Every parameter whole inside, on every rank (a collective: every rank enters), for code that reads the
+        weights between steps, e.g. ``with trainer.strategy.gathered_parameters(): ema.update(model)``; see
+        :meth:`ZeroEngine.gathered_parameters`."""
+        if self.engine is None:
+            raise RuntimeError("`gathered_parameters()` needs the model set up: use it from `on_fit_start` on "
+                               "(Fabric: after `fabric.setup`).")
+        return self.engine.gathered_parameters()
 
     @property
     def device_mesh(self) -> Optional[Any]:

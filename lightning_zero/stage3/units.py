@@ -44,6 +44,8 @@ too.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -202,6 +204,8 @@ class UnitRuntime:
         self._recorded = False
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
+        self._held = False
+        """Inside :meth:`all_gathered`: the hooks free nothing."""
         self._handles: list[Any] = []
         for engine in engines:
             for j, p in enumerate(engine.params):
@@ -229,8 +233,24 @@ class UnitRuntime:
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`)."""
-        if unit != ROOT:
+        if unit != ROOT and not self._held:
             self._free(unit)
+
+    @contextmanager
+    def all_gathered(self) -> Iterator[None]:
+        """Every unit gathered inside (a collective), so that every parameter holds its full value; the units that
+        were not gathered before are freed after. A forward inside frees nothing."""
+        before = {unit for unit, state in enumerate(self.states) if state.gathered}
+        for unit in range(len(self.states)):
+            self.gather(unit)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            for unit in range(len(self.states)):
+                if unit not in before:
+                    self._free(unit)
 
     def _free(self, unit: int) -> None:
         state = self.states[unit]

@@ -60,6 +60,9 @@ class Probe(L.Callback):
         self.start: dict[str, torch.Tensor] = {}
         self.batches: list[list[torch.Tensor]] = []
         self.states: dict[str, int] = {}
+        self.inside: dict[str, torch.Tensor] = {}
+        self.inside_again: dict[str, torch.Tensor] = {}
+        self.held: list[int] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(trainer.strategy, "runtime", None) is None:  # stage 3's parameters are not gathered here
@@ -69,8 +72,18 @@ class Probe(L.Callback):
         TRAFFIC.reset()
         self.batches.append([t.clone() for t in batch])
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.traffic.append(TRAFFIC.snapshot())
+        if trainer.global_step == trainer.max_steps and not self.inside:  # the weights between steps, read whole
+            held = lambda: sum(getattr(e, "gathered_bytes", 0) for e in trainer.strategy.engines)  # noqa: E731
+            self.held = [held()]
+            with trainer.strategy.gathered_parameters():
+                self.held.append(held())
+                self.inside = _weights(pl_module)
+                with torch.no_grad():  # a forward inside frees nothing
+                    pl_module(self.batches[-1][0])
+                self.inside_again = _weights(pl_module)
+            self.held.append(held())
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == 1 and not self.states:
@@ -106,7 +119,8 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
     engines = trainer.strategy.engines
     activations = trainer.strategy.activations
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
-            "batches": probe.batches, "states": probe.states,
+            "batches": probe.batches, "states": probe.states, "inside": probe.inside,
+            "inside_again": probe.inside_again, "held": probe.held,
             "trainable": sum(p.numel() for e in engines for p in e.params),
             "padded": sum(e.layout.total for e in engines), "shard": sum(e.layout.shard_size for e in engines),
             "root": sum(b.chunk_size * e.layout.world_size for e in engines for b in e.layout.buckets if b.unit == 0),
