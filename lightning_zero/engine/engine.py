@@ -229,7 +229,8 @@ class ZeroEngine:
         """Every parameter whole inside, on every rank: a collective (every rank enters), for code that reads the
         weights between steps (an EMA copy, logging norms). Stage 3 gathers every unit (the whole model in memory,
         as DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params``) and frees what it gathered after;
-        stages 1 and 2 hold them whole anyway. Read-only: what is written into them is not kept."""
+        stages 1 and 2 hold them whole anyway. The values are the working parameters (bf16/fp16 under mixed
+        precision; the fp32 masters are in the checkpoints). Read-only: what is written into them is not kept."""
         if self.runtime is None:
             yield
             return
