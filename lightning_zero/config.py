@@ -93,13 +93,13 @@ class ZeroConfig:
     are gathered (see [Note: offloaded parameter shards] in ``params.py``)."""
     shard_group_size: Optional[int] = None
     """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
-    [Note: hybrid sharding and its traffic] in ``collectives.py``). ``None``: the devices of one node when
+    [Note: hybrid sharding and its traffic] in ``groups.py``). ``None``: the devices of one node when
     ``num_nodes > 1``, else the whole world (with ``tensor_parallel_size``: the whole data dimension, which it must
     divide). Must divide the world size."""
     tensor_parallel_size: int = 1
     """ZeRO with tensor parallelism: the ranks form a (data x tensor) mesh with this many ranks per tensor group;
     ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
-    shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``collectives.py``). Must divide the
+    shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``groups.py``). Must divide the
     world size."""
 
     def __post_init__(self) -> None:

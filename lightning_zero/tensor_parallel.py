@@ -4,7 +4,7 @@ module tells ZeRO which of its parameters are slices of larger tensors.
 Under ``ZeroStrategy(tensor_parallel_size=t)`` (or Fabric's, or ``ZeroEngine``'s option) the ranks form a
 (data x tensor) ``DeviceMesh``; ``configure_model`` gets it as ``self.device_mesh`` and builds its layers over
 ``self.device_mesh["tensor_parallel"]``. ZeRO then partitions each rank's slices over ``"data_parallel"`` (see
-[Note: ZeRO over the data dimension] in ``engine/collectives.py``)::
+[Note: ZeRO over the data dimension] in ``engine/groups.py``)::
 
     def configure_model(self):
         tp = self.device_mesh["tensor_parallel"].get_group()
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.groups import make_shard_groups
 
 _ATTRIBUTE = "_lightning_zero_tensor_parallel"
 
@@ -283,9 +285,22 @@ def _layer_for(style: Any, pattern: str) -> type:
                      "sequence parallelism or embeddings, write the layer with `mark_tensor_parallel`).")
 
 
+def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> None:
+    """Say once (rank 0) that ``tensor_parallel_size`` is set but no parameter of ``module`` is a tensor-parallel
+    slice."""
+    if collectives.rank() != 0 or any(tensor_parallel_slice(p) is not None for p in module.parameters()):
+        return
+    warnings.warn(
+        f"`tensor_parallel_size={tensor_parallel_size}` is set, but no parameter of {type(module).__name__} is a "
+        "tensor-parallel slice: the ranks of each tensor group hold the same weights and see the same batches, so "
+        "they compute the same thing. Cut the layers over `self.device_mesh['tensor_parallel']` in "
+        "`configure_model` (lightning_zero.tensor_parallel's layers, or `mark_tensor_parallel` on your own), or "
+        "leave `tensor_parallel_size` out.", UserWarning, stacklevel=4)
+
+
 def make_device_mesh(tensor_parallel_size: int, device_type: str = "cpu") -> Any:
     """Collective: the (``"data_parallel"``, ``"tensor_parallel"``) ``DeviceMesh`` of this job, the one
     ``ZeroEngine(tensor_parallel_size=...)`` shards over (made once; for plain loops that build their model
     before the engine)."""
     world = collectives.world_size()
-    return collectives.make_shard_groups(world // tensor_parallel_size, tensor_parallel_size, device_type).mesh
+    return make_shard_groups(world // tensor_parallel_size, tensor_parallel_size, device_type).mesh

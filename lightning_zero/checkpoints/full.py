@@ -138,9 +138,9 @@ def _check_canonical(engine: ShardedOptimizer, state_dict: dict[str, Any]) -> No
         return
     for canon, saved in state_dict["state"].items():
         param = engine.canonical[int(canon)]
+        whole = math.prod(Shard.placed(param, param.dtype)[0].full_shape)  # a tensor-parallel slice's whole tensor
         for key, value in saved.items():
-            whole = Shard.placed(param, param.dtype)[0].full_shape
-            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() not in (param.numel(), math.prod(whole)):
+            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() not in (param.numel(), whole):
                 raise ValueError(
                     f"Optimizer state '{key}' of parameter {canon} has shape {tuple(value.shape)}, but the parameter "
                     f"has shape {tuple(param.shape)}. The checkpoint comes from a different model."

@@ -77,7 +77,7 @@ class Shard:
         """An empty ``Shard`` for ``tensor`` (a parameter, or a state of the parameter ``owner``) and the offset of this
         rank's slice in it: 0, or for a tensor-parallel slice ``j * numel`` of the stacked tensor."""
         where = tensor_parallel_slice(owner if owner is not None else tensor)
-        if where is None:
+        if where is None or tensor.dim() == 0:  # a scalar (a step count) is the same on every tensor-parallel rank
             return cls(tuple(tensor.shape), dtype), 0
         local = tuple(tensor.shape)
         shard = cls((where.size, *local), dtype, local_shape=local, joins_along=where.dim if per_element else None,
@@ -91,8 +91,6 @@ class Shard:
         flat = tensor.detach().reshape(-1)
         if tensor.numel() and flat.data_ptr() != tensor.data_ptr():
             raise ValueError("Shard.whole needs a contiguous tensor to load into in place.")
-        if tensor.dim() == 0:  # a scalar (a step count) is the same on every tensor-parallel rank
-            owner = tensor
         shard, base = cls.placed(tensor, tensor.dtype, owner, per_element)
         if tensor.numel():
             shard.pieces.append((base, flat))

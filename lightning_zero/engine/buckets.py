@@ -23,7 +23,7 @@ Each bucket is divided by the world size before the reduce-scatter, so the sum i
 sharding the divisor is the whole job's N (not the shard group's k), the reduce-scatter runs inside the shard group,
 and each reduced chunk is then all-reduced (summed) across the replica group as soon as it is waited for, before it
 is added to the shard: so every replica holds the same N-rank mean, and an accumulated shard is never all-reduced
-twice (see [Note: hybrid sharding and its traffic] in ``collectives.py``). The first
+twice (see [Note: hybrid sharding and its traffic] in ``groups.py``). The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
 accumulation) land in a side buffer and are added, so the shard accumulates exactly as ``.grad`` does under DDP.
 
@@ -46,6 +46,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.groups import ShardGroups
 from lightning_zero.engine.layout import Bucket, FlatLayout
 
 
@@ -105,7 +106,7 @@ class GradientReducer:
         device: torch.device,
         max_buffers: int,
         overlap: bool,
-        groups: Optional[collectives.ShardGroups] = None,
+        groups: Optional[ShardGroups] = None,
         unit_names: Sequence[str] = (),
         sink: Optional[GradSink] = None,
     ) -> None:
@@ -117,7 +118,7 @@ class GradientReducer:
         self.device = device
         self.max_buffers = max_buffers
         self.overlap = overlap
-        self.groups = groups if groups is not None else collectives.ShardGroups()
+        self.groups = groups if groups is not None else ShardGroups()
         self.group = self.groups.shard
         self._divisor = layout.world_size * self.groups.replicas  # N: see [Note: averaging and accumulation]
         self.sink = sink

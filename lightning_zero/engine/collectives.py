@@ -24,22 +24,8 @@ temporary is bounded by the bucket size (see [Note: the default bucket size] in 
 Bucket reduce-scatters and the after-step gathers are issued in a fixed order by every rank. NCCL keeps its native collectives, and
 ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
-[Note: hybrid sharding and its traffic]
-With ``shard_group_size=k`` (k divides N) the N ranks form N/k *shard groups* of k consecutive ranks (a node, by
-default) and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
-:func:`make_shard_groups`. Model states are sharded over the shard group exactly as over N ranks without hybrid
-sharding and are replicated across the replica group. Per step and per rank, with Ψ the (padded) parameter count,
-the counters count (logical payload, see [Note: what the counters count]):
-
-- inside the shard group (scope ``"shard"``): reduce-scatter Ψ, all-gather Ψ (stages 1-2: the updated params; stage 3:
-  twice, forward and backward), i.e. 2Ψ or 3Ψ as in the paper's table with k in place of N. A ring moves
-  (k-1)/k of each payload per rank: 2Ψ(k-1)/k or 3Ψ(k-1)/k elements on the wire.
-- across shard groups (scope ``"replicate"``): one all-reduce of each reduced bucket chunk, Ψ/k elements in all
-  (the gradient shard). A ring all-reduce moves 2(Ψ/k)(R-1)/R elements per rank.
-
-Only the second term crosses nodes when k is the node size. Collectives over the whole job (loss-scale overflow,
-signal agreement, checkpoints) count under ``"world"``. Without hybrid sharding the shard group *is* the world and
-everything counts under ``"world"``.
+Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
+scope (:func:`register_scope`).
 """
 
 from __future__ import annotations
@@ -53,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.engine.faults import fault_point
-from lightning_zero.engine.layout import hybrid_rank_lists
 
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,7 +54,7 @@ class Traffic:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``, ``"other"``) and
-    kind: see [Note: hybrid sharding and its traffic]. ``elements`` is their sum over scopes."""
+    kind: see [Note: hybrid sharding and its traffic] in ``groups.py``. ``elements`` is their sum over scopes."""
 
     def add(self, kind: str, tensor: torch.Tensor, group: Optional[Any] = None) -> None:
         """Count ``tensor`` as the payload of one ``kind`` collective over ``group`` (``None``: the world)."""
@@ -277,120 +262,26 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
     return mine
 
 
-@dataclass(frozen=True)
-class ShardGroups:
-    """The process groups one engine talks over: see [Note: hybrid sharding and its traffic].
-
-    The default (``ShardGroups()``) is plain ZeRO: the whole world shards, nothing replicates.
-    """
-
-    shard: Optional[Any] = None
-    """The group model states are sharded over (reduce-scatter, all-gather, clipping norm); ``None``: the world."""
-    replicate: Optional[Any] = None
-    """The ranks holding the same shard (the gradient shards are all-reduced over it); ``None``: no replicas."""
-    replicas: int = 1
-    """R, the size of ``replicate``: the world size is ``replicas`` times the shard group's size."""
-    tensor: Optional[Any] = None
-    """Tensor parallelism: the ranks that hold the slices of the same tensors (``None``: no tensor parallelism). The
-    shard group is then the data-parallel group: see [Note: ZeRO over the data dimension]."""
-    mesh: Optional[Any] = None
-    """Tensor parallelism: the 2-D ``DeviceMesh`` (``"data_parallel"``, ``"tensor_parallel"``) the module's
-    ``configure_model`` parallelizes over."""
-    data: Optional[Any] = None
-    """Tensor parallelism with hybrid sharding: the whole data-parallel group (shard groups times replicas)."""
-
-    @property
-    def first_replica(self) -> bool:
-        """Whether this rank is the replica that writes its shard's pieces of a checkpoint (position 0 of
-        ``replicate``, i.e. in the first shard group)."""
-        return self.replicate is None or rank(self.replicate) == 0
-
-    @property
-    def tensor_size(self) -> int:
-        """t, the tensor-parallel degree (1 without tensor parallelism)."""
-        return world_size(self.tensor) if self.tensor is not None else 1
-
-    @property
-    def data_group(self) -> Optional[Any]:
-        """The ranks that must start from the same weights (``None``: the world); under tensor parallelism the
-        data-parallel group, since the tensor-parallel ranks hold different slices."""
-        if self.tensor is None:
-            return None
-        return self.data if self.data is not None else self.shard
-
-    @property
-    def data_source(self) -> int:
-        """The global rank whose weights :attr:`data_group` starts from (its first rank)."""
-        group = self.data_group
-        return dist.get_global_rank(group, 0) if group is not None else 0
+def register_scope(group: Any, scope: str) -> None:
+    """Count the traffic of ``group`` under ``scope`` (see :func:`scope_of`)."""
+    _SCOPES[id(group)] = scope
 
 
-_HYBRID: dict[tuple[Any, ...], ShardGroups] = {}
+def global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank``."""
+    return dist.get_global_rank(group, group_rank)
 
 
-def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu") -> ShardGroups:
-    """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
-    ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh.
-
-    Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
-    requires; made once per default process group and size (a second ``fit`` reuses them). A group size equal to
-    the world size is plain ZeRO and makes no group.
-    """
-    world = world_size()
-    if tensor_parallel_size > 1:
-        return _tensor_parallel_groups(world, tensor_parallel_size, device_type, shard_group_size)
-    if shard_group_size == world:
-        return ShardGroups()
-    key = (id(dist.group.WORLD), world, shard_group_size)
-    if key not in _HYBRID:
-        shard_lists, replica_lists = hybrid_rank_lists(world, shard_group_size)
-        shard, replicate = new_group(shard_lists), new_group(replica_lists)
-        _SCOPES[id(shard)], _SCOPES[id(replicate)] = "shard", "replicate"
-        _HYBRID[key] = ShardGroups(shard, replicate, world // shard_group_size)
-    return _HYBRID[key]
+def world_key() -> int:
+    """Identifies the default process group (groups made over it are cached per job)."""
+    return id(dist.group.WORLD)
 
 
-def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str,
-                            shard_group_size: int) -> ShardGroups:
-    """The data-parallel and tensor-parallel groups of a (world / t) x t ``DeviceMesh``, made once per job; with a
-    ``shard_group_size`` k below the data-parallel size d, also the shard groups (k consecutive data-parallel ranks
-    of each tensor rank) and replica groups of hybrid sharding inside the data dimension.
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """Collective: ``torch.distributed``'s ``DeviceMesh`` of ``shape`` over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    [Note: ZeRO over the data dimension]
-    With tensor parallelism of degree t the N ranks form a mesh of d = N / t data-parallel rows (Lightning's
-    ``ModelParallelStrategy`` layout: the t ranks of a tensor group are consecutive, i.e. inside one node). Rank
-    ``i * t + j`` holds slice j of every tensor-parallel weight and the data of row i. ZeRO sees only this rank's
-    slices: it shards them, their gradients and optimizer states over the d ranks with the same j (the shard group),
-    exactly as plain ZeRO over d ranks would (with ``shard_group_size=k``: over groups of k of them, replicated
-    across the d/k groups, as [Note: hybrid sharding and its traffic] with d for N); the tensor group is the
-    module's own business (its layers' collectives), except for three things that span both dimensions: the
-    gradient norm (see [Note: the norm over both dimensions] in ``amp.py``), Pa (the checkpointed block inputs are
-    replicated over the tensor group, so that is the default partition group) and checkpoints (every
-    tensor-parallel slice is a piece of its tensor: see [Note: tensor-parallel slices in a checkpoint] in
-    ``checkpoints/shards.py``). Traffic over the tensor group counts under the scope ``"tensor"``.
-    """
-    t = tensor_parallel_size
-    if world % t or (world // t) % shard_group_size:
-        raise ValueError(f"tensor_parallel_size {t} and shard_group_size {shard_group_size} do not divide the world "
-                         f"size {world} into a (data x tensor) mesh with equal shard groups.")
-    key = ("tensor", id(dist.group.WORLD), world, t, device_type, shard_group_size)
-    if key not in _HYBRID:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        d = world // t
-        mesh = init_device_mesh(device_type, (d, t), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        data, tensor = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
-        _SCOPES[id(tensor)] = "tensor"
-        if shard_group_size == d:
-            _SCOPES[id(data)] = "shard"
-            _HYBRID[key] = ShardGroups(shard=data, tensor=tensor, mesh=mesh)
-        else:  # hybrid sharding of the data dimension: the lists of hybrid_rank_lists, for each tensor rank j
-            shard_lists, replica_lists = hybrid_rank_lists(d, shard_group_size)
-            shard = new_group([[i * t + j for i in ranks] for j in range(t) for ranks in shard_lists])
-            replicate = new_group([[i * t + j for i in ranks] for j in range(t) for ranks in replica_lists])
-            _SCOPES[id(data)], _SCOPES[id(shard)], _SCOPES[id(replicate)] = "data", "shard", "replicate"
-            _HYBRID[key] = ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
-    return _HYBRID[key]
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 _CONTROL_GROUP: Optional[Any] = None

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.groups import ShardGroups, make_shard_groups
 from lightning_zero.checkpoints import pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
@@ -54,13 +55,13 @@ from lightning_zero.stage3.materialize import (
 from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
 from lightning_zero.engine.offload import fused_hint
 from lightning_zero.engine.optimizer_support import check_not_dtensor
-from lightning_zero.tensor_parallel import tensor_parallel_slice
+from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
 from lightning_zero.engine.flat import FlatShardedOptimizer
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
 from lightning_zero.engine.stages import policy_for
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
-from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units, units_under_compile
+from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units, warn_if_units_compiled_inside
 
 
 class ZeroEngine:
@@ -78,15 +79,15 @@ class ZeroEngine:
         recording: stage 3: the construction recorded by :func:`sharded_construction`, replayed unit by unit.
         shard_groups: the groups to shard over and replicate across (default: made from ``shard_group_size`` and
             ``tensor_parallel_size``, or plain ZeRO over every rank; see [Note: hybrid sharding and its traffic] and
-            [Note: ZeRO over the data dimension]). With tensor parallelism, build the module over the mesh of
-            :func:`~lightning_zero.tensor_parallel.make_device_mesh`; the engine finds the same mesh (it is made once
-            per job).
+            [Note: ZeRO over the data dimension] in ``groups.py``). With tensor parallelism, build the module over the
+            mesh of :func:`~lightning_zero.tensor_parallel.make_device_mesh`; the engine finds the same mesh (it is
+            made once per job).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = (), *,
                  precision: Union[str, PrecisionMode] = "32-true", device: Optional[torch.device] = None,
                  config: Optional[ZeroConfig] = None, recording: Optional[Recording] = None,
-                 shard_groups: Optional[collectives.ShardGroups] = None, **options: Any) -> None:
+                 shard_groups: Optional[ShardGroups] = None, **options: Any) -> None:
         if config is not None and options:
             raise TypeError(f"Give the options either as `config=ZeroConfig(...)` or as keyword arguments, not both "
                             f"(got config and {sorted(options)}).")
@@ -101,7 +102,7 @@ class ZeroEngine:
         if shard_groups is None:
             world, t = collectives.world_size(), self.config.tensor_parallel_size
             size = resolve_shard_group_size(self.config.shard_group_size, world, world, 1, t)
-            shard_groups = collectives.make_shard_groups(size, t, self.device.type)
+            shard_groups = make_shard_groups(size, t, self.device.type)
         self.shard_groups = shard_groups
         self.optimizers: list[ShardedOptimizer] = []
         """One :class:`ShardedOptimizer` per user optimizer, in their order (plus stage 3's evaluation holder)."""
@@ -118,7 +119,8 @@ class ZeroEngine:
     def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
         for name, param in self.module.named_parameters():  # before any collective
             check_not_dtensor(param, name)
-        _warn_if_nothing_is_sliced(self.module, self.shard_groups)
+        if self.shard_groups.tensor is not None:
+            warn_if_nothing_is_sliced(self.module, self.shard_groups.tensor_size)
         self.activations = activations_from_config(self.module, self.config, self.shard_groups.tensor)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
@@ -144,7 +146,7 @@ class ZeroEngine:
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile])
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
-        _warn_if_units_compiled_inside(self.module, self.unit_plan)
+        warn_if_units_compiled_inside(self.module, self.unit_plan)
         pretrained.fill_pending(self.module, self.optimizers, self.runtime)  # loads recorded at construction
 
     def add_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -376,34 +378,6 @@ class ZeroEngine:
         if not gather:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
-
-
-def _warn_if_nothing_is_sliced(module: nn.Module, groups: collectives.ShardGroups) -> None:
-    """Say once (rank 0) that ``tensor_parallel_size`` is set but no parameter is a tensor-parallel slice."""
-    if groups.tensor is None or collectives.rank() != 0:
-        return
-    if not any(tensor_parallel_slice(p) is not None for p in module.parameters()):
-        warnings.warn(
-            f"`tensor_parallel_size={groups.tensor_size}` is set, but no parameter of {type(module).__name__} is a "
-            "tensor-parallel slice: the ranks of each tensor group hold the same weights and see the same batches, so "
-            "they compute the same thing. Cut the layers over `self.device_mesh['tensor_parallel']` in "
-            "`configure_model` (lightning_zero.tensor_parallel's layers, or `mark_tensor_parallel` on your own), or "
-            "leave `tensor_parallel_size` out.", UserWarning, stacklevel=4)
-
-
-def _warn_if_units_compiled_inside(module: nn.Module, plan: UnitPlan) -> None:
-    """Say once (rank 0) that a compiled region around stage 3 units is split at each of them."""
-    inside = units_under_compile(module, plan)
-    if inside and collectives.rank() == 0:
-        shown = ", ".join(f"'{name}'" for name in inside[:4]) + (", ..." if len(inside) > 4 else "")
-        warnings.warn(
-            f"zero3: {len(inside)} stage 3 units ({shown}) run inside a region compiled by torch.compile (a compiled "
-            "`forward` around them, `torch.compile(self.model)` or `module.compile()`). Their gather/free hooks "
-            "issue collectives that dynamo cannot trace: they run eagerly and dynamo splits the compiled graph at each "
-            "of them (results unchanged, compiled once, not every step; but the region is compiled in pieces, not "
-            "as one graph). To compile whole blocks, compile the units themselves in `configure_model`: "
-            "`self.blocks[i] = torch.compile(block)`.",
-            UserWarning, stacklevel=4)
 
 
 @contextmanager

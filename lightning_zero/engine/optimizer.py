@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.groups import ShardGroups
 from lightning_zero.engine import offload
 from lightning_zero.engine.buckets import GradientReducer
 from lightning_zero.engine.compiled import eager_hook
@@ -75,7 +76,7 @@ class ShardedOptimizer:
         device: torch.device,
         module: Optional[torch.nn.Module] = None,
         unit_of: Optional[Callable[[Tensor], int]] = None,
-        groups: Optional[collectives.ShardGroups] = None,
+        groups: Optional[ShardGroups] = None,
         unit_names: Sequence[str] = (),
         owners: Sequence["ShardedOptimizer"] = (),
         whole_params: Optional[bool] = None,
@@ -85,7 +86,7 @@ class ShardedOptimizer:
             offload.check_steps_on_host(optimizer)
         self.optimizer = optimizer
         self.policy = policy
-        self.groups = groups if groups is not None else collectives.ShardGroups()
+        self.groups = groups if groups is not None else ShardGroups()
         self.group = group = self.groups.shard
         self.rank, self.world_size = collectives.rank(group), collectives.world_size(group)
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]

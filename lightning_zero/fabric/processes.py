@@ -19,7 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
 from lightning_zero.config import ZeroConfig, process_group_timeout, resolve_shard_group_size
-from lightning_zero.engine import collectives
+from lightning_zero.engine.groups import ShardGroups, make_shard_groups
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.host_memory import release_freed_memory
 from lightning_zero.engine.stages import all_policies, policy_for
@@ -46,7 +46,7 @@ class ZeroProcesses:
         self.engine: Optional[ZeroEngine] = None
         """The engine of the last setup (see ``engine/engine.py``); it stays after teardown for saving."""
         self._recording: Optional[Recording] = None
-        self.shard_groups = collectives.ShardGroups()
+        self.shard_groups = ShardGroups()
         """The process groups the engine shards over and replicates across (made with the process group)."""
 
     @property
@@ -111,7 +111,7 @@ class ZeroProcesses:
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.shard_groups = collectives.make_shard_groups(self.shard_group_size, self.config.tensor_parallel_size,
+        self.shard_groups = make_shard_groups(self.shard_group_size, self.config.tensor_parallel_size,
                                                           self.root_device.type)
 
     def set_world_ranks(self) -> None:

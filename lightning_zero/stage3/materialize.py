@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.groups import ShardGroups
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
 from lightning_zero.engine.faults import fault_point
@@ -167,10 +168,10 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return order
 
 
-def broadcast_module_states(module: torch.nn.Module, groups: collectives.ShardGroups) -> None:
+def broadcast_module_states(module: torch.nn.Module, shard_groups: ShardGroups) -> None:
     """Start every rank from rank 0's parameters and buffers, as DDP does (under tensor parallelism: the first rank
     of its data-parallel group, which holds the same slices)."""
-    _broadcast(list(module.parameters()) + list(module.buffers()), groups)
+    _broadcast(list(module.parameters()) + list(module.buffers()), shard_groups)
 
 
 def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
@@ -193,7 +194,7 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partitio
 def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
                     device: torch.device, recording: Optional[Recording]) -> None:
     managed = {id(p) for engine in engines for p in engine.params}
-    groups = engines[0].groups if engines else collectives.ShardGroups()
+    shard_groups = engines[0].groups if engines else ShardGroups()
     for unit in range(1, len(plan.names)):
         GUARD.safe_point()  # Ctrl-C between two units stops every rank here
         fault_point("materialize.unit")
@@ -201,19 +202,19 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partiti
         assert unit_module is not None
         materialize(unit_module, device, recording)
         params = [p for p in unit_module.parameters() if plan.unit(p) == unit and id(p) in managed]
-        _broadcast(params, groups)
+        _broadcast(params, shard_groups)
         _fill(engines, unit)
     # the root: parameters of no unit, plus everything not managed by an optimizer and the buffers, in full
     materialize(module, device, recording)
     unit_params = {id(p) for p in module.parameters() if plan.unit(p) != ROOT and id(p) in managed}
-    _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()), groups)
+    _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()), shard_groups)
     _fill(engines, ROOT)
 
 
-def _broadcast(tensors: list[torch.Tensor], groups: collectives.ShardGroups) -> None:
+def _broadcast(tensors: list[torch.Tensor], shard_groups: ShardGroups) -> None:
     with torch.no_grad():
         for tensor in tensors:
-            collectives.broadcast(tensor.data, src=groups.data_source, group=groups.data_group)
+            collectives.broadcast(tensor.data, src=shard_groups.data_source, group=shard_groups.data_group)
 
 
 def _fill(engines: Sequence[PartitionedOptimizer], unit: int) -> None:

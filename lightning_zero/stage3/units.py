@@ -44,6 +44,7 @@ too.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -350,3 +351,18 @@ class UnitRuntime:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def warn_if_units_compiled_inside(module: nn.Module, plan: UnitPlan) -> None:
+    """Say once (rank 0) that a compiled region around stage 3 units is split at each of them."""
+    inside = units_under_compile(module, plan)
+    if inside and collectives.rank() == 0:
+        shown = ", ".join(f"'{name}'" for name in inside[:4]) + (", ..." if len(inside) > 4 else "")
+        warnings.warn(
+            f"zero3: {len(inside)} stage 3 units ({shown}) run inside a region compiled by torch.compile (a compiled "
+            "`forward` around them, `torch.compile(self.model)` or `module.compile()`). Their gather/free hooks "
+            "issue collectives that dynamo cannot trace: they run eagerly and dynamo splits the compiled graph at each "
+            "of them (results unchanged, compiled once, not every step; but the region is compiled in pieces, not "
+            "as one graph). To compile whole blocks, compile the units themselves in `configure_model`: "
+            "`self.blocks[i] = torch.compile(block)`.",
+            UserWarning, stacklevel=4)

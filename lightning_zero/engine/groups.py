@@ -1,0 +1,145 @@
+"""Which ranks talk to which: the process groups one engine shards over, replicates across and (under tensor
+parallelism) leaves to the module, and how each group's traffic is counted. Every collective still goes through
+``collectives.py``.
+
+[Note: hybrid sharding and its traffic]
+With ``shard_group_size=k`` (k divides N) the N ranks form N/k *shard groups* of k consecutive ranks (a node, by
+default) and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
+:func:`make_shard_groups`. Model states are sharded over the shard group exactly as over N ranks without hybrid
+sharding and are replicated across the replica group. Per step and per rank, with Ψ the (padded) parameter count,
+the counters count (logical payload, see [Note: what the counters count] in ``collectives.py``):
+
+- inside the shard group (scope ``"shard"``): reduce-scatter Ψ, all-gather Ψ (stages 1-2: the updated params; stage 3:
+  twice, forward and backward), i.e. 2Ψ or 3Ψ as in the paper's table with k in place of N. A ring moves
+  (k-1)/k of each payload per rank: 2Ψ(k-1)/k or 3Ψ(k-1)/k elements on the wire.
+- across shard groups (scope ``"replicate"``): one all-reduce of each reduced bucket chunk, Ψ/k elements in all
+  (the gradient shard). A ring all-reduce moves 2(Ψ/k)(R-1)/R elements per rank.
+
+Only the second term crosses nodes when k is the node size. Collectives over the whole job (loss-scale overflow,
+signal agreement, checkpoints) count under ``"world"``. Without hybrid sharding the shard group *is* the world and
+everything counts under ``"world"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.layout import hybrid_rank_lists
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The process groups one engine talks over: see [Note: hybrid sharding and its traffic].
+
+    The default (``ShardGroups()``) is plain ZeRO: the whole world shards, nothing replicates.
+    """
+
+    shard: Optional[Any] = None
+    """The group model states are sharded over (reduce-scatter, all-gather, clipping norm); ``None``: the world."""
+    replicate: Optional[Any] = None
+    """The ranks holding the same shard (the gradient shards are all-reduced over it); ``None``: no replicas."""
+    replicas: int = 1
+    """R, the size of ``replicate``: the world size is ``replicas`` times the shard group's size."""
+    tensor: Optional[Any] = None
+    """Tensor parallelism: the ranks that hold the slices of the same tensors (``None``: no tensor parallelism). The
+    shard group is then the data-parallel group: see [Note: ZeRO over the data dimension]."""
+    mesh: Optional[Any] = None
+    """Tensor parallelism: the 2-D ``DeviceMesh`` (``"data_parallel"``, ``"tensor_parallel"``) the module's
+    ``configure_model`` parallelizes over."""
+    data: Optional[Any] = None
+    """Tensor parallelism with hybrid sharding: the whole data-parallel group (shard groups times replicas)."""
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank is the replica that writes its shard's pieces of a checkpoint (position 0 of
+        ``replicate``, i.e. in the first shard group)."""
+        return self.replicate is None or collectives.rank(self.replicate) == 0
+
+    @property
+    def tensor_size(self) -> int:
+        """t, the tensor-parallel degree (1 without tensor parallelism)."""
+        return collectives.world_size(self.tensor) if self.tensor is not None else 1
+
+    @property
+    def data_group(self) -> Optional[Any]:
+        """The ranks that must start from the same weights (``None``: the world); under tensor parallelism the
+        data-parallel group, since the tensor-parallel ranks hold different slices."""
+        if self.tensor is None:
+            return None
+        return self.data if self.data is not None else self.shard
+
+    @property
+    def data_source(self) -> int:
+        """The global rank whose weights :attr:`data_group` starts from (its first rank)."""
+        group = self.data_group
+        return collectives.global_rank(group, 0) if group is not None else 0
+
+
+_HYBRID: dict[tuple[Any, ...], ShardGroups] = {}
+
+
+def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu") -> ShardGroups:
+    """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
+    ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh.
+
+    Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
+    requires; made once per default process group and size (a second ``fit`` reuses them). A group size equal to
+    the world size is plain ZeRO and makes no group.
+    """
+    world = collectives.world_size()
+    if tensor_parallel_size > 1:
+        return _tensor_parallel_groups(world, tensor_parallel_size, device_type, shard_group_size)
+    if shard_group_size == world:
+        return ShardGroups()
+    key = (collectives.world_key(), world, shard_group_size)
+    if key not in _HYBRID:
+        shard_lists, replica_lists = hybrid_rank_lists(world, shard_group_size)
+        shard, replicate = collectives.new_group(shard_lists), collectives.new_group(replica_lists)
+        collectives.register_scope(shard, "shard")
+        collectives.register_scope(replicate, "replicate")
+        _HYBRID[key] = ShardGroups(shard, replicate, world // shard_group_size)
+    return _HYBRID[key]
+
+
+def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str,
+                            shard_group_size: int) -> ShardGroups:
+    """The data-parallel and tensor-parallel groups of a (world / t) x t ``DeviceMesh``, made once per job; with a
+    ``shard_group_size`` k below the data-parallel size d, also the shard groups (k consecutive data-parallel ranks
+    of each tensor rank) and replica groups of hybrid sharding inside the data dimension.
+
+    [Note: ZeRO over the data dimension]
+    With tensor parallelism of degree t the N ranks form a mesh of d = N / t data-parallel rows (Lightning's
+    ``ModelParallelStrategy`` layout: the t ranks of a tensor group are consecutive, i.e. inside one node). Rank
+    ``i * t + j`` holds slice j of every tensor-parallel weight and the data of row i. ZeRO sees only this rank's
+    slices: it shards them, their gradients and optimizer states over the d ranks with the same j (the shard group),
+    exactly as plain ZeRO over d ranks would (with ``shard_group_size=k``: over groups of k of them, replicated
+    across the d/k groups, as [Note: hybrid sharding and its traffic] with d for N); the tensor group is the
+    module's own business (its layers' collectives), except for three things that span both dimensions: the
+    gradient norm (see [Note: the norm over both dimensions] in ``amp.py``), Pa (the checkpointed block inputs are
+    replicated over the tensor group, so that is the default partition group) and checkpoints (every
+    tensor-parallel slice is a piece of its tensor: see [Note: tensor-parallel slices in a checkpoint] in
+    ``checkpoints/shards.py``). Traffic over the tensor group counts under the scope ``"tensor"``.
+    """
+    t = tensor_parallel_size
+    if world % t or (world // t) % shard_group_size:
+        raise ValueError(f"tensor_parallel_size {t} and shard_group_size {shard_group_size} do not divide the world "
+                         f"size {world} into a (data x tensor) mesh with equal shard groups.")
+    key = ("tensor", collectives.world_key(), world, t, device_type, shard_group_size)
+    if key not in _HYBRID:
+        d = world // t
+        mesh = collectives.device_mesh(device_type, (d, t), ("data_parallel", "tensor_parallel"))
+        data, tensor = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
+        collectives.register_scope(tensor, "tensor")
+        if shard_group_size == d:
+            collectives.register_scope(data, "shard")
+            _HYBRID[key] = ShardGroups(shard=data, tensor=tensor, mesh=mesh)
+        else:  # hybrid sharding of the data dimension: the lists of hybrid_rank_lists, for each tensor rank j
+            shard_lists, replica_lists = hybrid_rank_lists(d, shard_group_size)
+            shard = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in shard_lists])
+            replicate = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in replica_lists])
+            for group, scope in ((data, "data"), (shard, "shard"), (replicate, "replicate")):
+                collectives.register_scope(group, scope)
+            _HYBRID[key] = ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
+    return _HYBRID[key]
