@@ -60,6 +60,7 @@ from lightning_zero.engine.flat import FlatShardedOptimizer
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
 from lightning_zero.engine.stages import policy_for
+from lightning_zero.stage3 import guard
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
 from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units, warn_if_units_compiled_inside
 
@@ -143,6 +144,8 @@ class ZeroEngine:
             self._holder = self._make_sharded(torch.optim.SGD(trainable, lr=0.0))
             self.optimizers = [self._holder]
         shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
+        guard.name_parameters(self.module, {id(p): self.unit_plan.names[unit] for sharded in self.optimizers
+                                            for p, unit in zip(sharded.params, sharded.param_units)})
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile])
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
@@ -180,6 +183,8 @@ class ZeroEngine:
                 if sharded.has_unit(unit):
                     sharded.fill_unit(unit)
             holder.release_unit(unit)
+            guard.restore([p for p, p_unit in zip(holder.params, holder.param_units)
+                           if p_unit == unit and id(p) not in managed])  # whole, values of their own
         holder.remove_hooks()
         for sharded in self.optimizers:
             sharded.install_grad_hooks()

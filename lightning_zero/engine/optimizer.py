@@ -361,4 +361,4 @@ class ShardedOptimizer:
             return  # setup failed before the parameters were materialized: nothing to hand back
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
-            p.data = full[offset : offset + p.numel()].view_as(p)
+            p.data = full[offset : offset + p.numel()].view(p.shape)

@@ -12,6 +12,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import offload
 from lightning_zero.engine.layout import MasterSlot
 from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
 
 
@@ -87,10 +88,11 @@ class PartitionedOptimizer(ShardedOptimizer):
         return self.sharded.unit_numel(unit)
 
     def _hand_back(self, gather: bool) -> None:
-        if not gather:  # never leave a view of freed storage behind (reading it crashes)
+        if gather:
+            self._full_values_back()
+        else:  # never leave a view of freed storage behind (reading it crashes)
             for p in self.params:
-                p.data = p.new_empty(0)
-            return
-        self._full_values_back()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for unit in list(self.sharded.buffers):
             self.sharded.release(unit)
+        guard.restore(self.params)  # they hold storage of their own now
