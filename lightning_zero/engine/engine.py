@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.groups import ShardGroups, make_shard_groups
-from lightning_zero.checkpoints import pretrained
+from lightning_zero.checkpoints import module_state, pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
 from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
@@ -112,6 +112,7 @@ class ZeroEngine:
         self.unit_plan = UnitPlan()
         self._root_hook: Optional[Any] = None
         self.torn_down = False
+        self._state_hooks: list[Any] = []
         self._holder: Optional[ShardedOptimizer] = None
         """Stage 3 without optimizers: the internal SGD's shards that hold the weights (see :meth:`add_optimizers`)."""
         self._setup(list(optimizers), recording)
@@ -130,6 +131,7 @@ class ZeroEngine:
             broadcast_module_states(self.module, self.shard_groups)
             self._add_optimizers(optimizers)
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
+        self._state_hooks = module_state.attach(self)  # `model.state_dict()` / `load_state_dict` after setup
 
     def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
         """Stage 3: plan the units, make the optimizers' shards, then shard the model unit by unit."""
@@ -383,6 +385,8 @@ class ZeroEngine:
         if not gather:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
+        for handle in self._state_hooks:
+            handle.remove()
 
 
 @contextmanager

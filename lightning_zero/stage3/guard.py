@@ -45,6 +45,8 @@ _METADATA = frozenset(
 )
 _INFO = "_lightning_zero_guard"
 _CLASSES: dict[type, type] = {}
+_DETACH = "torch.Tensor.detach"
+_detach_allowed = False
 
 
 class ParameterNotGatheredError(RuntimeError):
@@ -60,7 +62,7 @@ class _Released:
         name = resolve_name(func) or getattr(func, "__name__", str(func))
         if name == "torch.Tensor.__repr__":
             return _describe(args[0])
-        if name in _METADATA:
+        if name in _METADATA or (_detach_allowed and name == _DETACH):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         param = next(a for a in (*args, *kwargs.values()) if isinstance(a, _Released))
@@ -96,6 +98,14 @@ def restore(params: list[Tensor]) -> None:
         cls = type(p)
         if issubclass(cls, _Released):
             p.__class__ = cls.__mro__[2]
+
+
+def allow_detach(allowed: bool) -> None:
+    """Let ``detach`` through while ``module.state_dict()`` makes placeholders that it replaces with the gathered
+    values before returning (see [Note: the module's own state dict methods after setup] in
+    ``checkpoints/module_state.py``)."""
+    global _detach_allowed
+    _detach_allowed = allowed
 
 
 def is_released(param: Tensor) -> bool:

@@ -237,6 +237,10 @@ class UnitRuntime:
         if unit != ROOT and not self._held:
             self._free(unit)
 
+    def release_now(self, unit: int) -> None:
+        """Free ``unit`` now, the root too, whatever the step is doing (the caller gathered it outside a step)."""
+        self._free(unit)
+
     @contextmanager
     def all_gathered(self) -> Iterator[None]:
         """Every unit gathered inside (a collective), so that every parameter holds its full value; the units that
