@@ -390,11 +390,12 @@ class ZeroEngine:
 
 
 @contextmanager
-def sharded_construction(device: torch.device) -> Iterator[Recording]:
+def sharded_construction(device: torch.device, recording: Optional[Recording] = None) -> Iterator[Recording]:
     """Build a model for stage 3 without holding it whole: inside, modules are made on the meta device and their
     construction recorded; pass the recording to :class:`ZeroEngine` (``recording=``), which replays it one unit at
-    a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup."""
-    with record_construction(device) as recording, pretrained.deferring():
+    a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup.
+    ``recording`` continues an earlier recording."""
+    with record_construction(device, recording) as recording, pretrained.deferring():
         yield recording
 
 
