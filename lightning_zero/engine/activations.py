@@ -310,7 +310,7 @@ def checkpoint_blocks(module: nn.Module, blocks: Union[bool, Sequence[Union[type
     inputs. Also usable without Lightning.
     """
     classes = unit_classes if blocks is True else tuple(blocks)  # type: ignore[arg-type]
-    found = find_blocks(module, classes)
+    found = find_blocks(module, classes, "unit_classes" if blocks is True else "activation_checkpointing")
     if not found:
         what = f"no module of the classes {list(classes)}" if classes else "no repeated block (no child of an " \
             "nn.ModuleList or nn.Sequential with parameters)"

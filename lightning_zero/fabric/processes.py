@@ -8,6 +8,8 @@ Fabric's are different classes with the same process API).
 
 from __future__ import annotations
 
+import faulthandler
+
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -103,6 +105,9 @@ class ZeroProcesses:
     def _start_distributed(self) -> None:
         """After Lightning's ``setup_environment``: the allocator setting, the seed, this process's ranks, the process
         group and the shard groups."""
+        # a fatal signal in a rank (a segfault in a kernel, an abort) prints every thread's Python traceback
+        # instead of ending the process silently
+        faulthandler.enable(all_threads=True)
         if self.root_device.type == "cpu":
             release_freed_memory(self.config.host_mmap_threshold)
         reset_seed()

@@ -43,6 +43,7 @@ too.
 
 from __future__ import annotations
 
+import difflib
 import sys
 import warnings
 from collections.abc import Iterator
@@ -76,10 +77,12 @@ class UnitPlan:
         return self.unit_of.get(id(param), ROOT)
 
 
-def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()) -> list[tuple[str, nn.Module]]:
+def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
+                option: str = "unit_classes") -> list[tuple[str, nn.Module]]:
     """The repeated blocks of ``module``, outermost first: modules of ``unit_classes`` (classes or class names) if
     given, else the children of ``nn.ModuleList`` / ``nn.Sequential``; only those with parameters. A block compiled
-    with ``torch.compile(block)`` is found as its wrapper (see [Note: units and torch.compile])."""
+    with ``torch.compile(block)`` is found as its wrapper (see [Note: units and torch.compile]). Classes that match
+    nothing, and containers, are refused with an error that names ``option``."""
     chosen: list[tuple[str, nn.Module]] = []
 
     def is_unit_class(m: nn.Module) -> bool:
@@ -100,7 +103,40 @@ def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()
             visit(f"{name}.{child_name}" if name else child_name, child, container)
 
     visit("", module, False)
+    if unit_classes:
+        _check_unit_classes(module, unit_classes, chosen, option)
     return chosen
+
+
+#: Modules whose ``forward`` is never called (containers): hooks on them never run.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _class_names(cls: type) -> tuple[str, ...]:
+    return cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_unit_classes(module: nn.Module, unit_classes: Sequence[Union[type, str]],
+                        chosen: list[tuple[str, nn.Module]], option: str) -> None:
+    """Refuse ``unit_classes`` entries that match no submodule (with a "did you mean") and units that are containers
+    (their forward never runs, so they would never be gathered)."""
+    classes = {type(compiled_inner(m)) for m in module.modules()}
+    for entry in unit_classes:
+        if not any(c is entry or (isinstance(entry, type) and issubclass(c, entry)) or entry in _class_names(c)
+                   for c in classes):
+            names = sorted({c.__name__ for c in classes})
+            close = difflib.get_close_matches(str(getattr(entry, "__name__", entry)), names, n=3)
+            hint = f" Did you mean {' or '.join(repr(n) for n in close)}?" if close else ""
+            raise ValueError(
+                f"`{option}` names {entry!r}, but no submodule of {type(module).__name__} is of that class.{hint} "
+                f"The model's classes: {', '.join(names)}.")
+    for name, mod in chosen:
+        if isinstance(compiled_inner(mod), _CONTAINERS):
+            inner = sorted({type(c).__name__ for c in mod.children()})
+            raise ValueError(
+                f"`{option}` makes '{name}' ({type(mod).__name__}) a block, but a container's forward is never called"
+                ", so hooks on it never run (stage 3 would never gather its parameters). Name the class of the blocks"
+                f" inside it instead: {option}=[{', '.join(repr(n) for n in inner)}].")
 
 
 def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
