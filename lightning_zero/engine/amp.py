@@ -226,3 +226,26 @@ def clip_grad_value(grads: list[Tensor], clip_val: float) -> None:
     """Clamp every gradient element into ``[-clip_val, clip_val]`` (elementwise: each rank its shard)."""
     for g in grads:
         g.clamp_(-clip_val, clip_val)
+
+
+def add_piece_norms(sharded: Any, index: dict[int, int], local: Tensor, norm_type: float) -> None:
+    """Add to ``local[index[id(param)]]`` this rank's part of each owned parameter's gradient norm (``|g|^p`` summed,
+    or the max for ``inf``), from the master gradients of :meth:`ShardedOptimizer.prepare_step`."""
+    for slot, master in sharded.own_masters():
+        if master.grad is None:
+            continue
+        flat = master.grad.detach().reshape(-1)
+        for p, _, length, offset in slot.pieces:
+            at = index.get(id(sharded.members[p]))
+            if at is None:
+                continue
+            piece = flat[offset : offset + length].double().abs()
+            if norm_type == float("inf") and length:
+                local[at] = torch.maximum(local[at], piece.max())
+            elif norm_type != float("inf"):
+                local[at] += piece.pow(norm_type).sum()
+
+
+def reduce_piece_norms(local: Tensor, norm_type: float, group: Any) -> None:
+    """Complete :func:`add_piece_norms` over the shard group, in place."""
+    collectives.all_reduce(local, op=collectives.MAX if norm_type == float("inf") else None, group=group)

@@ -41,7 +41,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.groups import ShardGroups, make_shard_groups
 from lightning_zero.checkpoints import module_state, pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
+from lightning_zero.engine.amp import PrecisionMode, add_piece_norms, clip_grad_norm, clip_grad_value, reduce_piece_norms
 from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
 from lightning_zero.stage3.construction import Recording, record_construction
 from lightning_zero.estimate import human_bytes
@@ -294,6 +294,31 @@ class ZeroEngine:
                                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
         return total
 
+    def grad_norms(self, norm_type: float = 2.0, optimizer: Optional[Optimizer] = None) -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(module, norm_type)`` for a sharded model: the ``norm_type``-norm of each trainable
+        parameter's averaged gradient (``ddp``'s ``.grad``) under ``grad_{norm_type}_norm/{name}`` and their total under
+        ``grad_{norm_type}_norm_total``, computed from the gradient shards (one all-reduce of one number per
+        parameter). A collective; valid from the end of backward to the step (``on_before_optimizer_step``, after
+        ``manual_backward``). ``optimizer``: only its parameters (default: every optimizer's)."""
+        if self.shard_groups.tensor is not None:
+            raise NotImplementedError("grad_norms() under tensor parallelism: use `clip_grad_norm` for the total norm.")
+        norm_type = float(norm_type)
+        targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
+        params = [p for sharded in targets for p in sharded.params]
+        index = {id(p): i for i, p in enumerate(params)}
+        local = torch.zeros(len(params), dtype=torch.float64, device=self.device)
+        for sharded in targets:
+            self.prepare(sharded.optimizer)
+            add_piece_norms(sharded, index, local, norm_type)
+        reduce_piece_norms(local, norm_type, self.shard_groups.shard)
+        norms = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        out = {f"grad_{norm_type}_norm/{names[id(p)]}": norms[i].float() for i, p in enumerate(params)
+               if id(p) in names}
+        if out:
+            out[f"grad_{norm_type}_norm_total"] = torch.stack(list(out.values())).norm(norm_type)
+        return out
+
     def clip_grad_value(self, clip_val: float, optimizer: Optional[Optimizer] = None) -> None:
         """Clamp ``optimizer``'s gradients into ``[-clip_val, clip_val]``."""
         self.prepare(optimizer)
@@ -301,21 +326,48 @@ class ZeroEngine:
 
     def step(self, optimizer: Optional[Optimizer] = None, *, clip_grad_norm: Optional[float] = None,
              clip_grad_value: Optional[float] = None, before_step: Optional[Callable[[], Any]] = None,
-             zero_grad: bool = True, **step_kwargs: Any) -> Any:
+             zero_grad: bool = True, closure: Optional[Callable[[], Any]] = None, **step_kwargs: Any) -> Any:
         """One optimizer step in [Note: the order of one optimizer step]; ``optimizer`` ``None``: every optimizer
-        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped)."""
+        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped), or with
+        a ``closure`` what the closure returned if the step returned nothing.
+
+        [Note: the closure goes to the optimizer]
+        A ``closure`` (Lightning's forward and backward) is handed to the user's ``optimizer.step(closure=...)`` as
+        ``ddp`` hands it, wrapped so that steps 1 and 2 (reduce, ``before_step``, clipping) run right after it, inside
+        the call, before the optimizer reads a gradient: an optimizer that counts or wraps ``step`` sees one call with
+        a closure, as under ``ddp``. Under ``16-mixed`` the overflow check must come before the step is called, and
+        an optimizer stepped in pieces cannot run a closure per piece: there the closure runs first, then the step.
+        """
         targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
         output = None
         for sharded in targets:
-            overflow = self.prepare(sharded.optimizer)
-            if before_step is not None:
-                before_step()
-            if clip_grad_norm is not None:
-                self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
-            if clip_grad_value is not None:
-                self.clip_grad_value(clip_grad_value, sharded.optimizer)
-            if not overflow:
-                output = sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+            def prepare_all() -> bool:
+                overflow = self.prepare(sharded.optimizer)
+                if before_step is not None:
+                    before_step()
+                if clip_grad_norm is not None:
+                    self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
+                if clip_grad_value is not None:
+                    self.clip_grad_value(clip_grad_value, sharded.optimizer)
+                return overflow
+
+            if closure is not None and self.precision.scaler is None and sharded.steps_once:
+                result: list[Any] = []
+
+                def wrapped() -> Any:
+                    result.append(closure())
+                    prepare_all()
+                    return result[-1]
+
+                output = sharded.optimizer.step(closure=wrapped, **step_kwargs)
+                output = result[-1] if output is None and result else output
+                overflow = False
+            else:
+                loss = closure() if closure is not None else None
+                overflow = prepare_all()
+                if not overflow:
+                    output = sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+                output = loss if output is None and closure is not None else output
             if self.precision.scaler is not None:
                 self.precision.scaler.update(overflow)
             sharded.after_step(stepped=not overflow)

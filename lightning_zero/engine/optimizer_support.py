@@ -97,6 +97,19 @@ def _piecewise_step_is_invisible(optimizer: Optimizer) -> bool:
     return optimizer_name(optimizer) in ELEMENTWISE_OPTIMIZERS and not any(hooks)
 
 
+def steps_in_pieces(optimizer: Optimizer, limit: int) -> bool:
+    """Whether :func:`step_in_pieces` would call ``step`` more than once."""
+    if not _piecewise_step_is_invisible(optimizer):
+        return False
+    size, pieces = limit, 0
+    for group in optimizer.param_groups:
+        for tensor in group["params"]:
+            if size + tensor.numel() > limit:
+                pieces, size = pieces + 1, 0
+            size += tensor.numel()
+    return pieces > 1
+
+
 def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) -> Any:
     """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements.
 

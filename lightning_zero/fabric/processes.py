@@ -87,6 +87,15 @@ class ZeroProcesses:
                                "(Fabric: after `fabric.setup`).")
         return self.engine.gathered_parameters()
 
+    def grad_norms(self, norm_type: Union[float, int, str] = 2.0, optimizer: Optional[Any] = None) -> dict[str, Any]:
+        """Lightning's ``grad_norm(module, norm_type)`` with ``ddp``'s values, from the gradient shards (a
+        collective), e.g. ``self.log_dict(self.trainer.strategy.grad_norms(2))`` in ``on_before_optimizer_step``;
+        see :meth:`ZeroEngine.grad_norms`. Under zero2/zero3 ``param.grad`` is ``None`` there (the gradients were
+        reduced into shards as they were made)."""
+        if self.engine is None:
+            raise RuntimeError("`grad_norms()` needs the model set up (and a backward done).")
+        return self.engine.grad_norms(float(norm_type), optimizer)
+
     @property
     def device_mesh(self) -> Optional[Any]:
         """With ``tensor_parallel_size > 1``, the (``"data_parallel"``, ``"tensor_parallel"``) ``DeviceMesh`` (made
