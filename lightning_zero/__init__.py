@@ -20,6 +20,7 @@ from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrate
 from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
+from lightning_zero.stage3.guard import ParameterNotGatheredError
 from lightning_zero.trainer.strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
@@ -39,6 +40,7 @@ __all__ = [
     "LoadResult",
     "LossScaler",
     "ModelStateBytes",
+    "ParameterNotGatheredError",
     "Traffic",
     "ZeroConfig",
     "ZeroEngine",
