@@ -16,6 +16,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import CheckpointError, ZeroStrategy
+from lightning_zero.checkpoints.staging import write_meta_digest
 from lightning_zero.checkpoints.storage import _replace, check_files, read_meta
 from lightning_zero.cli import main as cli
 from tests.launch import ROOT, _tail, start
@@ -111,6 +112,28 @@ def test_missing_truncated_and_corrupted_shards_are_named(copy):
         _trainer("zero2").fit(TinyGPT(), ckpt_path=copy)
 
 
+@pytest.mark.parametrize("offset", [0, 2127, -1])
+def test_a_flipped_bit_in_meta_pt_is_refused_before_it_is_unpickled(copy, offset, capsys):
+    """meta.pt holds the optimizer's hyperparameters and the other files' checksums: one flipped bit anywhere in it
+    (at 2127 it once made Adam's beta2 8.6e-78, and the resumed run trained to NaN) is refused by every reader."""
+    meta = copy / "meta.pt"
+    data = bytearray(meta.read_bytes())
+    data[offset] ^= 0x01
+    meta.write_bytes(bytes(data))
+    damaged = "is damaged: meta.pt does not match its checksum"
+    with pytest.raises(CheckpointError, match=damaged):
+        lightning_zero.inspect_checkpoint(copy)  # even without verify: meta.pt is always checked
+    with pytest.raises(CheckpointError, match=damaged):
+        lightning_zero.load_from_checkpoint(TinyGPT, copy)
+    with pytest.raises(CheckpointError, match=damaged):
+        _trainer("zero2").fit(TinyGPT(), ckpt_path=copy)
+    assert cli(["inspect", str(copy), "--verify"]) == 2
+    assert "meta.pt does not match its checksum" in capsys.readouterr().err
+    (copy / "meta.crc32").unlink()
+    with pytest.raises(CheckpointError, match="meta.crc32 .* is missing"):
+        lightning_zero.load_full_checkpoint(copy)
+
+
 def test_paths_that_are_not_our_checkpoints(tmp_path, saved):
     with pytest.raises(FileNotFoundError, match="No checkpoint at"):
         lightning_zero.load_from_checkpoint(TinyGPT, tmp_path / "nothing.ckpt")
@@ -123,9 +146,13 @@ def test_paths_that_are_not_our_checkpoints(tmp_path, saved):
         lightning_zero.inspect_checkpoint(tmp_path / "dcp")
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "meta.pt").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"meta.crc32 \(the checksum of meta.pt\) is missing"):
+        lightning_zero.inspect_checkpoint(tmp_path / "text")
+    write_meta_digest(tmp_path / "text", tmp_path / "text" / "meta.pt")
     with pytest.raises(CheckpointError, match="cannot be read"):
         lightning_zero.inspect_checkpoint(tmp_path / "text")
     torch.save({"state_dict": {}}, tmp_path / "text" / "meta.pt")
+    write_meta_digest(tmp_path / "text", tmp_path / "text" / "meta.pt")
     with pytest.raises(CheckpointError, match="not lightning-zero checkpoint metadata"):
         lightning_zero.inspect_checkpoint(tmp_path / "text")
 
