@@ -5,6 +5,7 @@ Single-process cases use a world-size-1 Trainer (quick); the kill test kills two
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import time
@@ -19,7 +20,7 @@ from lightning_zero import CheckpointError, ZeroStrategy
 from lightning_zero.checkpoints.staging import write_meta_digest
 from lightning_zero.checkpoints.storage import _replace, check_files, read_meta
 from lightning_zero.cli import main as cli
-from tests.launch import ROOT, _tail, start
+from tests.launch import ROOT, _tail, launch, start
 from tests.models import TinyGPT, TinyLM
 from tests.zygote import ZYGOTE
 
@@ -76,6 +77,26 @@ def test_kill_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
     trainer.fit(TinyGPT())
     trainer.save_checkpoint(last)  # the next save to that name clears the leftovers
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".last")) == []
+
+
+@pytest.mark.parametrize("fault, rank, code, cause, stage", [
+    ("point=save.prepare,error=EACCES,rank=0", 0, "EACCES", "Permission denied", 2),  # a read-only `dirpath`
+    ("point=save.shard,error=ENOSPC,rank=1", 1, "ENOSPC", "No space left on device", 3),  # a full disk, inside DCP
+])
+def test_a_failed_save_names_the_rank_and_the_cause_on_every_rank(tmp_path, monkeypatch, fault, rank, code, cause,
+                                                                    stage):
+    """One rank's save fails (the fault point raises the errno, as the file system would; root ignores ``chmod``):
+    every rank raises the same ``CheckpointError``, which ``except Exception`` catches, naming the rank, the errno
+    and the cause, at once, and the ranks stay in step (the next save works, nothing is left behind)."""
+    monkeypatch.setenv("LIGHTNING_ZERO_FAULT", fault)
+    for r, report in enumerate(launch("save_faults.py", 2, tmp_path, args=(str(stage),), timeout=240)):
+        assert report.get("type") == "CheckpointError", (r, report)
+        message = report["message"]
+        assert f"failed on rank {rank} " in message and f"[{code}]" in message and cause in message, message
+        assert "Nothing was written under that name" in message, message
+        assert report["rank"] == rank and report["errno"] == getattr(errno, code), report
+        assert report["seconds"] < 30, report  # agreed at once, not found out by a timeout
+        assert report["after"] == 1 and report["left"] == ["after.ckpt"], report
 
 
 def test_interrupted_overwrite_points_to_the_kept_checkpoint(saved, tmp_path, monkeypatch):

@@ -96,6 +96,7 @@ class _ShardSavePlanner(DefaultSavePlanner):
         shard = self.shards.get(write_item.index.fqn)
         if shard is None:
             return super().resolve_data(write_item)
+        fault_point("save.shard")  # inside DCP's write, where a full disk strikes
         assert write_item.index.offset is not None
         start = write_item.index.offset[0]
         return next(piece for s, piece in shard.pieces if s == start)
