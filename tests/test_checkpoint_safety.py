@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 import lightning_zero
 from lightning_zero import CheckpointError, ZeroStrategy
 from lightning_zero.checkpoints.staging import write_meta_digest
-from lightning_zero.checkpoints.storage import _replace, check_files, read_meta
+from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.checkpoints.storage import _replace, check_files, load_sharded, read_meta
 from lightning_zero.cli import main as cli
 from tests.launch import ROOT, _tail, launch, start
 from tests.models import TinyGPT, TinyLM
@@ -97,6 +99,44 @@ def test_a_failed_save_names_the_rank_and_the_cause_on_every_rank(tmp_path, monk
         assert report["rank"] == rank and report["errno"] == getattr(errno, code), report
         assert report["seconds"] < 30, report  # agreed at once, not found out by a timeout
         assert report["after"] == 1 and report["left"] == ["after.ckpt"], report
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_two_jobs_writing_one_checkpoint_name_both_succeed_and_the_last_wins(tmp_path):
+    """Job A stops (SIGSTOP from a fault point) with its shard written in its staging directory; job B writes the
+    same name from start to end, which clears stale staging directories but must leave A's live one alone; then A
+    goes on and replaces B's checkpoint. (Before: B deleted A's staging directory, and A crashed.)"""
+    path = tmp_path / "last.ckpt"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    stale = tmp_path / ".last.ckpt.tmp-stale"  # what a killed save left behind: nobody holds it
+    stale.mkdir()
+    script = str(ROOT / "tests" / "workers" / "writer.py")
+    a = ZYGOTE.spawn([script, str(path), "1"], {**env, "LIGHTNING_ZERO_FAULT": "point=save.written,signal=SIGSTOP"},
+                     tmp_path, tmp_path / "a.log")
+    try:
+        deadline = time.monotonic() + 120
+        while not _stopped(a.pid):
+            assert a.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()
+            time.sleep(0.05)
+        b = ZYGOTE.spawn([script, str(path), "2"], env, tmp_path, tmp_path / "b.log")
+        assert b.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()
+        assert read_meta(path)["global_step"] == 2 and not stale.exists()
+        assert len([p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]) == 1  # A's, kept
+        os.kill(a.pid, signal.SIGCONT)
+        assert a.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()
+    finally:
+        a.kill()
+    meta = read_meta(path)
+    check_files(path, meta, verify=True)
+    assert meta["global_step"] == 1  # the last writer wins
+    loaded = Shard.whole(torch.zeros(1000))
+    load_sharded(path, {"w": loaded}, collective=False)
+    assert torch.equal(loaded.pieces[0][1], torch.ones(1000))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.log", "b.log", "last.ckpt"]
 
 
 def test_interrupted_overwrite_points_to_the_kept_checkpoint(saved, tmp_path, monkeypatch):
