@@ -101,6 +101,10 @@ class ZeroConfig:
     ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
     shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``groups.py``). Must divide the
     world size."""
+    shutdown_timeout: Optional[float] = 120.0
+    """The Trainer: seconds a rank may take to act on a SIGTERM it received before it ends itself with a message
+    naming where it is stuck (see [Note: a SIGTERM is acted on within a bound] in ``shutdown.py``); ``None``: no
+    bound. Set it above your longest step and checkpoint write."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
@@ -135,6 +139,11 @@ class ZeroConfig:
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
         self._check_activations()
+        timeout = self.shutdown_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < math.inf):
+            raise ValueError(f"`shutdown_timeout` must be a positive number of seconds or None (no bound), got "
+                             f"{timeout!r}.")
         if self.offload_params and self.stage != 3:
             # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
             # device, which is what the user set it to avoid
