@@ -9,10 +9,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import inspect
 import json
 import os
+import re
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import yaml
 
@@ -122,11 +126,38 @@ def unknown_zero_strategy(name: object) -> Optional[str]:
             "lightning_zero.ZeroStrategy, init_args: {stage: 3, ...}}`.")
 
 
+def option_hints(message: str) -> str:
+    """jsonargparse's error for an unknown ``ZeroStrategy`` option ("Option 'stagee' is not accepted") with the
+    "did you mean" the Python API gives (``config.check_option_names``)."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.trainer.strategy import ZeroStrategy
+
+    if "ZeroStrategy" not in message:
+        return message
+    known = [f.name for f in dataclasses.fields(ZeroConfig)] + list(inspect.signature(ZeroStrategy).parameters)
+    hints = [f"`{name}`: did you mean `{match[0]}`?" for name in re.findall(r"Option '([^']+)' is not accepted",
+                                                                            message)
+             for match in [difflib.get_close_matches(name, known, n=1)] if match]
+    if not hints:
+        return message
+    return (message + "\nUnknown ZeRO option(s): " + "; ".join(hints) +
+            " (every option is listed by `--trainer.strategy.help lightning_zero.ZeroStrategy`).")
+
+
 def _zero_cli() -> Any:
-    """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one."""
-    from lightning.pytorch.cli import LightningCLI
+    """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one, and
+    suggests the option meant for a misspelled one (:func:`option_hints`)."""
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+    class ZeroArgumentParser(LightningArgumentParser):
+        def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+            super().error(option_hints(message), ex)
 
     class ZeroLightningCLI(LightningCLI):
+        def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+            self.parser_class = ZeroArgumentParser
+            return super().init_parser(**kwargs)
+
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             message = unknown_zero_strategy(config.get("trainer", {}).get("strategy"))
