@@ -289,3 +289,19 @@ def test_ddp_resumes_a_sharded_checkpoint_through_zero_checkpoint_io(saved):
     trainer = _trainer("auto", max_steps=3, plugins=[lightning_zero.ZeroCheckpointIO()])
     trainer.fit(model, ckpt_path=saved)
     assert trainer.global_step == 3 and len(model.losses) == 1
+
+
+def test_lightnings_own_loaders_read_a_sharded_directory(saved, tmp_path):
+    """``MyModule.load_from_checkpoint(dir)`` and ``ddp``'s ``ckpt_path=dir`` without a plugin (bare
+    ``IsADirectoryError`` before); a directory that is no checkpoint is named as such."""
+    restored = TinyGPT.load_from_checkpoint(saved)
+    reference = lightning_zero.load_from_checkpoint(TinyGPT, saved)
+    for (name, a), b in zip(restored.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    model = TinyGPT()
+    trainer = _trainer("auto", max_steps=3)
+    trainer.fit(model, ckpt_path=saved)
+    assert trainer.global_step == 3 and len(model.losses) == 1
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(CheckpointError, match="is not a checkpoint: it has no meta.pt"):
+        TinyGPT.load_from_checkpoint(tmp_path / "logs")
