@@ -21,7 +21,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import yaml
 
 from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.checkpoints.consolidate import DTYPES, consolidate, inspect_checkpoint
+from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
 from lightning_zero.estimate import count_parameters, format_estimate, human_bytes, parse_bytes, parse_count
 
 
@@ -192,6 +192,8 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The text ``lightning-zero inspect`` prints."""
+    if summary["format"] == FILE_FORMAT:
+        return _format_file_summary(summary)
     per_rank = ", ".join(human_bytes(b) for b in summary["bytes_per_rank"])
     lines = [
         f"checkpoint   {summary['path']}",
@@ -206,6 +208,21 @@ def format_summary(summary: dict[str, Any]) -> str:
                                      "also checks the checksums)"),
     ]
     return "\n".join(lines)
+
+
+def _format_file_summary(summary: dict[str, Any]) -> str:
+    optimizers = summary["optimizers"]
+    return "\n".join([
+        f"checkpoint   {summary['path']}",
+        "saved as     one file in ddp's form (consolidated, or by ddp or state_dict_type='full'): every strategy "
+        "resumes it",
+        f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
+        f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
+        f"optimizers   {optimizers} optimizer state{'s' if optimizers != 1 else ''}" if optimizers else
+        "optimizers   none (weights only)",
+        f"bytes        {human_bytes(summary['total_bytes'])}",
+        "files        read whole by torch.load (a single file carries no checksums)",
+    ])
 
 
 def _mesh(summary: dict[str, Any]) -> str:

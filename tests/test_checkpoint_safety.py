@@ -260,6 +260,14 @@ def test_consolidated_file_loads_with_lightning_and_torch(saved, tmp_path):
     weights = torch.load(small, weights_only=False)
     assert "optimizer_states" not in weights and weights["state_dict"]["wte.weight"].dtype == torch.bfloat16
     assert small.stat().st_size < out.stat().st_size / 4
+    assert cli(["inspect", str(out)]) == 0  # a consolidated (or ddp) file: a summary, not "not a directory"
+    assert lightning_zero.inspect_checkpoint(small)["has_optimizer_state"] is False
+    summary = lightning_zero.inspect_checkpoint(out)
+    assert summary["format"] == "file" and summary["global_step"] == 2 and summary["optimizers"] == 1
+    assert summary["num_parameters"] == sum(p.numel() for p in TinyGPT().parameters())  # the tied weight once
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="torch.load cannot read"):
+        lightning_zero.inspect_checkpoint(tmp_path / "notes.txt")
 
 
 def test_inspect_summarizes(saved, capsys):
