@@ -16,11 +16,12 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import yaml
 
-from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.checkpoints.storage import CheckpointError, missing_message
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
 from lightning_zero.estimate import count_parameters, format_estimate, human_bytes, parse_bytes, parse_count
 
@@ -144,6 +145,20 @@ def option_hints(message: str) -> str:
             " (every option is listed by `--trainer.strategy.help lightning_zero.ZeroStrategy`).")
 
 
+def missing_ckpt_path(ckpt_path: object) -> Optional[str]:
+    """The error for a ``ckpt_path`` that names a local path with nothing there, found before the model is built and
+    sharded (Lightning finds it only when it restores, after setup); ``None`` otherwise ("last", "best", "hpc",
+    "registry", URLs)."""
+    if not isinstance(ckpt_path, (str, os.PathLike)):
+        return None
+    text = str(ckpt_path)
+    if text in ("last", "best", "hpc", "registry") or text.startswith("registry:") or "://" in text:
+        return None
+    if os.path.exists(text):
+        return None
+    return f"`ckpt_path`: {missing_message(Path(text))} Check the path (a sharded checkpoint is a directory)."
+
+
 def _zero_cli() -> Any:
     """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one, and
     suggests the option meant for a misspelled one (:func:`option_hints`)."""
@@ -160,7 +175,8 @@ def _zero_cli() -> Any:
 
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
-            message = unknown_zero_strategy(config.get("trainer", {}).get("strategy"))
+            message = unknown_zero_strategy(config.get("trainer", {}).get("strategy")) or missing_ckpt_path(
+                config.get("ckpt_path"))
             if message:
                 self.parser.error(message)
 

@@ -105,3 +105,11 @@ def test_a_misspelled_option_in_yaml_gets_a_did_you_mean(tmp_path, capsys):
     with pytest.raises(SystemExit):
         lightning_zero_command(["fit", "--model", "tests.models.TinyGPT", "--config", str(config)])
     assert "`reduce_bucket_sise`: did you mean `reduce_bucket_size`?" in capsys.readouterr().err
+
+
+def test_a_missing_ckpt_path_is_found_before_the_model_is_built(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        lightning_zero_command(["fit", "--model", "tests.models.TinyGPT", "--trainer.strategy", "zero3",
+                                "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                                "--ckpt_path", str(tmp_path / "nothing.ckpt")])
+    assert "`ckpt_path`: No checkpoint at" in capsys.readouterr().err

@@ -216,7 +216,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     """``meta.pt`` of the checkpoint directory ``path``, after checking that the directory is ours and complete."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(_missing_message(path))
+        raise FileNotFoundError(missing_message(path))
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a lightning-zero checkpoint directory.")
     meta_file = path / META_FILE
@@ -286,7 +286,8 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
         dcp.load(objects, storage_reader=dcp.FileSystemReader(path), planner=_ShardLoadPlanner(shards), no_dist=alone)
 
 
-def _missing_message(path: Path) -> str:
+def missing_message(path: Path) -> str:
+    """"No checkpoint at PATH", and where the previous checkpoint is if an overwrite of it was interrupted."""
     message = f"No checkpoint at {path}."
     backups = siblings(path, "old")
     if backups:
