@@ -23,7 +23,10 @@ from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
 from lightning_zero.stage3.guard import ParameterNotGatheredError
 from lightning_zero.trainer.strategy import ZeroStrategy
 
+from lightning_zero.trainer import lightning_loads
+
 ZeroStrategy.register_strategies(StrategyRegistry)
+lightning_loads.install()  # MyModule.load_from_checkpoint(dir) and ddp's ckpt_path=dir read sharded directories
 ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __version__ = "0.1.0"
