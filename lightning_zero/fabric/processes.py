@@ -9,6 +9,7 @@ Fabric's are different classes with the same process API).
 from __future__ import annotations
 
 import faulthandler
+import sys
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -116,7 +117,10 @@ class ZeroProcesses:
         group and the shard groups."""
         # a fatal signal in a rank (a segfault in a kernel, an abort) prints every thread's Python traceback
         # instead of ending the process silently
-        faulthandler.enable(all_threads=True)
+        try:
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # no real stderr (a captured or closed stream): nothing to enable
+            pass
         if self.root_device.type == "cpu":
             release_freed_memory(self.config.host_mmap_threshold)
         reset_seed()
