@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero.stage3 import guard
-from lightning_zero.stage3.units import find_blocks
+from lightning_zero.stage3.plan import find_blocks
 from tests.launch import launch
 
 STRATEGIES = ["zero1", "zero2", "zero3"]
@@ -66,7 +66,7 @@ def test_reading_weights_between_steps_and_grad_norms(results, strategy):
         assert zero["read"]["inside"] == ddp["read"]["inside"]
         assert zero["read"]["norms"].keys() == ddp["read"]["norms"].keys()
         for key, value in ddp["read"]["norms"].items():
-            assert zero["read"]["norms"][key] == pytest.approx(value, rel=1e-5), key
+            assert zero["read"]["norms"][key] == pytest.approx(value, rel=1e-6), key
 
 
 class _Block(nn.Module):
@@ -104,5 +104,9 @@ def test_a_released_parameter_raises_and_keeps_its_metadata():
     for read in (lambda: param.sum(), lambda: param * 2, lambda: param.clone(), lambda: param.tolist()):
         with pytest.raises(guard.ParameterNotGatheredError, match=r"`fc.weight` \(shape \(3, 2\)\).*gathered_param"):
             read()
+    placeholder = param.detach()  # what torch's state_dict() walk makes: still refuses reads
+    assert guard.is_released(placeholder) and not isinstance(placeholder, nn.Parameter)
+    with pytest.raises(guard.ParameterNotGatheredError, match="`fc.weight`"):
+        placeholder.sum()
     guard.restore([param])
     assert type(param) is nn.Parameter and param.sum().item() == 6.0

@@ -8,7 +8,7 @@ weights the optimizer steps on are the master shards, so both are redirected the
 
 - ``load_state_dict``: a pre-hook takes the managed parameters' entries out of the dict, checks their shapes
   (a mismatch joins torch's own "Error(s) in loading state_dict"), writes each rank's pieces into its master shards
-  (``copy_full_state``), and refreshes the working parameters (a collective: every rank calls it, as every rank
+  (``engine_state.load_model``, as a full checkpoint file loads), and refreshes the working parameters (a collective: every rank calls it, as every rank
   calls it under ``ddp``). Buffers and parameters no optimizer holds load as torch loads them. A post-hook takes
   the handled names out of ``missing_keys``, so ``strict`` means what it means under ``ddp``.
 - ``state_dict`` (stage 3 only; stages 1 and 2 hold every parameter whole): the parameters' entries are filled
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.checkpoints.sharded import copy_full_state
-from lightning_zero.checkpoints.shards import model_shards
-from lightning_zero.stage3 import guard
+from lightning_zero.checkpoints.engine_state import load_model
+from lightning_zero.checkpoints.shards import Shard
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -55,25 +54,27 @@ def _load_pre_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
         keys["handled"], keys["given"] = [], []
         if module is not engine.module or engine.torn_down:  # a deep copy of the module, or after teardown
             return
-        managed = {id(p) for sharded in engine.optimizers for p in sharded.params}
-        current = module.state_dict(keep_vars=True)
-        dest = {prefix + key: shard for key, shard in model_shards(module, engine.optimizers, True).items()
-                if id(current[key]) in managed}
-        given = {key: state_dict.pop(key) for key in list(state_dict) if key in dest}
-        keys["handled"], keys["given"] = list(dest), list(given)
-        wrong = [f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, the "
-                 f"shape in current model is {torch.Size(dest[key].full_shape)}." for key, value in given.items()
-                 if isinstance(value, Tensor) and tuple(value.shape) != tuple(dest[key].full_shape)]
+        shapes = _managed_shapes(engine)
+        given = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict)
+                 if key.startswith(prefix) and key[len(prefix):] in shapes}
+        keys["handled"], keys["given"] = [prefix + key for key in shapes], [prefix + key for key in given]
+        wrong = [f"size mismatch for {prefix + key}: copying a param with shape {value.shape} from checkpoint, the "
+                 f"shape in current model is {torch.Size(shapes[key])}." for key, value in given.items()
+                 if isinstance(value, Tensor) and tuple(value.shape) != shapes[key]]
         if wrong:
             error_msgs.extend(wrong)
             return
-        copy_full_state(given, {key: dest[key] for key in given}, strict=False, source="the state dict")
-        for sharded in engine.optimizers:
-            sharded.refresh_working()
-        if engine.runtime is not None:
-            engine.runtime.refresh()
+        load_model(engine, {"state_dict": given}, strict=False)  # into the shards, then the working parameters
 
     return hook
+
+
+def _managed_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:
+    """The whole shape of every parameter an optimizer holds, under each of its names (a tensor-parallel slice: the
+    joined tensor's)."""
+    managed = {id(p) for sharded in engine.optimizers for p in sharded.params}
+    return {name: Shard.placed(param, param.dtype)[0].full_shape
+            for name, param in engine.module.named_parameters(remove_duplicate=False) if id(param) in managed}
 
 
 def _load_post_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
@@ -92,9 +93,8 @@ def _load_post_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
 # ---------------------------------------------------------------------- save
 def _save_pre_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # torch's walk leaves guarded placeholders (the released parameters' `detach()`); the post-hook fills them
         streaming.append(not keep_vars and module is engine.module and engine.runtime is not None)
-        if streaming[-1]:
-            guard.allow_detach(True)  # placeholders, each replaced below before the dict is returned
 
     return hook
 
@@ -103,7 +103,6 @@ def _save_post_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         if not streaming.pop():
             return
-        guard.allow_detach(False)
         for unit, entries in _entries_by_unit(engine, prefix).items():
             with _gathered(engine, unit):
                 for key, param in entries:

@@ -41,10 +41,9 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.groups import ShardGroups, make_shard_groups
 from lightning_zero.checkpoints import module_state, pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.engine.amp import PrecisionMode, add_piece_norms, clip_grad_norm, clip_grad_value, reduce_piece_norms
+from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value, parameter_grad_norms
 from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
 from lightning_zero.stage3.construction import Recording, record_construction
-from lightning_zero.estimate import human_bytes
 from lightning_zero.stage3.materialize import (
     broadcast_module_states,
     drop_meta,
@@ -52,7 +51,7 @@ from lightning_zero.stage3.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.engine.memory import model_state_summary
 from lightning_zero.engine.offload import fused_hint
 from lightning_zero.engine.optimizer_support import check_not_dtensor
 from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
@@ -61,8 +60,9 @@ from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
 from lightning_zero.engine.stages import policy_for
 from lightning_zero.stage3 import guard
-from lightning_zero.stage3.partitioned import PartitionedOptimizer
-from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units, warn_if_units_compiled_inside
+from lightning_zero.stage3.partitioned import PartitionedOptimizer, move_units
+from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units
+from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
 
 
 class ZeroEngine:
@@ -149,7 +149,7 @@ class ZeroEngine:
         guard.name_parameters(self.module, {id(p): self.unit_plan.names[unit] for sharded in self.optimizers
                                             for p, unit in zip(sharded.params, sharded.param_units)})
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
-        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile])
+        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
         pretrained.fill_pending(self.module, self.optimizers, self.runtime)  # loads recorded at construction
@@ -173,20 +173,7 @@ class ZeroEngine:
         self.runtime.remove()
         self.optimizers, self._holder = [], None
         self._add_optimizers(list(optimizers))
-        managed = {id(p) for sharded in self.optimizers for p in sharded.params}
-        for unit in [*range(1, len(self.unit_plan.names)), ROOT]:
-            for work in holder.gather_unit(unit):
-                collectives.wait(work, f"move stage 3 unit '{self.unit_plan.names[unit]}' to the optimizers")
-            with torch.no_grad():  # trainable but in no optimizer: kept whole, as at setup
-                for p, p_unit in zip(holder.params, holder.param_units):
-                    if p_unit == unit and id(p) not in managed:
-                        p.data = p.detach().clone()
-            for sharded in self.optimizers:
-                if sharded.has_unit(unit):
-                    sharded.fill_unit(unit)
-            holder.release_unit(unit)
-            guard.restore([p for p, p_unit in zip(holder.params, holder.param_units)
-                           if p_unit == unit and id(p) not in managed])  # whole, values of their own
+        move_units(holder, self.optimizers, self.unit_plan.names)
         holder.remove_hooks()
         for sharded in self.optimizers:
             sharded.install_grad_hooks()
@@ -296,28 +283,16 @@ class ZeroEngine:
 
     def grad_norms(self, norm_type: float = 2.0, optimizer: Optional[Optimizer] = None) -> dict[str, Tensor]:
         """Lightning's ``grad_norm(module, norm_type)`` for a sharded model: the ``norm_type``-norm of each trainable
-        parameter's averaged gradient (``ddp``'s ``.grad``) under ``grad_{norm_type}_norm/{name}`` and their total under
-        ``grad_{norm_type}_norm_total``, computed from the gradient shards (one all-reduce of one number per
-        parameter). A collective; valid from the end of backward to the step (``on_before_optimizer_step``, after
-        ``manual_backward``). ``optimizer``: only its parameters (default: every optimizer's)."""
+        parameter's averaged gradient (``ddp``'s ``.grad``) under ``grad_{norm_type}_norm/{name}`` and their total
+        under ``grad_{norm_type}_norm_total``, from the gradient shards. A collective; valid from the end of backward
+        to the step (``on_before_optimizer_step``, after ``manual_backward``). ``optimizer``: only its parameters."""
         if self.shard_groups.tensor is not None:
             raise NotImplementedError("grad_norms() under tensor parallelism: use `clip_grad_norm` for the total norm.")
-        norm_type = float(norm_type)
         targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
-        params = [p for sharded in targets for p in sharded.params]
-        index = {id(p): i for i, p in enumerate(params)}
-        local = torch.zeros(len(params), dtype=torch.float64, device=self.device)
         for sharded in targets:
             self.prepare(sharded.optimizer)
-            add_piece_norms(sharded, index, local, norm_type)
-        reduce_piece_norms(local, norm_type, self.shard_groups.shard)
-        norms = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
         names = {id(p): name for name, p in self.module.named_parameters()}
-        out = {f"grad_{norm_type}_norm/{names[id(p)]}": norms[i].float() for i, p in enumerate(params)
-               if id(p) in names}
-        if out:
-            out[f"grad_{norm_type}_norm_total"] = torch.stack(list(out.values())).norm(norm_type)
-        return out
+        return parameter_grad_norms(targets, names, float(norm_type), self.shard_groups.shard, self.device)
 
     def clip_grad_value(self, clip_val: float, optimizer: Optional[Optimizer] = None) -> None:
         """Clamp ``optimizer``'s gradients into ``[-clip_val, clip_val]``."""
@@ -328,46 +303,27 @@ class ZeroEngine:
              clip_grad_value: Optional[float] = None, before_step: Optional[Callable[[], Any]] = None,
              zero_grad: bool = True, closure: Optional[Callable[[], Any]] = None, **step_kwargs: Any) -> Any:
         """One optimizer step in [Note: the order of one optimizer step]; ``optimizer`` ``None``: every optimizer
-        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped), or with
-        a ``closure`` what the closure returned if the step returned nothing.
+        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped), or what
+        the ``closure`` returned if the step returned nothing. The closure runs once, with the first optimizer.
 
         [Note: the closure goes to the optimizer]
-        A ``closure`` (Lightning's forward and backward) is handed to the user's ``optimizer.step(closure=...)`` as
-        ``ddp`` hands it, wrapped so that steps 1 and 2 (reduce, ``before_step``, clipping) run right after it, inside
-        the call, before the optimizer reads a gradient: an optimizer that counts or wraps ``step`` sees one call with
-        a closure, as under ``ddp``. Under ``16-mixed`` the overflow check must come before the step is called, and
-        an optimizer stepped in pieces cannot run a closure per piece: there the closure runs first, then the step.
+        A ``closure`` (Lightning's forward and backward) goes to the user's ``optimizer.step(closure=...)`` as under
+        ``ddp``, wrapped so that steps 1 and 2 (reduce, ``before_step``, clipping) run right after it, inside the
+        call: an optimizer that counts or wraps ``step`` sees one call with a closure. Under ``16-mixed`` the overflow
+        check must come before the call, and a step in pieces cannot run a closure per piece: there the closure runs
+        first, then the step.
         """
-        targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
+        clip = (before_step, clip_grad_norm, clip_grad_value)
         output = None
-        for sharded in targets:
-            def prepare_all() -> bool:
-                overflow = self.prepare(sharded.optimizer)
-                if before_step is not None:
-                    before_step()
-                if clip_grad_norm is not None:
-                    self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
-                if clip_grad_value is not None:
-                    self.clip_grad_value(clip_grad_value, sharded.optimizer)
-                return overflow
-
+        for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
             if closure is not None and self.precision.scaler is None and sharded.steps_once:
-                result: list[Any] = []
-
-                def wrapped() -> Any:
-                    result.append(closure())
-                    prepare_all()
-                    return result[-1]
-
-                output = sharded.optimizer.step(closure=wrapped, **step_kwargs)
-                output = result[-1] if output is None and result else output
-                overflow = False
+                overflow, output = False, self._step_with_closure(sharded, closure, clip, step_kwargs)
             else:
                 loss = closure() if closure is not None else None
-                overflow = prepare_all()
-                if not overflow:
-                    output = sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
-                output = loss if output is None and closure is not None else output
+                overflow = self._before_step(sharded, *clip)
+                output = None if overflow else sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+                output = loss if output is None else output
+            closure = None
             if self.precision.scaler is not None:
                 self.precision.scaler.update(overflow)
             sharded.after_step(stepped=not overflow)
@@ -377,6 +333,31 @@ class ZeroEngine:
                 sharded.optimizer.zero_grad()
         return output
 
+    def _before_step(self, sharded: ShardedOptimizer, before_step: Optional[Callable[[], Any]],
+                     clip_grad_norm: Optional[float], clip_grad_value: Optional[float]) -> bool:
+        """Steps 1 and 2 of [Note: the order of one optimizer step]; returns whether the loss scaler overflowed."""
+        overflow = self.prepare(sharded.optimizer)
+        if before_step is not None:
+            before_step()
+        if clip_grad_norm is not None:
+            self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
+        if clip_grad_value is not None:
+            self.clip_grad_value(clip_grad_value, sharded.optimizer)
+        return overflow
+
+    def _step_with_closure(self, sharded: ShardedOptimizer, closure: Callable[[], Any], clip: tuple,
+                           step_kwargs: dict[str, Any]) -> Any:
+        """``optimizer.step(closure=...)`` with steps 1 and 2 inside (see [Note: the closure goes to the optimizer])."""
+        losses: list[Any] = []
+
+        def wrapped() -> Any:
+            losses.append(closure())
+            self._before_step(sharded, *clip)
+            return losses[-1]
+
+        output = sharded.optimizer.step(closure=wrapped, **step_kwargs)
+        return losses[-1] if output is None and losses else output
+
     def zero_grad(self, optimizer: Optional[Optimizer] = None) -> None:
         """Drop the gradients of ``optimizer`` (every optimizer when ``None``), as ``optimizer.zero_grad()`` does."""
         for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
@@ -384,30 +365,8 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ reports and teardown
     def summary(self) -> str:
-        """One line: what each rank holds, next to what DDP would hold (DESIGN.md's table, with the shard group's
-        size k in place of N under hybrid sharding; under tensor parallelism of this rank's slices, over the data
-        dimension)."""
-        t = self.shard_groups.tensor_size
-        n = collectives.world_size() // t  # the data-parallel ranks (all ranks without tensor parallelism)
-        k = n // self.shard_groups.replicas
-        psi = sum(p.numel() for sharded in self.optimizers for p in sharded.params)
-        mode = self.precision.precision
-        zero = expected_model_state_bytes(psi, k, self.config.stage, mode)
-        ddp = expected_model_state_bytes(psi, n, 0, mode)
-        if not ddp:
-            return "no trainable parameters"
-        where = ""
-        moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
-        if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
-            zero, host = expected_offload_bytes(psi, k, self.config.stage, mode, self.config.offload_optimizer,
-                                                self.config.offload_params)
-            where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
-        hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
-        ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
-        own = "" if t == 1 else " (this rank's tensor-parallel slices)"
-        return (f"ZeRO stage {self.config.stage} on {ranks}{hybrid}, precision {mode}: "
-                f"{psi:,} trainable parameters{own}; model states {human_bytes(zero)}{where} per rank (DDP: "
-                f"{human_bytes(ddp)}, {zero / ddp:.0%} of it)")
+        """One line: what each rank holds, next to what DDP would hold (see :func:`model_state_summary`)."""
+        return model_state_summary(self)
 
     def teardown(self, gather: bool = True) -> None:
         """Remove every hook and, with ``gather`` (a collective), give the parameters their full fp32 values back.

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.engine.mixins import with_mixin
 from lightning_zero.config import ZeroConfig
 
 #: torch optimizers whose update of an element depends on that element's gradient and state only.
@@ -59,9 +60,6 @@ def check_optimizer(optimizer: Any) -> None:
         raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}.")
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 class _ZeroGradHook:
     """Mixin that makes ``zero_grad`` also clear the gradients ZeRO keeps outside the optimizer's params."""
 
@@ -72,12 +70,7 @@ class _ZeroGradHook:
 
 def zero_subclass(cls: type) -> type:
     """``cls`` with :class:`_ZeroGradHook` mixed in, keeping its name (see the module docstring)."""
-    if issubclass(cls, _ZeroGradHook):
-        return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (_ZeroGradHook, cls), {"__module__": cls.__module__,
-                                                                       "__qualname__": cls.__qualname__})
-    return _SUBCLASSES[cls]
+    return with_mixin(_ZeroGradHook, cls)
 
 
 def user_class(optimizer: Optimizer) -> type:

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import resolve_name
 
+from lightning_zero.engine.mixins import with_mixin
+
 #: What may be asked of a released parameter: nothing here reads its values.
 _METADATA = frozenset(
     f"torch.Tensor.{name}" for name in (
@@ -44,9 +46,7 @@ _METADATA = frozenset(
     )
 )
 _INFO = "_lightning_zero_guard"
-_CLASSES: dict[type, type] = {}
 _DETACH = "torch.Tensor.detach"
-_detach_allowed = False
 
 
 class ParameterNotGatheredError(RuntimeError):
@@ -62,21 +62,27 @@ class _Released:
         name = resolve_name(func) or getattr(func, "__name__", str(func))
         if name == "torch.Tensor.__repr__":
             return _describe(args[0])
-        if name in _METADATA or (_detach_allowed and name == _DETACH):
+        if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if name == _DETACH:  # torch's `state_dict()` detaches every parameter: the result stays guarded
+            return _detached(args[0])
         param = next(a for a in (*args, *kwargs.values()) if isinstance(a, _Released))
         raise ParameterNotGatheredError(_message(param, name))
 
 
 def guarded_class(cls: type) -> type:
-    """``cls`` (``nn.Parameter`` or a subclass) with the released behaviour mixed in, keeping its name."""
-    if issubclass(cls, _Released):
-        return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (_Released, cls), {"__module__": cls.__module__,
-                                                               "__qualname__": cls.__qualname__})
-    return _CLASSES[cls]
+    """``cls`` (``nn.Parameter``, a subclass, or ``Tensor``) with the released behaviour mixed in, keeping its name."""
+    return with_mixin(_Released, cls)
+
+
+def _detached(param: Tensor) -> Tensor:
+    """``param.detach()`` of a released parameter: a tensor that refuses reads in the same way (a placeholder that
+    ``module.state_dict()`` replaces with the gathered values, see ``checkpoints/module_state.py``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        out = param.detach().as_subclass(guarded_class(torch.Tensor))
+    out.__dict__[_INFO] = param.__dict__.get(_INFO, ("a parameter", "?"))
+    return out
 
 
 def name_parameters(module: nn.Module, units: dict[int, str]) -> None:
@@ -98,14 +104,6 @@ def restore(params: list[Tensor]) -> None:
         cls = type(p)
         if issubclass(cls, _Released):
             p.__class__ = cls.__mro__[2]
-
-
-def allow_detach(allowed: bool) -> None:
-    """Let ``detach`` through while ``module.state_dict()`` makes placeholders that it replaces with the gathered
-    values before returning (see [Note: the module's own state dict methods after setup] in
-    ``checkpoints/module_state.py``)."""
-    global _detach_allowed
-    _detach_allowed = allowed
 
 
 def is_released(param: Tensor) -> bool:

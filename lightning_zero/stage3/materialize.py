@@ -36,7 +36,7 @@ from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
 from lightning_zero.engine.faults import fault_point
 from lightning_zero.engine.shutdown import GUARD
-from lightning_zero.stage3.units import ROOT, UnitPlan
+from lightning_zero.stage3.plan import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.
 LARGE_MODEL_PARAMS = 50_000_000

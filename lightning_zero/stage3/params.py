@@ -1,7 +1,7 @@
 """Stage 3 parameter storage: this rank keeps a shard of the working parameters; units are gathered on demand.
 
 [Note: stage 3 storage]
-Each unit of :mod:`lightning_zero.stage3.units` has one flat buffer per optimizer, in the working dtype, covering the unit's
+Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per optimizer, in the working dtype, covering the unit's
 adjacent buckets of the layout. Its parameters are views of that buffer from setup on; between uses the buffer's
 storage is resized to zero bytes, so the parameters keep their shapes but hold no memory. The only persistent copy
 is the working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master
