@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zero import inspect_checkpoint
-from tests.launch import ROOT, _tail, run_in_own_session, start
+from tests.launch import ROOT, _tail, run_in_own_session, start, wait_all
 from tests.zygote import ZYGOTE
 
 TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
@@ -142,12 +142,7 @@ def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: i
         env = dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))
         leader = tasks[0].pid if tasks else 0
         tasks.append(ZYGOTE.spawn(argv, env, tmp_path, tmp_path / f"{job}{r}.log", group=leader))
-    try:
-        codes = [task.wait(timeout=TIMEOUT) for task in tasks]
-    finally:
-        for task in tasks:
-            task.kill()
-            task.wait()
+    codes = wait_all(tasks, TIMEOUT)
     return [(code, (tmp_path / f"{job}{r}.log").read_text()) for r, code in enumerate(codes)]
 
 
@@ -155,13 +150,7 @@ def test_a_rank_stuck_away_from_a_step_boundary_ends_within_shutdown_timeout(tmp
     """Rank 1 gets SIGTERM and hangs inside ``training_step`` (no safe point comes): with ``shutdown_timeout=2`` it
     ends itself with exit code 143 and says where it was, instead of waiting for SIGKILL; rank 0, waiting for it in
     a collective, then ends too."""
-    procs = start("stuck.py", 2, tmp_path)
-    try:
-        codes = [p.wait(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    codes = wait_all(start("stuck.py", 2, tmp_path), TIMEOUT)
     ended = time.time()
     log = (tmp_path / "rank1.log").read_text()
     assert codes[1] == 143, (codes, _tail(tmp_path))
