@@ -11,13 +11,14 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.engine.collectives import TRAFFIC, Traffic
+from lightning_zero.core.collectives import TRAFFIC, Traffic
 from lightning_zero.config import ZeroConfig
 from lightning_zero.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
-from lightning_zero.engine.engine import ZeroEngine, sharded_construction
+from lightning_zero.engine.construction import sharded_construction
+from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
-from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
+from lightning_zero.core.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
 from lightning_zero.stage3.guard import ParameterNotGatheredError

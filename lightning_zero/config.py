@@ -13,7 +13,7 @@ from difflib import get_close_matches
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
-from lightning_zero.engine.stages import STAGES, all_policies
+from lightning_zero.stages import STAGES, all_policies
 
 #: Stages this version implements.
 SUPPORTED_STAGES = STAGES

@@ -1,7 +1,7 @@
 """Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
 
-The figures are :func:`~lightning_zero.engine.memory.expected_model_state_bytes`, the same formula the tests hold the
-measured bytes (:func:`~lightning_zero.engine.memory.measure_model_states`) to. Activations, module buffers, the constant
+The figures are :func:`~lightning_zero.core.memory.expected_model_state_bytes`, the same formula the tests hold the
+measured bytes (:func:`~lightning_zero.core.memory.measure_model_states`) to. Activations, module buffers, the constant
 bucket buffers and stage 3's gathered units come on top.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_zero.engine.stages import all_policies
-from lightning_zero.engine.memory import (  # noqa: F401  (human_bytes: the CLI's import)
+from lightning_zero.stages import all_policies
+from lightning_zero.core.memory import (  # noqa: F401  (human_bytes: the CLI's import)
     BYTES_PER_PARAM,
     expected_model_state_bytes,
     expected_offload_bytes,

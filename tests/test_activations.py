@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.engine.activations import checkpoint_blocks
-from tests.launch import launch
+from lightning_zero.core.activations import checkpoint_blocks
+from lightning_zero.testing.launch import launch
 from tests.test_parity import RTOL, _assert_losses_close, _assert_params_close
 
 

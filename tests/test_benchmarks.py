@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,8 +4,8 @@ import random
 
 import torch
 
-from lightning_zero.engine.buckets import GradientReducer
-from lightning_zero.engine.layout import plan_layout
+from lightning_zero.core.buckets import GradientReducer
+from lightning_zero.core.layout import plan_layout
 
 
 def _reducer(numels, bucket_size, max_buffers=2):

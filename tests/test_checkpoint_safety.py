@@ -22,9 +22,9 @@ from lightning_zero.checkpoints.staging import write_meta_digest
 from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.checkpoints.storage import _replace, check_files, load_sharded, read_meta
 from lightning_zero.cli import main as cli
-from tests.launch import ROOT, _tail, launch, start
+from lightning_zero.testing.launch import ROOT, _tail, launch, start
 from tests.models import TinyGPT, TinyLM
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.zygote import ZYGOTE
 
 
 def _trainer(strategy="zero3", **kwargs) -> L.Trainer:

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 import lightning_zero
-from tests.launch import run_in_own_session
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.launch import run_in_own_session
+from lightning_zero.testing.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -40,7 +40,7 @@ def user_env() -> dict[str, str]:
 
 
 def run(*cmd: str, cwd: Path) -> str:
-    """Run a user's ``python ...`` command (its first process forked from the test zygote, tests/zygote.py); fail with
+    """Run a user's ``python ...`` command (its first process forked from the test zygote, lightning_zero/testing/zygote.py); fail with
     its output if it fails or hangs; return what it printed to stdout."""
     assert cmd[0] == sys.executable, cmd
     out, err = cwd / "stdout.txt", cwd / "stderr.txt"
@@ -94,7 +94,7 @@ def test_gpt_walkthrough_stop_resume_on_other_world_size_generate(tmp_path):
 
 def interrupt_in_second_save(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group and press Ctrl-C (SIGINT to the group) while rank 0 writes the second
-    checkpoint event's first directory: a fault point sends it (see lightning_zero/engine/faults.py), so where the signal
+    checkpoint event's first directory: a fault point sends it (see lightning_zero/core/faults.py), so where the signal
     lands never depends on timing."""
     log = cwd / "interrupted.log"
     fault = "point=save.written,signal=SIGINT,rank=0,target=group,occurrence=3"  # 2 writes per event: top-k, last

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.engine.memory import expected_offload_bytes
-from lightning_zero.engine.buckets import GradientReducer
-from lightning_zero.engine.layout import plan_layout
+from lightning_zero.core.memory import expected_offload_bytes
+from lightning_zero.core.buckets import GradientReducer
+from lightning_zero.core.layout import plan_layout
 from lightning_zero.estimate import human_bytes
-from lightning_zero.engine.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
-from tests.launch import launch
+from lightning_zero.core.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
+from lightning_zero.testing.launch import launch
 from tests.models import TinyLM
 
 STAGES = ["zero1+offload", "zero2+offload", "zero3+offload"]
@@ -213,7 +213,7 @@ def test_device_model_states_do_not_grow_with_the_model_when_both_are_offloaded(
     from torch import nn
 
     from lightning_zero import ZeroEngine
-    from lightning_zero.engine.memory import measure_model_states
+    from lightning_zero.core.memory import measure_model_states
 
     seen = []
     for depth in (2, 8):

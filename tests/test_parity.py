@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_zero import load_full_checkpoint
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 FP32_SCENARIOS = ["adamw", "gpt", "gpt_checkpointing", "sgd_value_clip", "adafactor", "gan_manual"]
 STAGES = ["zero1", "zero2", "zero3"]

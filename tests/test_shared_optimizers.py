@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_zero import load_full_checkpoint
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 from tests.test_parity import RTOL, _assert_losses_close, _assert_params_close
 
 STAGES = ["zero1", "zero2", "zero3"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 
 def test_configure_model_never_materializes_the_full_model_and_validation_stays_sharded(tmp_path):

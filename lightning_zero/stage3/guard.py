@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import resolve_name
 
-from lightning_zero.engine.mixins import with_mixin
+from lightning_zero.core.mixins import with_mixin
 
 #: What may be asked of a released parameter: nothing here reads its values.
 _METADATA = frozenset(
@@ -78,7 +78,7 @@ def guarded_class(cls: type) -> type:
 
 def _detached(param: Tensor) -> Tensor:
     """``param.detach()`` of a released parameter: a tensor that refuses reads in the same way (a placeholder that
-    ``module.state_dict()`` replaces with the gathered values, see ``checkpoints/module_state.py``)."""
+    ``module.state_dict()`` replaces with the gathered values, see ``engine/module_state.py``)."""
     with torch._C.DisableTorchFunctionSubclass():
         out = param.detach().as_subclass(guarded_class(torch.Tensor))
     out.__dict__[_INFO] = param.__dict__.get(_INFO, ("a parameter", "?"))

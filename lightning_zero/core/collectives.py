@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.faults import fault_point
+from lightning_zero.core.faults import fault_point
 
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
-from lightning_zero.tensor_parallel import tensor_parallel_slice
+from lightning_zero.core import collectives
+from lightning_zero.core.slices import tensor_parallel_slice
 from lightning_zero.checkpoints.errors import agree_on_failure
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.sharded import (

@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.layout import Bucket
-from lightning_zero.engine.optimizer_support import optimizer_name, user_class
+from lightning_zero.core.layout import Bucket
+from lightning_zero.core.optimizer_support import optimizer_name, user_class
 
 HOST = torch.device("cpu")
 #: torch optimizers with fused CPU kernels: their CPU step reaches the memory bandwidth, the default loop does not.
@@ -77,7 +77,7 @@ def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offloa
 
 class HostGrads:
     """This engine's reduced gradient shard, in host memory and the master dtype: the reducer's
-    :class:`~lightning_zero.engine.buckets.GradSink` (step 1 of [Note: what lives where ...]).
+    :class:`~lightning_zero.core.buckets.GradSink` (step 1 of [Note: what lives where ...]).
 
     [Note: the gradient shard goes to the host bucket by bucket]
     No gradient shard exists on the device. Each bucket's reduce-scatter (and, under hybrid sharding, the replica
