@@ -268,25 +268,16 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             raise ValueError("ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
                              "any world size and stage): remove `filter=` from `fabric.save`.")
         engine = self._engine()
-        checkpoint: dict[str, Any] = {}
-        states: dict[int, Any] = {}
-        for key, obj in state.items():
-            if isinstance(obj, Module):
-                self._check_module(obj)
-                checkpoint["state_dict"] = engine_state.model_state(engine)
-            elif isinstance(obj, Optimizer):
-                index = engine.optimizers.index(engine.sharded(obj))
-                states[index] = engine_state.optimizer_state(engine, obj)
-            else:
-                checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
-        if states:
-            if sorted(states) != list(range(len(engine.optimizers))):
-                raise ValueError(f"`fabric.save` got {len(states)} of the model's {len(engine.optimizers)} optimizers:"
-                                 " save all of them (or none), so that the checkpoint resumes.")
-            checkpoint["optimizer_states"] = [states[k] for k in range(len(states))]
-        if "state_dict" not in checkpoint:
+        modules = [obj for obj in state.values() if isinstance(obj, Module)]
+        if not modules:
             raise ValueError("`fabric.save` under ZeroFabricStrategy needs the model in the state: "
                              "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
+        for module in modules:
+            self._check_module(module)
+        optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
+        checkpoint = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj for key, obj in state.items()
+                      if not isinstance(obj, (Module, Optimizer))}
+        checkpoint.update(engine_state.states_entries(engine, optimizers))
         checkpoint[PRECISION_KEY] = self.precision.state_dict()
         engine_state.save(engine, checkpoint, Path(path), writer="fabric")
 
