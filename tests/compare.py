@@ -30,6 +30,16 @@ def assert_params_close(actual: dict[Any, Any], expected: dict[Any, Any], rtol: 
         assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
 
 
+def shard_of(layout: Any, flat: torch.Tensor, rank: int) -> torch.Tensor:
+    """``rank``'s shard of the flat buffer ``flat`` laid out by ``layout`` (a ``FlatLayout``): its chunk of every
+    bucket, at the bucket's ``shard_offset``; computed from the buckets' starts and chunk sizes alone."""
+    shard = torch.empty(layout.shard_size, dtype=flat.dtype)
+    for bucket in layout.buckets:
+        start = bucket.start + rank * bucket.chunk_size
+        shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size] = flat[start : start + bucket.chunk_size]
+    return shard
+
+
 def traffic_per_step(batches: list[dict[str, Any]], micro: int) -> list[dict[str, dict[str, int]]]:
     """``TRAFFIC.snapshot()`` of every training batch summed over the ``micro`` batches of each optimizer step:
     elements per scope and collective kind."""

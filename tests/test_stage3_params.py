@@ -15,6 +15,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.layout import FlatLayout, plan_layout
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
+from tests.compare import shard_of
 
 SHAPES = [(3, 4), (5,), (2, 3), (7,), (4, 2)]
 UNITS = [0, 0, 2, 2, 3]  # unit 1 has no parameter of this optimizer
@@ -23,15 +24,6 @@ UNITS = [0, 0, 2, 2, 3]  # unit 1 has no parameter of this optimizer
 def _flat_values(layout: FlatLayout, seed: int) -> Tensor:
     """Distinct values for every position of the flat buffer."""
     return torch.randn(layout.total, generator=torch.Generator().manual_seed(seed))
-
-
-def _shard_of(layout: FlatLayout, flat: Tensor, rank: int = 0) -> Tensor:
-    """``rank``'s working shard of the flat buffer ``flat``: its chunk of every bucket, in bucket order."""
-    shard = torch.empty(layout.shard_size)
-    for bucket in layout.buckets:
-        start, end = layout.chunk_range(bucket, rank)
-        shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size] = flat[start:end]
-    return shard
 
 
 def _expected(layout: FlatLayout, flat: Tensor, j: int) -> Tensor:
@@ -45,7 +37,7 @@ def _storage(offloaded: bool = False) -> tuple[ShardedParams, FlatLayout, Tensor
     layout = plan_layout(numels, [0] * len(numels), 1, 8, units=UNITS)
     params = [nn.Parameter(torch.zeros(s)) for s in SHAPES]
     flat = _flat_values(layout, 0)
-    return ShardedParams(layout, params, 0, _shard_of(layout, flat), offloaded=offloaded), layout, flat
+    return ShardedParams(layout, params, 0, shard_of(layout, flat, 0), offloaded=offloaded), layout, flat
 
 
 def _gather(storage: ShardedParams, unit: int) -> None:
@@ -107,7 +99,7 @@ def test_a_second_gather_reads_the_shard_as_it_is_now():
     _gather(storage, 2)
     storage.release(2)
     updated = _flat_values(layout, 1)  # an optimizer step wrote the shard in place
-    storage.working_shard.copy_(_shard_of(layout, updated))
+    storage.working_shard.copy_(shard_of(layout, updated, 0))
     _gather(storage, 2)
     for j in _unit_params(2):
         assert not guard.is_released(storage.params[j])
