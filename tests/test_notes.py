@@ -157,6 +157,32 @@ def test_a_title_alone_on_its_line_opens_a_paragraph():
     assert not glued, "Note titles that look like definitions:\n" + "\n".join(glued)
 
 
+_SECTIONS = re.compile(r'RESULTS\.md,(?P<names>(?:\s*(?:#\s*)?"[^"]+",?)+)')
+
+
+def results_pointers() -> list[tuple[str, int, str]]:
+    """``(path, line, section)`` of every ``benchmarks/RESULTS.md, "Section"`` pointer in the package."""
+    found = []
+    for path in sorted((ROOT / "lightning_zero").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        for match in _SECTIONS.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found += [(path.relative_to(ROOT).as_posix(), line, _unwrap(name))
+                      for name in re.findall(r'"([^"]+)"', match.group("names"))]
+    return found
+
+
+def test_the_results_sections_the_package_points_to_exist():
+    # measured figures live in benchmarks/RESULTS.md only; the docstrings name its sections, which must not drift
+    headings = [line.lstrip("#").strip() for line in (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
+                if line.startswith("#")]
+    pointers = results_pointers()
+    missing = [f"{path}:{line}: no heading of benchmarks/RESULTS.md starts with {name!r}; fix: name one of its "
+               "headings" for path, line, name in pointers if not any(h.startswith(name) for h in headings)]
+    assert not missing, "\n".join(missing)
+    assert len(pointers) >= 5
+
+
 def test_the_scan_sees_the_package_notes():
     # a matcher that found nothing would pass the tests above: the known Notes and references must be found
     found = all_mentions()
