@@ -32,12 +32,12 @@ def auto_bucket_elements(numel: int) -> int:
 
     [Note: the default bucket size]
     Bucket buffers are memory that does not fall with N, so their default must be small next to the model states
-    of every model, and still large enough that collectives are not dominated by their per-call cost. Measured on
-    gloo (4 CPU ranks, 25M fp32 elements all-reduced in pieces, benchmarks/RESULTS.md "Memory at 1/N"): one piece
-    355 ms, 4M-element pieces 476 ms, 1M 476 ms, 500K 609 ms, 250K 931 ms: below about 1M elements the per-call
-    cost dominates. Above that, ``Ψ / 32`` keeps the number of buckets near 32 for mid-size models, and the 4M cap
-    (16 MiB fp32, 32 MiB for the two pooled buffers) bounds the buffers of any larger model. The former default,
-    25M elements, was a whole 25M-parameter model per buffer: 190 MiB of buffers per rank under ``zero2``.
+    of every model, and still large enough that collectives are not dominated by their per-call cost. On gloo, a
+    model's gradients all-reduced in pieces of fewer than about 1M elements take measurably longer than in larger
+    pieces (the sweep over piece sizes: benchmarks/RESULTS.md, "Memory at 1/N", "What changed"). Above that,
+    ``Ψ / 32`` keeps the number of buckets near 32 for mid-size models, and the 4M-element cap (16 MiB in fp32, 32
+    MiB for the two pooled buffers) bounds the buffers of any larger model. The former default, 25M elements, made
+    each buffer as large as a whole 25M-parameter model.
     """
     return max(MIN_AUTO_BUCKET_ELEMENTS, min(MAX_AUTO_BUCKET_ELEMENTS, -(-numel // AUTO_BUCKET_FRACTION)))
 #: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of

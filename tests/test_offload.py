@@ -20,6 +20,7 @@ from lightning_zero.core.buckets import GradientReducer
 from lightning_zero.core.layout import plan_layout
 from lightning_zero.estimate import human_bytes
 from lightning_zero.core.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
+from tests.compare import assert_losses_close, assert_params_close
 from lightning_zero.testing.launch import launch
 from tests.models import TinyLM
 
@@ -33,20 +34,6 @@ def results(tmp_path_factory) -> list[dict]:
     return launch("offload.py", 2, tmp_path_factory.mktemp("offload"), timeout=300)
 
 
-def _assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
-    assert len(actual) == len(expected) > 0
-    for step, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * abs(e), f"step {step}: loss {a} vs reference {e}"
-
-
-def _assert_params_close(actual: dict, expected: dict, rtol: float) -> None:
-    assert actual.keys() == expected.keys()
-    for name, e in expected.items():
-        e = e.double()
-        err = (actual[name].double() - e).norm() / e.norm().clamp_min(1e-12)
-        assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
-
-
 @pytest.mark.parametrize(("scenario", "stage"), [(scenario, stage) for scenario in ("adamw", "gan_manual")
                                                   for stage in STAGES]
                          + [("shared_adafactor", stage) for stage in STAGES[1:]]
@@ -57,8 +44,8 @@ def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
     # gan_manual: manual optimization with two optimizers (Adam, SGD) and `clip_gradients`; shared_adafactor: three
     # optimizers sharing parameters (SGD with a closure, Adam after clipping, Adafactor stepping on whole tensors)
     for rank in results:
-        _assert_losses_close(rank[scenario][stage]["losses"], rank[scenario]["ddp"]["losses"], RTOL)
-        _assert_params_close(rank[scenario][stage]["params"], rank[scenario]["ddp"]["params"], RTOL)
+        assert_losses_close(rank[scenario][stage]["losses"], rank[scenario]["ddp"]["losses"], RTOL)
+        assert_params_close(rank[scenario][stage]["params"], rank[scenario]["ddp"]["params"], RTOL)
     for name, value in results[1][scenario][stage]["params"].items():
         assert torch.equal(value, results[0][scenario][stage]["params"][name]), f"{name} differs between ranks"
 
@@ -118,14 +105,14 @@ def test_bf16_mixed_offloaded_close_to_ddp_amp(results):
     for rank in results:
         runs = rank["bf16_mixed"]
         for stage in STAGES + PARAMS:
-            _assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
+            assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())
         # stages 1 and 2 do the same arithmetic in the same order, offloaded or not
-        _assert_losses_close(runs["zero2+offload"]["losses"], runs["zero1+offload"]["losses"], 1e-6)
-        _assert_params_close(runs["zero2+offload"]["params"], runs["zero1+offload"]["params"], 1e-6)
+        assert_losses_close(runs["zero2+offload"]["losses"], runs["zero1+offload"]["losses"], 1e-6)
+        assert_params_close(runs["zero2+offload"]["params"], runs["zero1+offload"]["params"], 1e-6)
         # where the parameter shard lives changes no arithmetic: with the optimizer offloaded in both, bit for bit
         assert runs["zero3+offload+params"]["losses"] == runs["zero3+offload"]["losses"]
-        _assert_params_close(runs["zero3+offload+params"]["params"], runs["zero3+offload"]["params"], 0.0)
+        assert_params_close(runs["zero3+offload+params"]["params"], runs["zero3+offload"]["params"], 0.0)
 
 
 def test_fp16_loss_scaling_skips_the_overflowed_step_on_every_rank(results):
@@ -139,7 +126,7 @@ def test_checkpoint_round_trip_offloaded_plain_offloaded(results):
     # zero1+offload resumes from that: the same losses as three epochs in one run without offload
     for rank in results:
         run = rank["round_trip"]["zero"]
-        _assert_losses_close(run["resumed"], run["straight"], RTOL)
+        assert_losses_close(run["resumed"], run["straight"], RTOL)
 
 
 def test_checkpoint_round_trip_offloaded_params_plain_offloaded_params(results):
@@ -147,7 +134,7 @@ def test_checkpoint_round_trip_offloaded_params_plain_offloaded_params(results):
     # offload_params and offload_optimizer resumes from that: the same losses as three epochs in one run
     for rank in results:
         run = rank["round_trip"]["zero"]
-        _assert_losses_close(run["resumed_params"], run["straight"], RTOL)
+        assert_losses_close(run["resumed_params"], run["straight"], RTOL)
 
 
 # ---------------------------------------------------------------------- one process

@@ -64,7 +64,7 @@ class ShardedOptimizer:
     not laid out again (see [Note: parameters shared by several optimizers] in ``sharing.py``). ``whole_params``
     overrides whether the optimizer gets whole tensors (default: unless it is elementwise). ``groups`` are the
     process groups it shards over and replicates across (default: shard over the world; see [Note: hybrid sharding
-    and its traffic] in ``collectives.py``).
+    and its traffic] in ``groups.py``).
     """
 
     def __init__(

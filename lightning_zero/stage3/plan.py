@@ -8,6 +8,7 @@ classes instead. Whatever is left forms the *root* unit (unit 0): parameters own
 parameters shared by two units (tied embeddings live in both the embedding and the head), and units smaller than
 ``persistence_threshold`` elements (norms and biases are not worth a collective each). The root unit is gathered
 once at the start of a step and kept until the step's backward is done.
+
 [Note: units and torch.compile]
 The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
 always runs eagerly (see [Note: hooks under torch.compile] in ``core/compiled.py``). Where the hooks sit decides
