@@ -19,11 +19,17 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-import yaml
 
 from lightning_zero.checkpoints.storage import CheckpointError, missing_message
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
-from lightning_zero.estimate import count_parameters, format_estimate, human_bytes, parse_bytes, parse_count
+from lightning_zero.estimate import (
+    count_parameters,
+    format_estimate,
+    human_bytes,
+    parse_bytes,
+    parse_count,
+    parse_init_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     size = estimate.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_argument(parse_count), help="a parameter count: 350M, 1.5B, 7e9")
     size.add_argument("--model", help="an importable class, e.g. mypkg.models.GPT (built on the meta device)")
-    estimate.add_argument("--init-args", type=yaml.safe_load, default={},
+    estimate.add_argument("--init-args", type=_argument(parse_init_args), default={},
                           help="the class's init arguments as a JSON/YAML mapping, e.g. '{width: 512, depth: 12}'")
     estimate.add_argument("-n", "--world-size", type=int, required=True, help="data-parallel ranks")
     estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device with its unit, e.g. "
@@ -191,8 +197,6 @@ def _import_from_cwd() -> None:
 def _estimate(args: argparse.Namespace) -> None:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}.")
-    if not isinstance(args.init_args, dict):
-        raise ValueError(f"--init-args must be a mapping such as '{{width: 512}}', got {args.init_args!r}.")
     _import_from_cwd()
     params = args.params if args.params is not None else count_parameters(args.model, args.init_args)
     print(format_estimate(params, args.world_size, args.memory))
