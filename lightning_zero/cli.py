@@ -111,7 +111,51 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     is importable, as under ``python -m``.
     """
     _import_from_cwd()
-    _zero_cli()(args=list(argv), subclass_mode_model=True, subclass_mode_data=True)
+    _zero_cli()(args=expand_short_strategy(argv), subclass_mode_model=True, subclass_mode_data=True)
+
+
+STRATEGY_FLAG = "--trainer.strategy"
+LONG_FORM_HINT = (
+    "A strategy given by its short name (`zero3`) takes no options after it: jsonargparse reads the name as a string. "
+    "Give the class and its stage instead, on the command line `--trainer.strategy lightning_zero.ZeroStrategy "
+    "--trainer.strategy.stage 3 --trainer.strategy.reduce_bucket_size 1e6` (`lightning-zero fit` turns "
+    "`--trainer.strategy zero3 --trainer.strategy.reduce_bucket_size 1e6` into that itself), or in YAML `strategy: "
+    "{class_path: lightning_zero.ZeroStrategy, init_args: {stage: 3, reduce_bucket_size: 1e6}}`."
+)
+
+
+def expand_short_strategy(argv: Sequence[str]) -> list[str]:
+    """``--trainer.strategy zero3`` followed by ``--trainer.strategy.<option>`` flags, in the long form jsonargparse
+    accepts options for: ``--trainer.strategy lightning_zero.ZeroStrategy --trainer.strategy.stage 3`` (and the start
+    method of a ``_spawn`` / ``_fork`` name). Any other command line is returned as it is.
+
+    [Note: options after a short name]
+    jsonargparse types ``trainer.strategy`` as ``Union[str, Strategy]``: after ``zero3`` (a string) a nested flag has
+    no class to belong to, and it fails with ``Given value: NestedArg(key=...)``. The registry entry of the name says
+    which class and init arguments it stands for, so the short name is replaced by them where it stands, before the
+    flags that follow it."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_zero.trainer.strategy import ZeroStrategy
+
+    argv = list(argv)
+    if not any(a.startswith(STRATEGY_FLAG + ".") and not a.startswith(STRATEGY_FLAG + ".help") for a in argv):
+        return argv
+    for i, arg in enumerate(argv):
+        name, width = None, 1
+        if arg == STRATEGY_FLAG and i + 1 < len(argv):
+            name, width = argv[i + 1], 2
+        elif arg.startswith(STRATEGY_FLAG + "="):
+            name = arg.split("=", 1)[1]
+        entry = dict.get(StrategyRegistry, name) if isinstance(name, str) else None  # .get() would build it
+        if entry is None or not issubclass(entry["strategy"], ZeroStrategy):
+            continue
+        long_form = [STRATEGY_FLAG, "lightning_zero.ZeroStrategy"]
+        for key, value in entry["init_params"].items():
+            if not (key == "start_method" and value == "popen"):
+                long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
+        return argv[:i] + long_form + argv[i + width:]
+    return argv
 
 
 def unknown_zero_strategy(name: object) -> Optional[str]:
@@ -172,6 +216,8 @@ def _zero_cli() -> Any:
 
     class ZeroArgumentParser(LightningArgumentParser):
         def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+            if "NestedArg(" in message and 'key "trainer.strategy"' in message:  # a short name in the YAML file
+                message += "\n" + LONG_FORM_HINT
             super().error(option_hints(message), ex)
 
     class ZeroLightningCLI(LightningCLI):
