@@ -82,8 +82,11 @@ def test_gpt_walkthrough_stop_resume_on_other_world_size_generate(tmp_path):
     assert saved["global_step"] == 4 and saved["world_size"] == 2  # the save the signal landed in completed
 
     resume_to = saved["global_step"] + 2
-    run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), "--trainer.devices", "3",
-        "--trainer.max_steps", str(resume_to), "--ckpt_path", str(last), cwd=tmp_path)
+    resumed = run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), "--trainer.devices", "3",
+                  "--trainer.max_steps", str(resume_to), "--ckpt_path", str(last), "--trainer.enable_progress_bar",
+                  "true", cwd=tmp_path)
+    # the progress bar as the README describes it: this run's steps from 1, against the steps left less one
+    assert "Epoch 0/-2" in resumed and " 2/1 " in resumed, resumed[-2000:]
     summary = json.loads(run(sys.executable, "-m", "lightning_zero", "inspect", str(last), "--json", cwd=tmp_path))
     assert (summary["world_size"], summary["stage"], summary["global_step"]) == (3, 3, resume_to)
 
