@@ -68,6 +68,18 @@ def test_stage3_options_warn_below_stage3(kwargs, stage):
     assert all(f"`{name}`" in str(caught[0].message) for name in kwargs)
 
 
+def test_a_stage3_option_below_stage3_warns_once_from_the_users_line_on_rank_zero_only(monkeypatch):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeroStrategy(stage=2, persistence_threshold=5)  # this line, not the dataclass's generated `<string>` __init__
+        monkeypatch.setenv("LOCAL_RANK", "1")  # another rank started by Lightning's launcher builds it too: silent
+        ZeroStrategy(stage=2, persistence_threshold=5)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].filename == __file__ and "persistence_threshold" in str(caught[0].message)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("offload_optimizer", [False, True])
 def test_offload_params_below_stage3_is_an_error(stage, offload_optimizer):

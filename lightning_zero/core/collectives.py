@@ -302,3 +302,27 @@ def agree_max(values: list[int]) -> list[int]:
     TRAFFIC.add("control", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return tensor.tolist()
+
+
+_LOCKSTEP_GROUPS: dict[int, Any] = {}
+
+
+def make_lockstep_group() -> Optional[Any]:
+    """Collective (every rank calls it at setup): the gloo group stage 3's lockstep check talks over, made once per
+    job; ``None`` without a process group of more than one rank. A group of its own, so that a check never waits
+    behind the data collectives in flight (gloo runs one group's collectives one after the other)."""
+    if not is_distributed():
+        return None
+    key = world_key()
+    if key not in _LOCKSTEP_GROUPS:
+        _LOCKSTEP_GROUPS[key] = dist.new_group(backend="gloo")
+    return _LOCKSTEP_GROUPS[key]
+
+
+def exchange_positions(values: list[int], group: Any) -> list[list[int]]:
+    """Every rank's few integers (the same count on each), on every rank, over ``group`` (from
+    :func:`make_lockstep_group`); synchronous, on the CPU. Control messages, not payload: not counted."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
+    _all_gather_single(out, mine, group=group)
+    return out.view(-1, len(values)).tolist()

@@ -28,6 +28,7 @@ from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.engine.construction import abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.processes import StartMethod, ZeroProcesses
+from lightning_zero.trainer import early_checks
 from lightning_zero.trainer.checkpoints import CheckpointHooks
 from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.trainer.steps import StepHooks
@@ -116,6 +117,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         self._guard_signals()
         super().setup_environment()
         self._start_distributed()
+        # before configure_model: see [Note: a checkpoint is checked before the build] in early_checks.py
+        early_checks.check_path(early_checks.selected_ckpt_path(self.lightning_module))
         if self.device_mesh is not None and self.lightning_module is not None:
             # as Lightning's ModelParallelStrategy: `configure_model` parallelizes over `self.device_mesh`
             self.lightning_module._device_mesh = self.device_mesh
@@ -126,6 +129,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """Make the engine over the LightningModule and the optimizers of ``configure_optimizers`` (none outside
         fit: stage 3 still shards the weights for validate, test and predict)."""
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
+        early_checks.check_shapes(early_checks.selected_ckpt_path(self.lightning_module), self.lightning_module,
+                                  strict=self.lightning_module.strict_loading)  # before the engine shards the model
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
