@@ -65,6 +65,11 @@ class ZeroConfig:
     bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
     """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on."""
+    lockstep_check: bool = True
+    """Stage 3: before each unit's forward and backward, every rank says which unit it is about to run (one small
+    CPU round trip per unit and pass), so ranks whose control flow differs fail at once, naming the unit, instead of
+    at the process group's timeout (see [Note: the lockstep check] in ``stage3/lockstep.py``). ``False`` saves the
+    round trips once the model's control flow is known to be the same on every rank."""
     bucket_buffers: int = 2
     """How many bucket-sized buffers may be in flight at once (constant memory: this times the bucket size)."""
     partition_whole_params: Optional[bool] = None

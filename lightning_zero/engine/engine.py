@@ -149,7 +149,8 @@ class ZeroEngine:
         shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
         guard.name_parameters(self.module, {id(p): self.unit_plan.names[unit] for sharded in self.optimizers
                                             for p, unit in zip(sharded.params, sharded.param_units)})
-        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
+        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size,
+                                   self.config.lockstep_check)
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
@@ -178,7 +179,8 @@ class ZeroEngine:
         holder.remove_hooks()
         for sharded in self.optimizers:
             sharded.install_grad_hooks()
-        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
+        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size,
+                                   self.config.lockstep_check)
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]

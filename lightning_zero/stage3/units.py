@@ -51,7 +51,8 @@ class _UnitState:
 class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
-    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int) -> None:
+    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int,
+                 lockstep_check: bool = True) -> None:
         self.plan = plan
         self.engines = engines
         self.prefetch_size = prefetch_size
@@ -63,7 +64,7 @@ class UnitRuntime:
         self._held = False
         """Inside :meth:`all_gathered`: the hooks free nothing."""
         self._handles: list[Any] = []
-        self.lockstep = LockstepCheck(plan.names)  # a collective: every rank sets up the same runtime
+        self.lockstep = LockstepCheck(plan.names) if lockstep_check else None  # a collective: every rank makes it
         for engine in engines:
             for j, p in enumerate(engine.params):
                 unit = engine.param_units[j]
@@ -200,6 +201,8 @@ class UnitRuntime:
 
         The prefetches in flight were issued by every rank alike (the check before them passed), so they complete:
         they are waited for before the error leaves, because teardown frees the buffers they write into."""
+        if self.lockstep is None:
+            return
         try:
             self.lockstep.check(unit, phase, self.forward_order)
         except RanksOutOfStepError:
