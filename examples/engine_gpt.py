@@ -23,7 +23,7 @@ from gpt import GPT, ShakespeareData  # examples/gpt.py, next to this file
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import ZeroEngine, sharded_construction
-from lightning_zero.checkpoints import engine_state
+from lightning_zero.engine import state as engine_state
 
 
 def parse_args() -> argparse.Namespace:
