@@ -261,8 +261,8 @@ def test_estimate_shows_device_and_host_bytes(capsys):
     # bf16-mixed, N = 4: the gradient shard is on the host only; zero3+offload keeps its 2Ψ/N = 0.5 GB of
     # parameters on the device and 16Ψ/N = 4 GB on the host, with offload_params no model state on the device and
     # 18Ψ/N = 4.5 GB on the host; zero1 keeps the full 2Ψ .grad until the step
-    assert ("| bf16-mixed | 3.7 GiB + 3.7 GiB host | 1.9 GiB + 3.7 GiB host | 476.8 MiB + 3.7 GiB host | 0 B + "
-            "4.2 GiB host |\n") in out
+    assert ("| bf16-mixed | 3.7 GiB (4.0 GB) + 3.7 GiB (4.0 GB) host | 1.9 GiB (2.0 GB) + 3.7 GiB (4.0 GB) host | "
+            "476.8 MiB (500.0 MB) + 3.7 GiB (4.0 GB) host | 0 B + 4.2 GiB (4.5 GB) host |\n") in out
     # the device holds 2 of zero3's 16 bytes per parameter: 8x the model on the same device memory (no bound with
     # params: only the units in flight and the bucket buffers stay)
     assert "| bf16-mixed | 1.07B | 2.45B | 3.12B | 4.29B | 4.29B | 8.59B | 34.36B | no bound |\n" in out
