@@ -71,9 +71,11 @@ class ZeroConfig:
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
     prefetch_size: int = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
-    host_mmap_threshold: int = 131_072
+    host_mmap_threshold: Optional[int] = None
     """CPU runs on glibc: fix the allocator's mmap threshold at this many bytes so that freed tensors leave the
-    process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone."""
+    process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone.
+    ``None``: 128 KiB for models of 16M trainable parameters or more, and for smaller ones a heap that keeps freed
+    memory for reuse, which is faster (see [Note: the mmap threshold costs time])."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
     in the form ``ddp`` writes."""
@@ -130,6 +132,8 @@ class ZeroConfig:
         object.__setattr__(self, "unit_classes", tuple(classes))
         for name in ("persistence_threshold", "prefetch_size", "host_mmap_threshold"):
             value = getattr(self, name)
+            if name == "host_mmap_threshold" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
         if self.state_dict_type not in ("sharded", "full"):

@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.groups import ShardGroups, make_shard_groups
+from lightning_zero.engine.host_memory import settle_for_model
 from lightning_zero.checkpoints import pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
@@ -129,6 +130,8 @@ class ZeroEngine:
             broadcast_module_states(self.module, self.shard_groups)
             self._add_optimizers(optimizers)
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
+        if self.device.type == "cpu":  # see [Note: the mmap threshold costs time] in host_memory.py
+            settle_for_model(self.config.host_mmap_threshold, sum(sum(s.layout.numels) for s in self.optimizers))
 
     def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
         """Stage 3: plan the units, make the optimizers' shards, then shard the model unit by unit."""
