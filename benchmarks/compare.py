@@ -152,7 +152,8 @@ def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[st
                                params=size.num_params())
                     status = rec.get("skipped") or rec.get("error") or (
                         f"median step {_median(rec['step_times']) * 1e3:.0f} ms "
-                        f"(CPU {_median(rec['step_cpu']) * 1e3:.0f} ms, {_median(rec['step_faults']):.0f} page faults), "
+                        f"(CPU {_median(rec['step_cpu']) * 1e3:.0f} ms, "
+                        f"{_median(rec['step_faults']):.0f} page faults), "
                         f"loss {rec['loss']:.6f}, collectives {rec['comm_calls']}")
                     print(f"[{repeat}] N={world_size} {size_name} {strategy}: {status} "
                           f"({time.perf_counter() - t0:.0f}s)", flush=True)
