@@ -125,7 +125,7 @@ def timing(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every configuration in one process, one step each in turn, ``args.rounds`` times: whatever else runs on the
     machine slows all of them alike. The fastest step of each, wall-clock and CPU time, and its forward's CPU time."""
     from lightning_zero.engine.activations import ActivationCheckpointing, ActivationStore
-    from lightning_zero.stage3.units import find_blocks
+    from lightning_zero.stage3.plan import find_blocks
 
     run = _Run(args)
     stores = {name: ActivationStore(o.get("offload", False), None, o.get("contiguous", False)) if o else None

@@ -20,9 +20,13 @@ from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrate
 from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
+from lightning_zero.stage3.guard import ParameterNotGatheredError
 from lightning_zero.trainer.strategy import ZeroStrategy
 
+from lightning_zero.trainer import lightning_loads
+
 ZeroStrategy.register_strategies(StrategyRegistry)
+lightning_loads.install()  # MyModule.load_from_checkpoint(dir) and ddp's ckpt_path=dir read sharded directories
 ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __version__ = "0.1.0"
@@ -39,6 +43,7 @@ __all__ = [
     "LoadResult",
     "LossScaler",
     "ModelStateBytes",
+    "ParameterNotGatheredError",
     "Traffic",
     "ZeroConfig",
     "ZeroEngine",

@@ -9,15 +9,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import inspect
 import json
 import os
+import re
 import sys
-from typing import Any, Callable, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import yaml
 
-from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.checkpoints.consolidate import DTYPES, consolidate, inspect_checkpoint
+from lightning_zero.checkpoints.storage import CheckpointError, missing_message
+from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
 from lightning_zero.estimate import count_parameters, format_estimate, human_bytes, parse_bytes, parse_count
 
 
@@ -122,14 +127,56 @@ def unknown_zero_strategy(name: object) -> Optional[str]:
             "lightning_zero.ZeroStrategy, init_args: {stage: 3, ...}}`.")
 
 
+def option_hints(message: str) -> str:
+    """jsonargparse's error for an unknown ``ZeroStrategy`` option ("Option 'stagee' is not accepted") with the
+    "did you mean" the Python API gives (``config.check_option_names``)."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.trainer.strategy import ZeroStrategy
+
+    if "ZeroStrategy" not in message:
+        return message
+    known = [f.name for f in dataclasses.fields(ZeroConfig)] + list(inspect.signature(ZeroStrategy).parameters)
+    hints = [f"`{name}`: did you mean `{match[0]}`?" for name in re.findall(r"Option '([^']+)' is not accepted",
+                                                                            message)
+             for match in [difflib.get_close_matches(name, known, n=1)] if match]
+    if not hints:
+        return message
+    return (message + "\nUnknown ZeRO option(s): " + "; ".join(hints) +
+            " (every option is listed by `--trainer.strategy.help lightning_zero.ZeroStrategy`).")
+
+
+def missing_ckpt_path(ckpt_path: object) -> Optional[str]:
+    """The error for a ``ckpt_path`` that names a local path with nothing there, found before the model is built and
+    sharded (Lightning finds it only when it restores, after setup); ``None`` otherwise ("last", "best", "hpc",
+    "registry", URLs)."""
+    if not isinstance(ckpt_path, (str, os.PathLike)):
+        return None
+    text = str(ckpt_path)
+    if text in ("last", "best", "hpc", "registry") or text.startswith("registry:") or "://" in text:
+        return None
+    if os.path.exists(text):
+        return None
+    return f"`ckpt_path`: {missing_message(Path(text))} Check the path (a sharded checkpoint is a directory)."
+
+
 def _zero_cli() -> Any:
-    """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one."""
-    from lightning.pytorch.cli import LightningCLI
+    """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one, and
+    suggests the option meant for a misspelled one (:func:`option_hints`)."""
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+    class ZeroArgumentParser(LightningArgumentParser):
+        def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+            super().error(option_hints(message), ex)
 
     class ZeroLightningCLI(LightningCLI):
+        def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+            self.parser_class = ZeroArgumentParser
+            return super().init_parser(**kwargs)
+
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
-            message = unknown_zero_strategy(config.get("trainer", {}).get("strategy"))
+            message = unknown_zero_strategy(config.get("trainer", {}).get("strategy")) or missing_ckpt_path(
+                config.get("ckpt_path"))
             if message:
                 self.parser.error(message)
 
@@ -161,6 +208,8 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The text ``lightning-zero inspect`` prints."""
+    if summary["format"] == FILE_FORMAT:
+        return _format_file_summary(summary)
     per_rank = ", ".join(human_bytes(b) for b in summary["bytes_per_rank"])
     lines = [
         f"checkpoint   {summary['path']}",
@@ -175,6 +224,21 @@ def format_summary(summary: dict[str, Any]) -> str:
                                      "also checks the checksums)"),
     ]
     return "\n".join(lines)
+
+
+def _format_file_summary(summary: dict[str, Any]) -> str:
+    optimizers = summary["optimizers"]
+    return "\n".join([
+        f"checkpoint   {summary['path']}",
+        "saved as     one file in ddp's form (consolidated, or by ddp or state_dict_type='full'): every strategy "
+        "resumes it",
+        f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
+        f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
+        f"optimizers   {optimizers} optimizer state{'s' if optimizers != 1 else ''}" if optimizers else
+        "optimizers   none (weights only)",
+        f"bytes        {human_bytes(summary['total_bytes'])}",
+        "files        read whole by torch.load (a single file carries no checksums)",
+    ])
 
 
 def _mesh(summary: dict[str, Any]) -> str:

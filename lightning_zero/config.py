@@ -45,13 +45,19 @@ def auto_bucket_elements(numel: int) -> int:
 STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 100_000, "prefetch_size": 5_000_000}
 
 
+#: A number of elements: an int, or a float with a whole value as YAML gives ``1e6`` (taken as the int 1000000).
+Elements = Union[int, float]
+#: The options that are numbers of elements (see :data:`Elements`).
+ELEMENT_OPTIONS = ("reduce_bucket_size", "persistence_threshold", "prefetch_size", "host_mmap_threshold")
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """Options of the ZeRO engine, one line each."""
 
     stage: int = 2
     """Which model states are partitioned: 1 optimizer states, 2 also gradients, 3 also parameters."""
-    reduce_bucket_size: Optional[int] = None
+    reduce_bucket_size: Optional[Elements] = None
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
     bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
@@ -67,11 +73,11 @@ class ZeroConfig:
     unit_classes: tuple[Union[type, str], ...] = STAGE3_DEFAULTS["unit_classes"]
     """Stage 3: module classes (or class names) gathered as one unit; default: the children of ``nn.ModuleList`` and
     ``nn.Sequential`` and every other module with parameters."""
-    persistence_threshold: int = STAGE3_DEFAULTS["persistence_threshold"]
+    persistence_threshold: Elements = STAGE3_DEFAULTS["persistence_threshold"]
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
-    prefetch_size: int = STAGE3_DEFAULTS["prefetch_size"]
+    prefetch_size: Elements = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
-    host_mmap_threshold: Optional[int] = None
+    host_mmap_threshold: Optional[Elements] = None
     """CPU runs on glibc: fix the allocator's mmap threshold at this many bytes so that freed tensors leave the
     process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone.
     ``None``: 128 KiB for models of 16M trainable parameters or more, and for smaller ones a heap that keeps freed
@@ -103,9 +109,15 @@ class ZeroConfig:
     ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
     shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``groups.py``). Must divide the
     world size."""
+    shutdown_timeout: Optional[float] = 120.0
+    """The Trainer: seconds a rank may take to act on a SIGTERM it received before it ends itself with a message
+    naming where it is stuck (see [Note: a SIGTERM is acted on within a bound] in ``shutdown.py``); ``None``: no
+    bound. Set it above your longest step and checkpoint write."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
+        for name in ELEMENT_OPTIONS:
+            object.__setattr__(self, name, _whole_number(name, getattr(self, name)))
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
@@ -139,6 +151,11 @@ class ZeroConfig:
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
         self._check_activations()
+        timeout = self.shutdown_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < math.inf):
+            raise ValueError(f"`shutdown_timeout` must be a positive number of seconds or None (no bound), got "
+                             f"{timeout!r}.")
         if self.offload_params and self.stage != 3:
             # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
             # device, which is what the user set it to avoid
@@ -244,6 +261,15 @@ def _check_stage(stage: object) -> None:
             + ", ".join(f"{p.stage}: {p.partitions}" for p in all_policies())
             + "), e.g. `ZeroStrategy(stage=2)` or `strategy='zero2'`."
         )
+
+
+def _whole_number(name: str, value: Any) -> Any:
+    """A float with a whole value (``1e6`` from YAML) as an int; anything else as it is, for the checks after."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        if not value.is_integer():
+            raise ValueError(f"`{name}` must be a whole number of elements, got {value!r}.")
+        return int(value)
+    return value
 
 
 def _check_positive_int(name: str, value: object, unit: str) -> None:

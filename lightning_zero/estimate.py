@@ -14,7 +14,12 @@ from typing import Any, Optional
 import torch
 
 from lightning_zero.engine.stages import all_policies
-from lightning_zero.engine.memory import BYTES_PER_PARAM, expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.engine.memory import (  # noqa: F401  (human_bytes: the CLI's import)
+    BYTES_PER_PARAM,
+    expected_model_state_bytes,
+    expected_offload_bytes,
+    human_bytes,
+)
 
 STRATEGIES = {"ddp": 0, **{policy.name: policy.stage for policy in all_policies()}}
 #: Columns of the offload tables: ``(stage, offload_params)``, all with ``offload_optimizer=True``.
@@ -111,14 +116,6 @@ def _number(text: str) -> Optional[float]:
     except ValueError:
         return None
     return None if math.isnan(value) else value
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def human_count(n: float) -> str:

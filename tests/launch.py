@@ -63,6 +63,17 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def wait_all(procs: list[Any], timeout: float) -> list[int]:
+    """Wait for every process (``TimeoutExpired`` past ``timeout`` seconds in all), then make sure none is left."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> int:
     """Run ``cmd`` (``[sys.executable, ...]``: a user's launch, where Lightning starts the other ranks as its
     children) in a session and process group of its own, so that a signal to the group reaches this run only, as

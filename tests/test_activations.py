@@ -167,7 +167,7 @@ def test_blocks_chosen_by_class_or_name_and_a_clear_error_without_any():
         + ["head"]
     with pytest.raises(ValueError, match="no repeated block"):
         checkpoint_blocks(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="no module of the classes"):
+    with pytest.raises(ValueError, match="no submodule of Net is of that class"):
         checkpoint_blocks(Net(), blocks=[nn.Conv1d])
 
 

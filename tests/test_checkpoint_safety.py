@@ -5,7 +5,9 @@ Single-process cases use a world-size-1 Trainer (quick); the kill test kills two
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,9 +18,11 @@ import torch
 
 import lightning_zero
 from lightning_zero import CheckpointError, ZeroStrategy
-from lightning_zero.checkpoints.storage import _replace, check_files, read_meta
+from lightning_zero.checkpoints.staging import write_meta_digest
+from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.checkpoints.storage import _replace, check_files, load_sharded, read_meta
 from lightning_zero.cli import main as cli
-from tests.launch import ROOT, _tail, start
+from tests.launch import ROOT, _tail, launch, start
 from tests.models import TinyGPT, TinyLM
 from tests.zygote import ZYGOTE
 
@@ -77,6 +81,64 @@ def test_kill_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".last")) == []
 
 
+@pytest.mark.parametrize("fault, rank, code, cause, stage", [
+    ("point=save.prepare,error=EACCES,rank=0", 0, "EACCES", "Permission denied", 2),  # a read-only `dirpath`
+    ("point=save.shard,error=ENOSPC,rank=1", 1, "ENOSPC", "No space left on device", 3),  # a full disk, inside DCP
+])
+def test_a_failed_save_names_the_rank_and_the_cause_on_every_rank(tmp_path, monkeypatch, fault, rank, code, cause,
+                                                                    stage):
+    """One rank's save fails (the fault point raises the errno, as the file system would; root ignores ``chmod``):
+    every rank raises the same ``CheckpointError``, which ``except Exception`` catches, naming the rank, the errno
+    and the cause, at once, and the ranks stay in step (the next save works, nothing is left behind)."""
+    monkeypatch.setenv("LIGHTNING_ZERO_FAULT", fault)
+    for r, report in enumerate(launch("save_faults.py", 2, tmp_path, args=(str(stage),), timeout=240)):
+        assert report.get("type") == "CheckpointError", (r, report)
+        message = report["message"]
+        assert f"failed on rank {rank} " in message and f"[{code}]" in message and cause in message, message
+        assert "Nothing was written under that name" in message, message
+        assert report["rank"] == rank and report["errno"] == getattr(errno, code), report
+        assert report["seconds"] < 30, report  # agreed at once, not found out by a timeout
+        assert report["after"] == 1 and report["left"] == ["after.ckpt"], report
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_two_jobs_writing_one_checkpoint_name_both_succeed_and_the_last_wins(tmp_path):
+    """Job A stops (SIGSTOP from a fault point) with its shard written in its staging directory; job B writes the
+    same name from start to end, which clears stale staging directories but must leave A's live one alone; then A
+    goes on and replaces B's checkpoint. (Before: B deleted A's staging directory, and A crashed.)"""
+    path = tmp_path / "last.ckpt"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    stale = tmp_path / ".last.ckpt.tmp-stale"  # what a killed save left behind: nobody holds it
+    stale.mkdir()
+    script = str(ROOT / "tests" / "workers" / "writer.py")
+    a = ZYGOTE.spawn([script, str(path), "1"], {**env, "LIGHTNING_ZERO_FAULT": "point=save.written,signal=SIGSTOP"},
+                     tmp_path, tmp_path / "a.log")
+    try:
+        deadline = time.monotonic() + 120
+        while not _stopped(a.pid):
+            assert a.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()
+            time.sleep(0.05)
+        b = ZYGOTE.spawn([script, str(path), "2"], env, tmp_path, tmp_path / "b.log")
+        assert b.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()
+        assert read_meta(path)["global_step"] == 2 and not stale.exists()
+        assert len([p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]) == 1  # A's, kept
+        os.kill(a.pid, signal.SIGCONT)
+        assert a.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()
+    finally:
+        a.kill()
+    meta = read_meta(path)
+    check_files(path, meta, verify=True)
+    assert meta["global_step"] == 1  # the last writer wins
+    loaded = Shard.whole(torch.zeros(1000))
+    load_sharded(path, {"w": loaded}, collective=False)
+    assert torch.equal(loaded.pieces[0][1], torch.ones(1000))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.log", "b.log", "last.ckpt"]
+
+
 def test_interrupted_overwrite_points_to_the_kept_checkpoint(saved, tmp_path, monkeypatch):
     target = tmp_path / "last.ckpt"
     target.mkdir()
@@ -111,6 +173,28 @@ def test_missing_truncated_and_corrupted_shards_are_named(copy):
         _trainer("zero2").fit(TinyGPT(), ckpt_path=copy)
 
 
+@pytest.mark.parametrize("offset", [0, 2127, -1])
+def test_a_flipped_bit_in_meta_pt_is_refused_before_it_is_unpickled(copy, offset, capsys):
+    """meta.pt holds the optimizer's hyperparameters and the other files' checksums: one flipped bit anywhere in it
+    (at 2127 it once made Adam's beta2 8.6e-78, and the resumed run trained to NaN) is refused by every reader."""
+    meta = copy / "meta.pt"
+    data = bytearray(meta.read_bytes())
+    data[offset] ^= 0x01
+    meta.write_bytes(bytes(data))
+    damaged = "is damaged: meta.pt does not match its checksum"
+    with pytest.raises(CheckpointError, match=damaged):
+        lightning_zero.inspect_checkpoint(copy)  # even without verify: meta.pt is always checked
+    with pytest.raises(CheckpointError, match=damaged):
+        lightning_zero.load_from_checkpoint(TinyGPT, copy)
+    with pytest.raises(CheckpointError, match=damaged):
+        _trainer("zero2").fit(TinyGPT(), ckpt_path=copy)
+    assert cli(["inspect", str(copy), "--verify"]) == 2
+    assert "meta.pt does not match its checksum" in capsys.readouterr().err
+    (copy / "meta.crc32").unlink()
+    with pytest.raises(CheckpointError, match="meta.crc32 .* is missing"):
+        lightning_zero.load_full_checkpoint(copy)
+
+
 def test_paths_that_are_not_our_checkpoints(tmp_path, saved):
     with pytest.raises(FileNotFoundError, match="No checkpoint at"):
         lightning_zero.load_from_checkpoint(TinyGPT, tmp_path / "nothing.ckpt")
@@ -123,9 +207,13 @@ def test_paths_that_are_not_our_checkpoints(tmp_path, saved):
         lightning_zero.inspect_checkpoint(tmp_path / "dcp")
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "meta.pt").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"meta.crc32 \(the checksum of meta.pt\) is missing"):
+        lightning_zero.inspect_checkpoint(tmp_path / "text")
+    write_meta_digest(tmp_path / "text", tmp_path / "text" / "meta.pt")
     with pytest.raises(CheckpointError, match="cannot be read"):
         lightning_zero.inspect_checkpoint(tmp_path / "text")
     torch.save({"state_dict": {}}, tmp_path / "text" / "meta.pt")
+    write_meta_digest(tmp_path / "text", tmp_path / "text" / "meta.pt")
     with pytest.raises(CheckpointError, match="not lightning-zero checkpoint metadata"):
         lightning_zero.inspect_checkpoint(tmp_path / "text")
 
@@ -172,6 +260,14 @@ def test_consolidated_file_loads_with_lightning_and_torch(saved, tmp_path):
     weights = torch.load(small, weights_only=False)
     assert "optimizer_states" not in weights and weights["state_dict"]["wte.weight"].dtype == torch.bfloat16
     assert small.stat().st_size < out.stat().st_size / 4
+    assert cli(["inspect", str(out)]) == 0  # a consolidated (or ddp) file: a summary, not "not a directory"
+    assert lightning_zero.inspect_checkpoint(small)["has_optimizer_state"] is False
+    summary = lightning_zero.inspect_checkpoint(out)
+    assert summary["format"] == "file" and summary["global_step"] == 2 and summary["optimizers"] == 1
+    assert summary["num_parameters"] == sum(p.numel() for p in TinyGPT().parameters())  # the tied weight once
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="torch.load cannot read"):
+        lightning_zero.inspect_checkpoint(tmp_path / "notes.txt")
 
 
 def test_inspect_summarizes(saved, capsys):
@@ -201,3 +297,19 @@ def test_ddp_resumes_a_sharded_checkpoint_through_zero_checkpoint_io(saved):
     trainer = _trainer("auto", max_steps=3, plugins=[lightning_zero.ZeroCheckpointIO()])
     trainer.fit(model, ckpt_path=saved)
     assert trainer.global_step == 3 and len(model.losses) == 1
+
+
+def test_lightnings_own_loaders_read_a_sharded_directory(saved, tmp_path):
+    """``MyModule.load_from_checkpoint(dir)`` and ``ddp``'s ``ckpt_path=dir`` without a plugin (bare
+    ``IsADirectoryError`` before); a directory that is no checkpoint is named as such."""
+    restored = TinyGPT.load_from_checkpoint(saved)
+    reference = lightning_zero.load_from_checkpoint(TinyGPT, saved)
+    for (name, a), b in zip(restored.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    model = TinyGPT()
+    trainer = _trainer("auto", max_steps=3)
+    trainer.fit(model, ckpt_path=saved)
+    assert trainer.global_step == 3 and len(model.losses) == 1
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(CheckpointError, match="is not a checkpoint: it has no meta.pt"):
+        TinyGPT.load_from_checkpoint(tmp_path / "logs")

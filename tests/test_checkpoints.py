@@ -48,7 +48,7 @@ def test_model_checkpoint_keeps_top_k_and_last_as_complete_directories(written, 
         check_files(path, meta)
         assert meta["lightning_zero"]["stage"] == int(stage[-1]) and meta["lightning_zero"]["world_size"] == 3
         assert sorted(f.name for f in path.iterdir()) == [".metadata", "README.txt", "__0_0.distcp", "__1_0.distcp",
-                                                         "__2_0.distcp", "meta.pt"]
+                                                         "__2_0.distcp", "meta.crc32", "meta.pt"]
         assert f'lightning-zero consolidate {name} model.ckpt' in (path / "README.txt").read_text()
 
 

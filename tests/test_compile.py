@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.stage3.units import find_blocks, plan_units, units_under_compile
+from lightning_zero.stage3.plan import find_blocks, plan_units, units_under_compile
 from tests.launch import launch
 from tests.models import Block
 

@@ -23,7 +23,7 @@ from tests.models import TinyLM
         ({"unit_classes": "Block"}, TypeError, "unit_classes"),
         ({"stage": "2"}, TypeError, "must be an int"),
         ({"reduce_bucket_size": -5}, ValueError, "positive number of elements"),
-        ({"reduce_bucket_size": 1.5}, TypeError, "positive int"),
+        ({"reduce_bucket_size": 1.5}, ValueError, "whole number of elements"),
         ({"bucket_buffers": 0}, ValueError, "positive number of buffers"),
         ({"overlap_comm": "yes"}, TypeError, "bool"),
         ({"elementwise_optimizers": "MyAdam"}, TypeError, "list of class names"),
@@ -176,3 +176,15 @@ def test_storage_options_are_refused_with_the_reason(tmp_path):
     with pytest.raises(TypeError, match="no rank holds the whole model.*without `storage_options`"):
         trainer.save_checkpoint(tmp_path / "x.ckpt", storage_options={"compress": True})
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_sizes_may_be_whole_floats_and_shutdown_timeout_is_checked():
+    config = ZeroConfig(stage=3, reduce_bucket_size=1e6, persistence_threshold=0.0)
+    assert (config.reduce_bucket_size, config.persistence_threshold) == (1_000_000, 0)
+    assert type(config.reduce_bucket_size) is int
+    with pytest.raises(ValueError, match="whole number of elements, got 2.5"):
+        ZeroConfig(prefetch_size=2.5)
+    assert ZeroConfig().shutdown_timeout == 120 and ZeroConfig(shutdown_timeout=None).shutdown_timeout is None
+    for bad in (0, -1, float("inf"), "2"):
+        with pytest.raises(ValueError, match="`shutdown_timeout` must be a positive number of seconds or None"):
+            ZeroConfig(shutdown_timeout=bad)

@@ -83,3 +83,33 @@ def test_the_help_command_in_zero3_yaml_lists_the_strategy_options(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert all(f"--trainer.strategy.{option}" in out for option in ("stage", "unit_classes", "timeout")), out
+
+
+def test_sizes_in_yaml_may_be_written_1e6(tmp_path, capsys):
+    config = tmp_path / "sizes.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n"
+                      "      stage: 3\n      reduce_bucket_size: 1e6\n      prefetch_size: 2.5e6\n")
+    strategy = _cli("--config", str(config), "--trainer.accelerator", "cpu", "--trainer.devices", "1").trainer.strategy
+    assert strategy.config.reduce_bucket_size == 1_000_000 and type(strategy.config.reduce_bucket_size) is int
+    assert strategy.config.prefetch_size == 2_500_000
+    config.write_text("trainer:\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n"
+                      "      reduce_bucket_size: 1.5\n")
+    with pytest.raises(ValueError, match="`reduce_bucket_size` must be a whole number of elements, got 1.5"):
+        _cli("--config", str(config))
+
+
+def test_a_misspelled_option_in_yaml_gets_a_did_you_mean(tmp_path, capsys):
+    config = tmp_path / "typo.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: "
+                      "lightning_zero.ZeroStrategy\n    init_args:\n      reduce_bucket_sise: 1000\n")
+    with pytest.raises(SystemExit):
+        lightning_zero_command(["fit", "--model", "tests.models.TinyGPT", "--config", str(config)])
+    assert "`reduce_bucket_sise`: did you mean `reduce_bucket_size`?" in capsys.readouterr().err
+
+
+def test_a_missing_ckpt_path_is_found_before_the_model_is_built(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        lightning_zero_command(["fit", "--model", "tests.models.TinyGPT", "--trainer.strategy", "zero3",
+                                "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                                "--ckpt_path", str(tmp_path / "nothing.ckpt")])
+    assert "`ckpt_path`: No checkpoint at" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zero import inspect_checkpoint
-from tests.launch import ROOT, run_in_own_session
+from tests.launch import ROOT, _tail, run_in_own_session, start, wait_all
 from tests.zygote import ZYGOTE
 
 TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
@@ -142,13 +142,41 @@ def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: i
         env = dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))
         leader = tasks[0].pid if tasks else 0
         tasks.append(ZYGOTE.spawn(argv, env, tmp_path, tmp_path / f"{job}{r}.log", group=leader))
-    try:
-        codes = [task.wait(timeout=TIMEOUT) for task in tasks]
-    finally:
-        for task in tasks:
-            task.kill()
-            task.wait()
+    codes = wait_all(tasks, TIMEOUT)
     return [(code, (tmp_path / f"{job}{r}.log").read_text()) for r, code in enumerate(codes)]
+
+
+def test_a_rank_stuck_away_from_a_step_boundary_ends_within_shutdown_timeout(tmp_path):
+    """Rank 1 gets SIGTERM and hangs inside ``training_step`` (no safe point comes): with ``shutdown_timeout=2`` it
+    ends itself with exit code 143 and says where it was, instead of waiting for SIGKILL; rank 0, waiting for it in
+    a collective, then ends too."""
+    codes = wait_all(start("stuck.py", 2, tmp_path), TIMEOUT)
+    ended = time.time()
+    log = (tmp_path / "rank1.log").read_text()
+    assert codes[1] == 143, (codes, _tail(tmp_path))
+    assert codes[0] != 0 and "finished" not in _tail(tmp_path), (codes, _tail(tmp_path))
+    assert "SIGTERM received" in log and "not acted on within `shutdown_timeout=2`" in log, log[-4000:]
+    assert "in training_step" in log and "time.sleep(0.1)" in log, log[-4000:]  # where it was stuck
+    sent = float(next(line for line in log.splitlines() if line.startswith("SIGTERM sent at")).rsplit(" ", 1)[1])
+    assert ended - sent < SHUTDOWN, f"{ended - sent:.0f}s from the signal to the end"
+
+
+def test_a_second_ctrl_c_claims_no_agreed_stop():
+    """After the second Ctrl-C this rank stops alone: at teardown nothing claims that every rank stopped together."""
+    from lightning_zero.engine.shutdown import SignalGuard
+
+    guard = SignalGuard()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    guard.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        guard.remove()
+    guard.raise_pending()  # raised `Stopped` ("every rank stopped at the same step boundary") before
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():

@@ -33,7 +33,7 @@ def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
 
 
 def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
-    from lightning_zero.stage3.units import ROOT, plan_units
+    from lightning_zero.stage3.plan import ROOT, plan_units
     from tests.models import Block, TinyGPT
 
     model = TinyGPT(width=16, depth=3)

@@ -99,8 +99,11 @@ def consolidate(path: _PATH, out: _PATH, weights_only: bool = False, dtype: Opti
 
 
 def inspect_checkpoint(path: _PATH, verify: bool = False) -> dict[str, Any]:
-    """A summary of a sharded checkpoint directory: stage, world size, progress, parameters, bytes per rank."""
+    """A summary of a sharded checkpoint directory: stage, world size, progress, parameters, bytes per rank; or of
+    a checkpoint file in ``ddp``'s form (what ``consolidate``, ``ddp`` and ``state_dict_type="full"`` write)."""
     path = Path(path)
+    if path.is_file():
+        return _inspect_file(path)
     meta = read_meta(path)
     check_files(path, meta, verify=verify)
     info = meta[KEY]
@@ -120,3 +123,27 @@ def inspect_checkpoint(path: _PATH, verify: bool = False) -> dict[str, Any]:
     }
 
 
+
+
+#: ``format`` of :func:`inspect_checkpoint`'s summary of a checkpoint file.
+FILE_FORMAT = "file"
+
+
+def _inspect_file(path: Path) -> dict[str, Any]:
+    """The summary of a Lightning checkpoint file (read whole, memory-mapped; a file has no checksums of its own)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:
+        raise CheckpointError(f"{path} is a file that torch.load cannot read ({error}): it is not a checkpoint, or "
+                              "it is damaged.") from error
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise CheckpointError(f"{path} is a torch file but not a Lightning checkpoint (it has no 'state_dict').")
+    tensors = {(t.data_ptr(), t.shape): t for t in checkpoint["state_dict"].values() if isinstance(t, torch.Tensor)}
+    return {
+        "path": str(path), "format": FILE_FORMAT, "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+        "num_parameters": sum(t.numel() for t in tensors.values()),
+        "model_tensors": len(checkpoint["state_dict"]), "optimizers": len(checkpoint.get("optimizer_states") or []),
+        "has_optimizer_state": bool(checkpoint.get("optimizer_states")), "total_bytes": path.stat().st_size,
+        "lightning_version": checkpoint.get("pytorch-lightning_version"),
+    }

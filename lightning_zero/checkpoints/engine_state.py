@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.tensor_parallel import tensor_parallel_slice
+from lightning_zero.checkpoints.errors import agree_on_failure
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.sharded import (
     check_optimizer_count,
@@ -74,8 +75,13 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
     :func:`optimizer_state`, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
     one file (rank 0); either appears complete or not at all."""
     if engine.config.state_dict_type == "full":
+        failed = None
         if collectives.rank() == 0:
-            save_file(checkpoint, Path(path))
+            try:
+                save_file(checkpoint, Path(path))
+            except Exception as error:  # noqa: BLE001 - see [Note: a failed save is agreed on] in errors.py
+                failed = error
+        agree_on_failure(Path(path), "writing", failed)
         return
     info = {"stage": engine.config.stage, "world_size": collectives.world_size(),
             "tensor_parallel_size": engine.shard_groups.tensor_size,

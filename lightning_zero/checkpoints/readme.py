@@ -1,9 +1,10 @@
 """The ``README.txt`` inside every sharded checkpoint directory: what the directory is and how to read it.
 
 [Note: a checkpoint that explains itself]
-``ModelCheckpoint`` names a sharded checkpoint ``last.ckpt`` like a file, and Lightning's own
-``MyModule.load_from_checkpoint(dir)`` fails on it with a bare ``IsADirectoryError`` raised inside Lightning's
-loader, where no code of ours runs. So the directory says what it is: rank 0 writes this text into the staging
+``ModelCheckpoint`` names a sharded checkpoint ``last.ckpt`` like a file, and ``torch.load(dir)`` (or Lightning's
+``MyModule.load_from_checkpoint(dir)`` in a process that did not import ``lightning_zero``, see [Note: Lightning's
+own loaders read a sharded directory] in ``trainer/lightning_loads.py``) fails on it with a bare
+``IsADirectoryError``. So the directory says what it is: rank 0 writes this text into the staging
 directory before the rename, so a complete checkpoint always has it. It is not one of the checksummed files in
 ``meta.pt`` (a user may read or delete it without damaging the checkpoint).
 """
@@ -18,13 +19,13 @@ README_FILE = "README.txt"
 _TEXT = """\
 This directory is ONE checkpoint: a sharded lightning-zero checkpoint ({format}), written by zero{stage} on
 {world_size} process{es} at epoch {epoch}, global step {step}. Each process wrote its own piece, so it is a
-directory, not a file: Lightning's `MyModule.load_from_checkpoint(path)` and `torch.load(path)` cannot read it
-(they fail with IsADirectoryError). Use it with:
+directory, not a file: `torch.load(path)` cannot read it (IsADirectoryError), and Lightning's
+`MyModule.load_from_checkpoint(path)` only after `import lightning_zero`. Use it with:
 
   resume or evaluate under zero1/zero2/zero3, any number of processes:
       Trainer(strategy="zero2", ...).fit(model, ckpt_path="{name}")      (also .validate/.test/.predict)
-  resume under ddp or on one device:
-      Trainer(strategy="ddp", plugins=[lightning_zero.ZeroCheckpointIO()]).fit(model, ckpt_path="{name}")
+  resume under ddp or on one device (after `import lightning_zero`):
+      Trainer(strategy="ddp").fit(model, ckpt_path="{name}")
   inference in a plain Python process:
       model = lightning_zero.load_from_checkpoint(MyModule, "{name}", map_location="cpu")
   one standard Lightning file (then MyModule.load_from_checkpoint("model.ckpt") works):
@@ -33,7 +34,7 @@ directory, not a file: Lightning's `MyModule.load_from_checkpoint(path)` and `to
       lightning-zero inspect {name} --verify
 
 Files: __<rank>_0.distcp (each process's pieces), .metadata (their index), meta.pt (Lightning's state and the
-sizes and checksums of the other files; written last). Move or copy the directory as a whole; do not edit it.
+sizes and checksums of the other files; written last), meta.crc32 (the size and checksum of meta.pt). Move or copy the directory as a whole; do not edit it.
 """
 
 

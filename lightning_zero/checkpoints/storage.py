@@ -8,6 +8,8 @@
         .metadata                          torch.distributed.checkpoint's index of the pieces
         meta.pt                            Lightning's state (loops, callbacks, schedulers, hyperparameters, precision)
                                            and ours: stage, world size, tensor shapes, sizes and CRC-32 of every file
+        meta.crc32                         the size and CRC-32 of meta.pt, checked before it is unpickled
+        README.md                          what the directory is, for people (never read by a load)
 
 The storage layer is ``torch.distributed.checkpoint`` (DCP): each rank writes its own file, the coordinator writes
 the index, and on load every rank reads only the overlaps of the saved pieces with what it owns now (see
@@ -15,9 +17,9 @@ the index, and on load every rank reads only the overlaps of the saved pieces wi
 A small planner pair below teaches DCP about our 1-D pieces; the file format, threads and I/O are DCP's own.
 
 [Note: complete or absent]
-Everything is written into a hidden sibling ``.step=100.ckpt.tmp-<token>``; ``meta.pt`` is written last (after
-every rank's files and DCP's index exist, with their sizes and checksums), then rank 0 renames the directory into
-place. A kill at any moment leaves either the previous checkpoint under the name or, between the two renames of an
+Everything is written into a hidden sibling ``.step=100.ckpt.tmp-<token>``; ``meta.pt`` and its checksum are written
+last (after every rank's files and DCP's index exist, with their sizes and checksums), then rank 0 renames the
+directory into place (see [Note: writers that cannot collide] in ``staging.py`` for two jobs writing one name). A kill at any moment leaves either the previous checkpoint under the name or, between the two renames of an
 overwrite, the previous one under ``.step=100.ckpt.old-<token>`` (the loader says so). A directory without
 ``meta.pt`` is never taken for a checkpoint, and a missing, truncated or altered file is caught before loading.
 """
@@ -25,11 +27,10 @@ overwrite, the previous one under ``.step=100.ckpt.old-<token>`` (the loader say
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
-import shutil
 import uuid
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,8 +42,20 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_zero.engine import collectives
+from lightning_zero.checkpoints.errors import CheckpointError, agree_on_failure
 from lightning_zero.checkpoints.readme import write_readme
 from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.checkpoints.staging import (
+    META_DIGEST_FILE,
+    StagingLock,
+    describe,
+    make_staging,
+    meta_digest_problem,
+    remove,
+    replace,
+    siblings,
+    write_meta_digest,
+)
 from lightning_zero.engine.faults import fault_point
 from lightning_zero.engine.shutdown import GUARD
 
@@ -50,10 +63,6 @@ FORMAT = "lightning-zero/1"
 META_FILE = "meta.pt"
 #: The key of our own metadata in ``meta.pt`` (and in the dict ``ZeroStrategy.load_checkpoint`` returns).
 KEY = "lightning_zero"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: not ours, incomplete, damaged, or from a different model."""
 
 
 # ---------------------------------------------------------------------- DCP planners for 1-D pieces
@@ -87,6 +96,7 @@ class _ShardSavePlanner(DefaultSavePlanner):
         shard = self.shards.get(write_item.index.fqn)
         if shard is None:
             return super().resolve_data(write_item)
+        fault_point("save.shard")  # inside DCP's write, where a full disk strikes
         assert write_item.index.offset is not None
         start = write_item.index.offset[0]
         return next(piece for s, piece in shard.pieces if s == start)
@@ -123,28 +133,33 @@ def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], 
     """Collective: write a checkpoint directory at ``path`` (see [Note: the checkpoint directory]).
 
     ``objects`` are small non-tensor values (pickled, deduplicated across ranks), ``shards`` this rank's pieces,
-    ``meta`` what rank 0 writes to ``meta.pt``; ``meta[KEY]["files"]`` is filled in here.
+    ``meta`` what rank 0 writes to ``meta.pt``; ``meta[KEY]["files"]`` is filled in here. A failure on any rank
+    raises :class:`CheckpointError` on every rank (see [Note: a failed save is agreed on]).
     """
     path = Path(path)
     token = collectives.broadcast_object(uuid.uuid4().hex[:12])
     staging = path.parent / f".{path.name}.tmp-{token}"
-    if collectives.rank() == 0:
-        _remove_stale_siblings(path)
-        staging.mkdir(parents=True)
-    collectives.barrier()
+    lock: Optional[StagingLock] = None
     failed: Optional[BaseException] = None
+    if collectives.rank() == 0:
+        try:
+            fault_point("save.prepare")
+            lock = make_staging(path, staging, token)
+        except Exception as error:  # noqa: BLE001 - agreed on below, raised on every rank
+            failed = error
+    agree_on_failure(path, "making its staging directory", failed)
     try:
         with GUARD:  # a signal waits for the write to end (see [Note: signals act at agreed step boundaries])
             _write_sharded(path, staging, token, objects, shards, meta)
     except BaseException as error:  # noqa: BLE001 - any failure must not leave a half-written directory behind
         failed = error
-    ok = collectives.all_gather_objects(failed is None)
-    if not all(ok):
-        if collectives.rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        if failed is not None:
-            raise failed
-        raise RuntimeError(f"Saving the checkpoint {path} failed on another rank; see its log. Nothing was written.")
+    try:
+        agree_on_failure(path, "writing", failed)
+    finally:
+        if lock is not None:
+            if staging.exists():  # a failure: the staging directory was not renamed into place
+                remove(staging)
+            lock.release()
 
 
 def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any], shards: dict[str, Shard],
@@ -157,23 +172,29 @@ def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any
         files = {name: info for part in every for name, info in part.items()}
         files[".metadata"] = _describe(staging / ".metadata")
         meta[KEY]["files"] = files
-        write_readme(staging, path.name, meta)  # what the directory is, for people (not checksummed)
+        write_readme(staging, path.name, meta)  # what the directory is, for people (never read by a load)
         _save_file(meta, staging / META_FILE)
+        write_meta_digest(staging, staging / META_FILE)
         _replace(staging, path, token)
 
 
 def save_file(obj: Any, path: Path) -> None:
-    """Write ``obj`` with ``torch.save`` to ``path``, atomically (a temporary sibling, then a rename)."""
+    """Write ``obj`` with ``torch.save`` to ``path``, atomically (a locked temporary sibling, then a rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:12]
     staging = path.parent / f".{path.name}.tmp-{token}"
+    lock = make_staging(path, staging, token, directory=False)
     try:
         with GUARD:  # a signal waits for the write to end (see [Note: signals act at agreed step boundaries])
-            _save_file(obj, staging)
+            assert lock.fd is not None
+            with open(lock.fd, "wb", closefd=False) as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
             fault_point("save.full")
             _replace(staging, path, token)
     finally:
+        lock.release()
         if staging.exists():
             staging.unlink()
 
@@ -185,55 +206,9 @@ def _save_file(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _replace(staging: Path, path: Path, token: str) -> None:
-    """Put ``staging`` at ``path``; an existing checkpoint there is moved aside first and deleted last."""
-    old = None
-    if path.exists() or path.is_symlink():
-        old = path.parent / f".{path.name}.old-{token}"
-        os.rename(path, old)
-    os.rename(staging, path)
-    _fsync_dir(path.parent)
-    if old is not None:
-        _remove(old)
-
-
-def _remove_stale_siblings(path: Path) -> None:
-    """Delete what interrupted saves to ``path`` left behind (never the only copy of a checkpoint)."""
-    for stale in _siblings(path, "tmp"):
-        _remove(stale)
-    if path.exists():
-        for stale in _siblings(path, "old"):
-            _remove(stale)
-
-
-def _siblings(path: Path, kind: str) -> list[Path]:
-    """``.<name>.tmp-*`` / ``.<name>.old-*`` next to ``path`` (no glob: checkpoint names contain ``[`` and ``=``)."""
-    prefix = f".{path.name}.{kind}-"
-    return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix)) if path.parent.is_dir() else []
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _describe(path: Path) -> tuple[int, int]:
-    """``(size in bytes, CRC-32)`` of a file."""
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            crc = zlib.crc32(block, crc)
-    return path.stat().st_size, crc
+#: (kept under these names: tests reach them here)
+_describe = describe
+_replace = replace
 
 
 # ---------------------------------------------------------------------- load
@@ -241,7 +216,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     """``meta.pt`` of the checkpoint directory ``path``, after checking that the directory is ours and complete."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(_missing_message(path))
+        raise FileNotFoundError(missing_message(path))
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a lightning-zero checkpoint directory.")
     meta_file = path / META_FILE
@@ -252,8 +227,13 @@ def read_meta(path: Path) -> dict[str, Any]:
                 "not write (or whose save was interrupted). Load it with `torch.distributed.checkpoint` directly."
             )
         raise CheckpointError(f"{path} is not a checkpoint: it has no {META_FILE} (nor the shards that go with it).")
+    data = meta_file.read_bytes()
+    problem = meta_digest_problem(path, data)  # see [Note: every byte a load reads is checked first]
+    if problem is not None:
+        raise CheckpointError(f"The checkpoint {path} is damaged: {problem}. Nothing was loaded. Use another "
+                              "checkpoint (e.g. an earlier one).")
     try:
-        meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+        meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as error:
         raise CheckpointError(f"{meta_file} cannot be read ({error}); the checkpoint is damaged.") from error
     info = meta.get(KEY) if isinstance(meta, dict) else None
@@ -306,9 +286,10 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
         dcp.load(objects, storage_reader=dcp.FileSystemReader(path), planner=_ShardLoadPlanner(shards), no_dist=alone)
 
 
-def _missing_message(path: Path) -> str:
+def missing_message(path: Path) -> str:
+    """"No checkpoint at PATH", and where the previous checkpoint is if an overwrite of it was interrupted."""
     message = f"No checkpoint at {path}."
-    backups = _siblings(path, "old")
+    backups = siblings(path, "old")
     if backups:
         message += (f" A save that replaced it was interrupted; the previous checkpoint is intact at {backups[-1]}: "
                     f"rename it to {path.name} to use it.")

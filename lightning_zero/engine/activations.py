@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zero.engine import collectives
-from lightning_zero.stage3.units import find_blocks
+from lightning_zero.stage3.plan import find_blocks
 
 PartitionGroup = Union[Sequence[int], Sequence[Sequence[int]], Callable[[], Any], None]
 _ALIGN = 64  # bytes; every checkpoint in the contiguous buffer starts at a multiple of this
@@ -310,7 +310,7 @@ def checkpoint_blocks(module: nn.Module, blocks: Union[bool, Sequence[Union[type
     inputs. Also usable without Lightning.
     """
     classes = unit_classes if blocks is True else tuple(blocks)  # type: ignore[arg-type]
-    found = find_blocks(module, classes)
+    found = find_blocks(module, classes, "unit_classes" if blocks is True else "activation_checkpointing")
     if not found:
         what = f"no module of the classes {list(classes)}" if classes else "no repeated block (no child of an " \
             "nn.ModuleList or nn.Sequential with parameters)"

@@ -226,3 +226,31 @@ def clip_grad_value(grads: list[Tensor], clip_val: float) -> None:
     """Clamp every gradient element into ``[-clip_val, clip_val]`` (elementwise: each rank its shard)."""
     for g in grads:
         g.clamp_(-clip_val, clip_val)
+
+
+def parameter_grad_norms(engines: Sequence[Any], names: dict[int, str], norm_type: float, group: Any,
+                         device: torch.device) -> dict[str, Tensor]:
+    """Lightning's ``grad_norm`` for the owned parameters of ``engines`` (``ShardedOptimizer`` objects, prepared):
+    each parameter's ``norm_type``-norm from this rank's pieces of the master gradients, completed by one
+    all-reduce of a number per parameter over the shard group, then their total. ``names``: ``id(param)`` to name."""
+    params = [p for engine in engines for p in engine.params if id(p) in names]
+    index = {id(p): i for i, p in enumerate(params)}
+    inf = norm_type == float("inf")
+    local = torch.zeros(len(params), dtype=torch.float64, device=device)
+    for engine in engines:
+        for slot, master in engine.own_masters():
+            if master.grad is None:
+                continue
+            flat = master.grad.detach().reshape(-1)
+            for p, _, length, offset in slot.pieces:
+                at = index.get(id(engine.members[p]))
+                if at is None or not length:
+                    continue
+                piece = flat[offset : offset + length].double().abs()
+                local[at] = torch.maximum(local[at], piece.max()) if inf else local[at] + piece.pow(norm_type).sum()
+    collectives.all_reduce(local, op=collectives.MAX if inf else None, group=group)
+    norms = local if inf else local.pow(1.0 / norm_type)
+    out = {f"grad_{norm_type}_norm/{names[id(p)]}": norms[i].float() for i, p in enumerate(params)}
+    if out:
+        out[f"grad_{norm_type}_norm_total"] = torch.stack(list(out.values())).norm(norm_type)
+    return out

@@ -40,12 +40,11 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.groups import ShardGroups, make_shard_groups
 from lightning_zero.engine.host_memory import settle_for_model
-from lightning_zero.checkpoints import pretrained
+from lightning_zero.checkpoints import module_state, pretrained
 from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value
+from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value, parameter_grad_norms
 from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
 from lightning_zero.stage3.construction import Recording, record_construction
-from lightning_zero.estimate import human_bytes
 from lightning_zero.stage3.materialize import (
     broadcast_module_states,
     drop_meta,
@@ -53,7 +52,7 @@ from lightning_zero.stage3.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.engine.memory import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.engine.memory import model_state_summary
 from lightning_zero.engine.offload import fused_hint
 from lightning_zero.engine.optimizer_support import check_not_dtensor
 from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
@@ -61,8 +60,10 @@ from lightning_zero.engine.flat import FlatShardedOptimizer
 from lightning_zero.engine.optimizer import ShardedOptimizer
 from lightning_zero.engine.sharing import whole_params_per_optimizer
 from lightning_zero.engine.stages import policy_for
-from lightning_zero.stage3.partitioned import PartitionedOptimizer
-from lightning_zero.stage3.units import ROOT, UnitPlan, UnitRuntime, plan_units, warn_if_units_compiled_inside
+from lightning_zero.stage3 import guard
+from lightning_zero.stage3.partitioned import PartitionedOptimizer, move_units
+from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units
+from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
 
 
 class ZeroEngine:
@@ -112,6 +113,7 @@ class ZeroEngine:
         self.unit_plan = UnitPlan()
         self._root_hook: Optional[Any] = None
         self.torn_down = False
+        self._state_hooks: list[Any] = []
         self._holder: Optional[ShardedOptimizer] = None
         """Stage 3 without optimizers: the internal SGD's shards that hold the weights (see :meth:`add_optimizers`)."""
         self._setup(list(optimizers), recording)
@@ -132,6 +134,7 @@ class ZeroEngine:
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
         if self.device.type == "cpu":  # see [Note: the mmap threshold costs time] in host_memory.py
             settle_for_model(self.config.host_mmap_threshold, sum(sum(s.layout.numels) for s in self.optimizers))
+        self._state_hooks = module_state.attach(self)  # `model.state_dict()` / `load_state_dict` after setup
 
     def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
         """Stage 3: plan the units, make the optimizers' shards, then shard the model unit by unit."""
@@ -146,8 +149,10 @@ class ZeroEngine:
             self._holder = self._make_sharded(torch.optim.SGD(trainable, lr=0.0))
             self.optimizers = [self._holder]
         shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
+        guard.name_parameters(self.module, {id(p): self.unit_plan.names[unit] for sharded in self.optimizers
+                                            for p, unit in zip(sharded.params, sharded.param_units)})
         self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
-        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile])
+        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
         pretrained.fill_pending(self.module, self.optimizers, self.runtime)  # loads recorded at construction
@@ -171,18 +176,7 @@ class ZeroEngine:
         self.runtime.remove()
         self.optimizers, self._holder = [], None
         self._add_optimizers(list(optimizers))
-        managed = {id(p) for sharded in self.optimizers for p in sharded.params}
-        for unit in [*range(1, len(self.unit_plan.names)), ROOT]:
-            for work in holder.gather_unit(unit):
-                collectives.wait(work, f"move stage 3 unit '{self.unit_plan.names[unit]}' to the optimizers")
-            with torch.no_grad():  # trainable but in no optimizer: kept whole, as at setup
-                for p, p_unit in zip(holder.params, holder.param_units):
-                    if p_unit == unit and id(p) not in managed:
-                        p.data = p.detach().clone()
-            for sharded in self.optimizers:
-                if sharded.has_unit(unit):
-                    sharded.fill_unit(unit)
-            holder.release_unit(unit)
+        move_units(holder, self.optimizers, self.unit_plan.names)
         holder.remove_hooks()
         for sharded in self.optimizers:
             sharded.install_grad_hooks()
@@ -290,6 +284,19 @@ class ZeroEngine:
                                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
         return total
 
+    def grad_norms(self, norm_type: float = 2.0, optimizer: Optional[Optimizer] = None) -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(module, norm_type)`` for a sharded model: the ``norm_type``-norm of each trainable
+        parameter's averaged gradient (``ddp``'s ``.grad``) under ``grad_{norm_type}_norm/{name}`` and their total
+        under ``grad_{norm_type}_norm_total``, from the gradient shards. A collective; valid from the end of backward
+        to the step (``on_before_optimizer_step``, after ``manual_backward``). ``optimizer``: only its parameters."""
+        if self.shard_groups.tensor is not None:
+            raise NotImplementedError("grad_norms() under tensor parallelism: use `clip_grad_norm` for the total norm.")
+        targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
+        for sharded in targets:
+            self.prepare(sharded.optimizer)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        return parameter_grad_norms(targets, names, float(norm_type), self.shard_groups.shard, self.device)
+
     def clip_grad_value(self, clip_val: float, optimizer: Optional[Optimizer] = None) -> None:
         """Clamp ``optimizer``'s gradients into ``[-clip_val, clip_val]``."""
         self.prepare(optimizer)
@@ -297,21 +304,29 @@ class ZeroEngine:
 
     def step(self, optimizer: Optional[Optimizer] = None, *, clip_grad_norm: Optional[float] = None,
              clip_grad_value: Optional[float] = None, before_step: Optional[Callable[[], Any]] = None,
-             zero_grad: bool = True, **step_kwargs: Any) -> Any:
+             zero_grad: bool = True, closure: Optional[Callable[[], Any]] = None, **step_kwargs: Any) -> Any:
         """One optimizer step in [Note: the order of one optimizer step]; ``optimizer`` ``None``: every optimizer
-        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped)."""
-        targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
+        of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped), or what
+        the ``closure`` returned if the step returned nothing. The closure runs once, with the first optimizer.
+
+        [Note: the closure goes to the optimizer]
+        A ``closure`` (Lightning's forward and backward) goes to the user's ``optimizer.step(closure=...)`` as under
+        ``ddp``, wrapped so that steps 1 and 2 (reduce, ``before_step``, clipping) run right after it, inside the
+        call: an optimizer that counts or wraps ``step`` sees one call with a closure. Under ``16-mixed`` the overflow
+        check must come before the call, and a step in pieces cannot run a closure per piece: there the closure runs
+        first, then the step.
+        """
+        clip = (before_step, clip_grad_norm, clip_grad_value)
         output = None
-        for sharded in targets:
-            overflow = self.prepare(sharded.optimizer)
-            if before_step is not None:
-                before_step()
-            if clip_grad_norm is not None:
-                self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
-            if clip_grad_value is not None:
-                self.clip_grad_value(clip_grad_value, sharded.optimizer)
-            if not overflow:
-                output = sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+        for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
+            if closure is not None and self.precision.scaler is None and sharded.steps_once:
+                overflow, output = False, self._step_with_closure(sharded, closure, clip, step_kwargs)
+            else:
+                loss = closure() if closure is not None else None
+                overflow = self._before_step(sharded, *clip)
+                output = None if overflow else sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+                output = loss if output is None else output
+            closure = None
             if self.precision.scaler is not None:
                 self.precision.scaler.update(overflow)
             sharded.after_step(stepped=not overflow)
@@ -321,6 +336,31 @@ class ZeroEngine:
                 sharded.optimizer.zero_grad()
         return output
 
+    def _before_step(self, sharded: ShardedOptimizer, before_step: Optional[Callable[[], Any]],
+                     clip_grad_norm: Optional[float], clip_grad_value: Optional[float]) -> bool:
+        """Steps 1 and 2 of [Note: the order of one optimizer step]; returns whether the loss scaler overflowed."""
+        overflow = self.prepare(sharded.optimizer)
+        if before_step is not None:
+            before_step()
+        if clip_grad_norm is not None:
+            self.clip_grad_norm(clip_grad_norm, sharded.optimizer)
+        if clip_grad_value is not None:
+            self.clip_grad_value(clip_grad_value, sharded.optimizer)
+        return overflow
+
+    def _step_with_closure(self, sharded: ShardedOptimizer, closure: Callable[[], Any], clip: tuple,
+                           step_kwargs: dict[str, Any]) -> Any:
+        """``optimizer.step(closure=...)`` with steps 1 and 2 inside (see [Note: the closure goes to the optimizer])."""
+        losses: list[Any] = []
+
+        def wrapped() -> Any:
+            losses.append(closure())
+            self._before_step(sharded, *clip)
+            return losses[-1]
+
+        output = sharded.optimizer.step(closure=wrapped, **step_kwargs)
+        return losses[-1] if output is None and losses else output
+
     def zero_grad(self, optimizer: Optional[Optimizer] = None) -> None:
         """Drop the gradients of ``optimizer`` (every optimizer when ``None``), as ``optimizer.zero_grad()`` does."""
         for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
@@ -328,30 +368,8 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ reports and teardown
     def summary(self) -> str:
-        """One line: what each rank holds, next to what DDP would hold (DESIGN.md's table, with the shard group's
-        size k in place of N under hybrid sharding; under tensor parallelism of this rank's slices, over the data
-        dimension)."""
-        t = self.shard_groups.tensor_size
-        n = collectives.world_size() // t  # the data-parallel ranks (all ranks without tensor parallelism)
-        k = n // self.shard_groups.replicas
-        psi = sum(p.numel() for sharded in self.optimizers for p in sharded.params)
-        mode = self.precision.precision
-        zero = expected_model_state_bytes(psi, k, self.config.stage, mode)
-        ddp = expected_model_state_bytes(psi, n, 0, mode)
-        if not ddp:
-            return "no trainable parameters"
-        where = ""
-        moved = [name for name in ("offload_optimizer", "offload_params") if getattr(self.config, name)]
-        if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
-            zero, host = expected_offload_bytes(psi, k, self.config.stage, mode, self.config.offload_optimizer,
-                                                self.config.offload_params)
-            where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
-        hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
-        ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
-        own = "" if t == 1 else " (this rank's tensor-parallel slices)"
-        return (f"ZeRO stage {self.config.stage} on {ranks}{hybrid}, precision {mode}: "
-                f"{psi:,} trainable parameters{own}; model states {human_bytes(zero)}{where} per rank (DDP: "
-                f"{human_bytes(ddp)}, {zero / ddp:.0%} of it)")
+        """One line: what each rank holds, next to what DDP would hold (see :func:`model_state_summary`)."""
+        return model_state_summary(self)
 
     def teardown(self, gather: bool = True) -> None:
         """Remove every hook and, with ``gather`` (a collective), give the parameters their full fp32 values back.
@@ -381,14 +399,17 @@ class ZeroEngine:
         if not gather:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
+        for handle in self._state_hooks:
+            handle.remove()
 
 
 @contextmanager
-def sharded_construction(device: torch.device) -> Iterator[Recording]:
+def sharded_construction(device: torch.device, recording: Optional[Recording] = None) -> Iterator[Recording]:
     """Build a model for stage 3 without holding it whole: inside, modules are made on the meta device and their
     construction recorded; pass the recording to :class:`ZeroEngine` (``recording=``), which replays it one unit at
-    a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup."""
-    with record_construction(device) as recording, pretrained.deferring():
+    a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup.
+    ``recording`` continues an earlier recording."""
+    with record_construction(device, recording) as recording, pretrained.deferring():
         yield recording
 
 

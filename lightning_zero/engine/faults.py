@@ -9,11 +9,18 @@ this process). The variable is read at the first fault point, not at import. Uns
 call and a dictionary lookup. The points: ``save.written`` (every rank's shard files
 written, before ``meta.pt``), ``save.full`` (a full checkpoint's file written, before its rename),
 ``collective.reduce_scatter`` (before a gradient bucket's reduce-scatter), ``materialize.unit`` (before a stage-3
-unit is built), ``evaluation.step`` (at a validation/test/predict step).
+unit is built), ``evaluation.step`` (at a validation/test/predict step), ``save.prepare`` (rank 0 about to clear
+stale staging directories and make a sharded checkpoint's staging directory), ``save.shard`` (inside DCP's write,
+as each piece of a shard is written).
+
+Instead of a signal, ``error=<errno name>`` raises that ``OSError`` at the point, as the file system would (e.g.
+``point=save.written,error=ENOSPC,rank=1``: a full disk on rank 1; ``point=save.prepare,error=EACCES``: a read-only
+directory, which a test running as root cannot make with ``chmod``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -49,6 +56,9 @@ def fault_point(name: str) -> None:
     _REACHED[name] = _REACHED.get(name, 0) + 1
     if _REACHED[name] != int(_FAULT.get("occurrence", "1")):
         return
+    if "error" in _FAULT:
+        code = getattr(errno, _FAULT["error"])
+        raise OSError(code, f"{os.strerror(code)} (injected by LIGHTNING_ZERO_FAULT at {name})")
     signum = getattr(signal, _FAULT.get("signal", "SIGINT"))
     print(f"lightning-zero fault point {name}: sending {signum.name} at {time.time()}", file=sys.stderr, flush=True)
     if _FAULT.get("target", "self") == "group":

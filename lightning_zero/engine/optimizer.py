@@ -42,6 +42,7 @@ from lightning_zero.engine.optimizer_support import (
     check_params,
     is_elementwise,
     step_in_pieces,
+    steps_in_pieces,
     zero_subclass,
 )
 from lightning_zero.engine.sharing import borrowed_slots, split_members
@@ -275,6 +276,12 @@ class ShardedOptimizer:
             return call()
         return step_in_pieces(self.optimizer, self.bucket_elements, call)
 
+    @property
+    def steps_once(self) -> bool:
+        """Whether :meth:`step` makes one ``optimizer.step`` call (not pieces: see [Note: the step in constant-size
+        pieces] in ``optimizer_support.py``)."""
+        return self.layout.whole_params or not steps_in_pieces(self.optimizer, self.bucket_elements)
+
     def grads(self) -> list[Tensor]:
         """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""
         return [m.grad for m in self.masters if m.grad is not None]
@@ -361,4 +368,4 @@ class ShardedOptimizer:
             return  # setup failed before the parameters were materialized: nothing to hand back
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
-            p.data = full[offset : offset + p.numel()].view_as(p)
+            p.data = full[offset : offset + p.numel()].view(p.shape)

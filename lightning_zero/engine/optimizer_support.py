@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.engine.mixins import with_mixin
 from lightning_zero.config import ZeroConfig
 
 #: torch optimizers whose update of an element depends on that element's gradient and state only.
@@ -59,9 +60,6 @@ def check_optimizer(optimizer: Any) -> None:
         raise TypeError(f"ZeroStrategy cannot shard {optimizer_name(optimizer)}: {reason}.")
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 class _ZeroGradHook:
     """Mixin that makes ``zero_grad`` also clear the gradients ZeRO keeps outside the optimizer's params."""
 
@@ -72,12 +70,7 @@ class _ZeroGradHook:
 
 def zero_subclass(cls: type) -> type:
     """``cls`` with :class:`_ZeroGradHook` mixed in, keeping its name (see the module docstring)."""
-    if issubclass(cls, _ZeroGradHook):
-        return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (_ZeroGradHook, cls), {"__module__": cls.__module__,
-                                                                       "__qualname__": cls.__qualname__})
-    return _SUBCLASSES[cls]
+    return with_mixin(_ZeroGradHook, cls)
 
 
 def user_class(optimizer: Optimizer) -> type:
@@ -95,6 +88,19 @@ def _piecewise_step_is_invisible(optimizer: Optimizer) -> bool:
     hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
              torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
     return optimizer_name(optimizer) in ELEMENTWISE_OPTIMIZERS and not any(hooks)
+
+
+def steps_in_pieces(optimizer: Optimizer, limit: int) -> bool:
+    """Whether :func:`step_in_pieces` would call ``step`` more than once."""
+    if not _piecewise_step_is_invisible(optimizer):
+        return False
+    size, pieces = limit, 0
+    for group in optimizer.param_groups:
+        for tensor in group["params"]:
+            if size + tensor.numel() > limit:
+                pieces, size = pieces + 1, 0
+            size += tensor.numel()
+    return pieces > 1
 
 
 def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) -> Any:

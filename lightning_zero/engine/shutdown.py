@@ -17,8 +17,19 @@ next safe point. ``Stopped`` is a ``KeyboardInterrupt``, so Lightning's own grac
 ``on_exception``, teardown, exit code 1).
 
 A second Ctrl-C while one is pending raises ``KeyboardInterrupt`` at once (outside a checkpoint write): the way out
-when a rank is stuck where no safe point comes (a hung data loader, a peer that died). A signal still pending when
-the run ends is raised at teardown, once the run's last checkpoint is complete.
+when a rank is stuck where no safe point comes (a hung data loader, a peer that died); that rank then makes no claim
+that the ranks stopped together. A signal still pending when the run ends is raised at teardown, once the run's last
+checkpoint is complete.
+
+[Note: a SIGTERM is acted on within a bound]
+A batch system sends SIGTERM once and SIGKILL some time later; nobody presses Ctrl-C twice. A rank stuck away from
+any safe point (a hung data loader, a peer waiting in a collective for it) would never act on the SIGTERM, and the
+job would end by SIGKILL or the process-group timeout (30 minutes) with no word of where it was. So a recorded
+SIGTERM starts a timer of ``shutdown_timeout`` seconds (120 by default; ``None``: no bound): if the guard has not
+been removed by then (the ranks stopped and tore down), the timer's thread prints where this rank's main thread is
+and ends the process with exit code 143 (128 + SIGTERM). Every rank that received the signal does the same, so each
+names its own place. A checkpoint write in progress is ended too: the checkpoint under its name is the previous one
+(see [Note: complete or absent] in ``checkpoints/storage.py``), so set the bound above the longest write.
 """
 
 from __future__ import annotations
@@ -27,12 +38,17 @@ import os
 import signal
 import sys
 import threading
+import time
+import traceback
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
 from lightning_zero.engine import collectives
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
+#: Seconds a recorded SIGTERM may go unacted on before the process ends (the option ``shutdown_timeout``).
+DEFAULT_SHUTDOWN_TIMEOUT = 120.0
 
 #: The signals the guard records, in the order of the agreement vector.
 GUARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -60,13 +76,18 @@ class SignalGuard:
         self.active = False
         self.critical = 0
         """Nesting depth of sections that must not be interrupted (checkpoint writes)."""
+        self.shutdown_timeout: Optional[float] = DEFAULT_SHUTDOWN_TIMEOUT
+        """Seconds a recorded SIGTERM may go unacted on (see [Note: a SIGTERM is acted on within a bound])."""
+        self._timer: Optional[threading.Timer] = None
         self._handler = self._record  # one bound method object, so that `signal.getsignal(...) is` compares
 
     # ------------------------------------------------------------------ installing
-    def install(self) -> None:
-        """Take over the guarded signals (main thread only; a no-op elsewhere)."""
+    def install(self, shutdown_timeout: Optional[float] = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+        """Take over the guarded signals (main thread only; a no-op elsewhere). ``shutdown_timeout``: see
+        [Note: a SIGTERM is acted on within a bound] (``None``: no bound)."""
         if not _main_thread():
             return
+        self.shutdown_timeout = shutdown_timeout
         self.active = True
         self.adopted = {}
         for signum in GUARDED:
@@ -95,6 +116,7 @@ class SignalGuard:
         """Give the signals back to the handlers they had. A handler copy that Lightning restores later still
         delegates to them (the guard is inactive)."""
         self.active = False
+        self._cancel_timer()
         if not _main_thread():
             return
         for signum, handler in self.original.items():
@@ -107,8 +129,24 @@ class SignalGuard:
             self._delegate(signum, frame)
             return
         self.pending[signum] = self.pending.get(signum, 0) + 1
+        if signum == signal.SIGTERM:
+            self._start_timer()
         if signum == signal.SIGINT and self.pending[signum] > 1 and not self.critical:
+            self.pending.clear()  # this rank stops alone: nothing is left for `raise_pending` to claim
+            self.active = False
             raise KeyboardInterrupt("second Ctrl-C: stopping at once, not at the next step boundary")
+
+    # ------------------------------------------------------------------ the bound on SIGTERM
+    def _start_timer(self) -> None:
+        if self._timer is None and self.shutdown_timeout is not None:
+            self._timer = threading.Timer(self.shutdown_timeout, _overdue, (self.shutdown_timeout, time.time()))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _delegate(self, signum: int, frame: Optional[FrameType]) -> None:
         """What the signal would have done without the guard."""
@@ -159,6 +197,19 @@ class SignalGuard:
 
     def __exit__(self, *exc: Any) -> None:
         self.critical -= 1
+
+
+def _overdue(bound: float, received: float) -> None:
+    """The timer's end (see [Note: a SIGTERM is acted on within a bound]): say where the main thread is, then exit."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    where = "".join(traceback.format_stack(frame, limit=4)).rstrip() if frame is not None else "  (unknown)"
+    print(f"lightning-zero: SIGTERM received {time.time() - received:.0f} s ago on rank {collectives.rank()} and "
+          f"not acted on within `shutdown_timeout={bound:g}`: this rank is stuck away from a step boundary (a hung "
+          f"data loader or a rank that stopped, which the others wait for in a collective). Its main thread is at:\n"
+          f"{where}\nEnding this process now (exit code 143) instead of waiting for SIGKILL or the process-group "
+          "timeout. The last complete checkpoint is the state to resume from. If a step or a checkpoint write "
+          "legitimately takes longer, raise `shutdown_timeout`.", file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGTERM)
 
 
 def _reason(name: str) -> str:

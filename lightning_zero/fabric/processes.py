@@ -8,6 +8,9 @@ Fabric's are different classes with the same process API).
 
 from __future__ import annotations
 
+import faulthandler
+import sys
+
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -85,6 +88,15 @@ class ZeroProcesses:
                                "(Fabric: after `fabric.setup`).")
         return self.engine.gathered_parameters()
 
+    def grad_norms(self, norm_type: Union[float, int, str] = 2.0, optimizer: Optional[Any] = None) -> dict[str, Any]:
+        """Lightning's ``grad_norm(module, norm_type)`` with ``ddp``'s values, from the gradient shards (a
+        collective), e.g. ``self.log_dict(self.trainer.strategy.grad_norms(2))`` in ``on_before_optimizer_step``;
+        see :meth:`ZeroEngine.grad_norms`. Under zero2/zero3 ``param.grad`` is ``None`` there (the gradients were
+        reduced into shards as they were made)."""
+        if self.engine is None:
+            raise RuntimeError("`grad_norms()` needs the model set up (and a backward done).")
+        return self.engine.grad_norms(float(norm_type), optimizer)
+
     @property
     def device_mesh(self) -> Optional[Any]:
         """With ``tensor_parallel_size > 1``, the (``"data_parallel"``, ``"tensor_parallel"``) ``DeviceMesh`` (made
@@ -103,6 +115,12 @@ class ZeroProcesses:
     def _start_distributed(self) -> None:
         """After Lightning's ``setup_environment``: the allocator setting, the seed, this process's ranks, the process
         group and the shard groups."""
+        # a fatal signal in a rank (a segfault in a kernel, an abort) prints every thread's Python traceback
+        # instead of ending the process silently
+        try:
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # no real stderr (a captured or closed stream): nothing to enable
+            pass
         if self.root_device.type == "cpu":
             release_freed_memory(self.config.host_mmap_threshold)
         reset_seed()

@@ -30,6 +30,7 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -45,6 +46,7 @@ from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.fabric.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.engine import ZeroEngine, sharded_construction
+from lightning_zero.stage3.construction import PendingRecording, Recording
 from lightning_zero.stage3.materialize import move_materialized
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
@@ -139,6 +141,8 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._num_nodes = 1
         self._backward_sync_control = _ZeroBackwardSyncControl()
+        self._pending: Optional[PendingRecording] = None
+        """Stage 3: the recording still on between ``init_module()`` and ``setup()``."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -193,6 +197,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         return optimizer
 
     def _make_engine(self, module: Module, optimizers: list[Optimizer]) -> None:
+        self._end_pending_recording()
         if self.engine is not None:
             raise RuntimeError("ZeroFabricStrategy sets up one model: call `fabric.setup` (or `setup_module`) once, "
                                "with every optimizer of the model.")
@@ -202,6 +207,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
 
     @override
     def module_to_device(self, module: Module) -> None:
+        self._end_pending_recording()  # Fabric's setup calls this first
         if self.policy.shards_params:
             move_materialized(module, self.root_device)  # the rest is built unit by unit at setup
         else:
@@ -210,23 +216,36 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Under zero3 the model is built on the meta device and its construction recorded; setup replays it one unit
-        at a time, so no rank holds it whole and the values are those of eager construction (``empty_init`` does not
-        change them). Stages 1 and 2 build on the device, as ``ddp``."""
+        at a time, so no rank holds it whole and the values are those of eager construction. ``empty_init=True``
+        skips the ``torch.nn.init`` initializers as ``ddp`` does (and draws no random numbers for them), for code
+        that initializes the weights after the context (see [Note: what happens between init_module and setup] in
+        ``construction.py``). Stages 1 and 2 build on the device, as ``ddp``."""
         if not self.policy.shards_params:
             return super().module_init_context(empty_init)
-        return self._recorded_construction()
+        return self._recorded_construction(bool(empty_init))
 
     @contextmanager
-    def _recorded_construction(self) -> Iterator[None]:
+    def _recorded_construction(self, empty_init: bool) -> Iterator[None]:
+        """See [Note: what happens between init_module and setup] in ``construction.py``: the recording goes on
+        after the context until ``setup``."""
+        earlier = self._end_pending_recording()
         with ExitStack() as stack:
             stack.enter_context(self.precision.module_init_context())
-            recording = stack.enter_context(sharded_construction(self.root_device))
+            recording = stack.enter_context(sharded_construction(self.root_device, earlier))
+            stack.enter_context(_EmptyInit(enabled=empty_init))
             yield
-        self._recording = recording
+        self._pending = PendingRecording(recording).start()
+
+    def _end_pending_recording(self) -> Optional[Recording]:
+        """Stop recording what is done to the model built under ``init_module`` (setup replays it)."""
+        if self._pending is not None:
+            self._recording = self._pending.stop()
+            self._pending = None
+        return self._recording
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self.module_init_context()
+        return self.module_init_context(empty_init=False)
 
     # ------------------------------------------------------------------ the step
     @override
@@ -365,6 +384,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ teardown and registration
     @override
     def teardown(self) -> None:
+        self._end_pending_recording()
         if self.engine is not None:
             self.engine.teardown(gather=True)
         super().teardown()

@@ -79,9 +79,12 @@ class LooksEager(TorchFunctionMode):
     Hugging Face's ``init_weights`` skips initialization under a meta device context) then runs as it does eagerly,
     and its random draws are recorded (see [Note: record and replay])."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, redirect: bool = True) -> None:
         super().__init__()
         self.device = device
+        self.redirect = redirect
+        """Whether new tensors asked for on ``device`` are made on the meta device (inside the construction context
+        only: after it, see :class:`PendingRecording`, the user's own new tensors are real)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -93,6 +96,8 @@ class LooksEager(TorchFunctionMode):
             return self.device if device.type == "meta" else device
         if func in _MOVES and args and _is_meta(args[0]):
             return args[0] if func is not torch.Tensor.to else _move_meta(args[0], *args[1:], **kwargs)
+        if not self.redirect:
+            return func(*args, **kwargs)
         if func in _FROM_DATA:
             return func(*args, **{**kwargs, "device": self.device})
         if isinstance(kwargs.get("device"), (torch.device, str, int)) and _same(kwargs["device"], self.device):
@@ -267,12 +272,61 @@ def _real(meta: torch.Tensor, storages: dict[int, torch.UntypedStorage]) -> torc
 
 
 @contextmanager
-def record_construction(device: torch.device) -> Iterator[Recording]:
-    """Build modules on the meta device inside this context and record how (see [Note: record and replay])."""
-    recording = Recording(device=device)
+def record_construction(device: torch.device, recording: Optional[Recording] = None) -> Iterator[Recording]:
+    """Build modules on the meta device inside this context and record how (see [Note: record and replay]);
+    ``recording`` continues an earlier one (a second ``init_module`` before setup)."""
+    recording = recording if recording is not None else Recording(device=device)
     with torch.device(META), LooksEager(device), recording:
         yield recording
     recording.seal()
+
+
+class PendingRecording:
+    """Keeps recording what is done to a built model's meta tensors after its construction context closed, until
+    setup replays it.
+
+    [Note: what happens between init_module and setup]
+    Fabric's ``init_module()`` returns a model on the meta device, and client code goes on with it before
+    ``fabric.setup``: LitGPT's ``pretrain.py`` initializes the weights in place (``initialize_weights``) and rebuilds
+    its RoPE cache as new buffers, ``load_checkpoint`` patterns call ``load_state_dict``. On meta tensors all of that
+    would do nothing, so after the context closes the recording stays on (:meth:`start`) until setup
+    (:meth:`stop`): in-place initializers, copies from real tensors and new meta buffers join the log, and setup
+    replays them after construction, in program order, as an eager build would have run them (the values are
+    ``ddp``'s bit for bit). Meta tensors still look like tensors of the device (``is_meta`` is ``False``, initializers
+    do not skip them), but nothing else is redirected: a tensor the user makes in between is real, where asked.
+    Between the two, every torch call pays the modes' Python dispatch (a few microseconds); setup, teardown and the
+    next ``init_module`` end it.
+    """
+
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
+        self._looks_eager = LooksEager(recording.device, redirect=False)
+        self.active = False
+
+    def start(self) -> "PendingRecording":
+        """Push the modes (they stay on the thread's mode stacks until :meth:`stop`)."""
+        self._looks_eager.__enter__()
+        self.recording.__enter__()
+        self.active = True
+        return self
+
+    def stop(self) -> Recording:
+        """Pop the modes; returns the recording, sealed. Refuses if other modes were entered above them and are
+        still open (they would be popped in their place)."""
+        if self.active:
+            dispatch = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+            function = torch.overrides._get_current_function_mode_stack()
+            if not dispatch or dispatch[-1] is not self.recording or not function or function[-1] is not \
+                    self._looks_eager:
+                raise RuntimeError(
+                    "zero3: the model built under `fabric.init_module()` is still being recorded, but another torch "
+                    "mode was entered after it and is still open. Call `fabric.setup(...)` outside that mode's "
+                    "`with` block.")
+            self.recording.__exit__(None, None, None)
+            self._looks_eager.__exit__(None, None, None)
+            self.active = False
+            self.recording.seal()
+        return self.recording
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

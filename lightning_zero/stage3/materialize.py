@@ -31,11 +31,12 @@ from torch import nn
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.groups import ShardGroups
+from lightning_zero.stage3 import guard
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
 from lightning_zero.engine.faults import fault_point
 from lightning_zero.engine.shutdown import GUARD
-from lightning_zero.stage3.units import ROOT, UnitPlan
+from lightning_zero.stage3.plan import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.
 LARGE_MODEL_PARAMS = 50_000_000
@@ -54,6 +55,9 @@ def drop_meta(module: nn.Module, device: torch.device) -> None:
     that Lightning's teardown can move the module."""
     for m in module.modules():
         for name, param in m._parameters.items():
+            if param is not None and guard.is_released(param):  # sharded, its unit freed: an empty tensor
+                param.data = torch.empty(0, dtype=param.dtype, device=device)
+                guard.restore([param])
             if param is not None and param.is_meta:
                 m._parameters[name] = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device),
                                                    requires_grad=param.requires_grad)

@@ -1,7 +1,7 @@
 """Stage 3 parameter storage: this rank keeps a shard of the working parameters; units are gathered on demand.
 
 [Note: stage 3 storage]
-Each unit of :mod:`lightning_zero.stage3.units` has one flat buffer per optimizer, in the working dtype, covering the unit's
+Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per optimizer, in the working dtype, covering the unit's
 adjacent buckets of the layout. Its parameters are views of that buffer from setup on; between uses the buffer's
 storage is resized to zero bytes, so the parameters keep their shapes but hold no memory. The only persistent copy
 is the working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master
@@ -29,6 +29,7 @@ from torch import Tensor
 from lightning_zero.engine import collectives
 from lightning_zero.engine.layout import FlatLayout
 from lightning_zero.engine.offload import pins
+from lightning_zero.stage3 import guard
 
 
 class ShardedParams:
@@ -49,7 +50,12 @@ class ShardedParams:
         self.uploaded_bytes = 0
         """Bytes copied from the host shard to the device since setup (0 unless ``offloaded``)."""
         self.buffers: dict[int, Tensor] = {}
+        self.unit_params: dict[int, list[Tensor]] = {}
+        """The parameters viewing each unit's buffer (released with it: see [Note: a released parameter raises, it
+        never crashes] in ``guard.py``)."""
         self._live_bytes = 0
+        for j, p in enumerate(params):
+            self.unit_params.setdefault(layout.param_units[j], []).append(p)
         for unit in sorted({b.unit for b in layout.buckets}):
             start, end = layout.unit_range(unit)
             self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=self.device)
@@ -112,12 +118,14 @@ class ShardedParams:
         if storage.nbytes() == 0:
             self._live_bytes += buffer.numel() * buffer.element_size()
             storage.resize_(buffer.numel() * buffer.element_size())
+            guard.restore(self.unit_params.get(unit, []))
         return buffer
 
     def _free(self, unit: int) -> None:
         storage = self.buffers[unit].untyped_storage()
         self._live_bytes -= storage.nbytes()
         storage.resize_(0)
+        guard.release(self.unit_params.get(unit, []))
 
     @property
     def gathered_bytes(self) -> int:

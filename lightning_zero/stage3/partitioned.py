@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine import offload
+from lightning_zero.engine import collectives, offload
 from lightning_zero.engine.layout import MasterSlot
 from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
 
 
@@ -87,10 +88,30 @@ class PartitionedOptimizer(ShardedOptimizer):
         return self.sharded.unit_numel(unit)
 
     def _hand_back(self, gather: bool) -> None:
-        if not gather:  # never leave a view of freed storage behind (reading it crashes)
+        if gather:
+            self._full_values_back()
+        else:  # never leave a view of freed storage behind (reading it crashes)
             for p in self.params:
-                p.data = p.new_empty(0)
-            return
-        self._full_values_back()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for unit in list(self.sharded.buffers):
             self.sharded.release(unit)
+        guard.restore(self.params)  # they hold storage of their own now
+
+
+def move_units(holder: PartitionedOptimizer, engines: list[PartitionedOptimizer], unit_names: list[str]) -> None:
+    """Move stage 3's weights from the evaluation ``holder`` into the shards of ``engines`` one unit at a time
+    (gathered from the holder, filled into the new shards, freed), so no rank holds more than one unit in full.
+    Trainable parameters that no new optimizer holds are kept whole, as setup keeps them."""
+    managed = {id(p) for engine in engines for p in engine.params}
+    for unit in [*range(1, len(unit_names)), 0]:  # the root last, as at setup
+        for work in holder.gather_unit(unit):
+            collectives.wait(work, f"move stage 3 unit '{unit_names[unit]}' to the optimizers")
+        whole = [p for p, p_unit in zip(holder.params, holder.param_units) if p_unit == unit and id(p) not in managed]
+        with torch.no_grad():
+            for p in whole:
+                p.data = p.detach().clone()
+        for engine in engines:
+            if engine.has_unit(unit):
+                engine.fill_unit(unit)
+        holder.release_unit(unit)
+        guard.restore(whole)  # they hold values of their own, not a view of the holder's buffer

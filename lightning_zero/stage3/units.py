@@ -1,13 +1,4 @@
-"""Stage 3: which modules are gathered together ("units"), and the hooks that gather them around their use.
-
-[Note: units]
-A unit is a module whose parameters are all-gathered together before it runs and freed right after. By default the
-units are the repeated blocks (children of ``nn.ModuleList`` / ``nn.Sequential``, outermost first) and every other
-module with parameters that contains no block (embeddings, heads, final norms); ``unit_classes`` names the block
-classes instead. Whatever is left forms the *root* unit (unit 0): parameters owned directly by the LightningModule,
-parameters shared by two units (tied embeddings live in both the embedding and the head), and units smaller than
-``persistence_threshold`` elements (norms and biases are not worth a collective each). The root unit is gathered
-once at the start of a step and kept until the step's backward is done.
+"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after.
 
 [Note: gather, free, and autograd]
 Each unit's parameters are views of one flat buffer per optimizer; freeing resizes that buffer's *storage* to zero
@@ -25,30 +16,15 @@ afterwards the next units in that order (the previous ones in backward) are gath
 current one computes, up to ``prefetch_size`` elements in flight. A rank whose control flow runs a different unit
 than the others cannot be matched: its collective fails after the process group timeout, and the error names the
 unit.
-
-[Note: units and torch.compile]
-The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
-always runs eagerly (see [Note: hooks under torch.compile] in ``engine/compiled.py``). Where the hooks sit decides
-what a compiled model costs. A block compiled by the user (``self.blocks[i] = torch.compile(block)``) is an
-``OptimizedModule`` wrapping the original block; the unit is the *wrapper*, whose module hooks run in
-``nn.Module.__call__`` before and after the compiled call, outside the graph: the graph sees only the block's
-computation over gathered parameters (their tensors, shapes and strides never change, only their storage is resized,
-so dynamo's guards hold and it compiles once). A unit *inside* a compiled region (a compiled ``forward`` around the
-blocks, ``module.compile()`` of a block, ``torch.compile(self.model)``) has its hooks called from compiled code:
-dynamo splits the graph at each of them (the pieces are compiled once and reused, no recompilation). That works and
-gives the same results, but compiles pieces between units; :func:`units_under_compile` names such units so that
-setup can say so. ``module.compile()`` of a unit compiles its ``_call_impl``, hooks included, and is such a case
-too.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -56,133 +32,10 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.compiled import eager_hook
+from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedOptimizer
-
-ROOT = 0
-
-
-@dataclass
-class UnitPlan:
-    """Modules and parameters of every unit; unit 0 is the root."""
-
-    names: list[str] = field(default_factory=lambda: ["<root>"])
-    modules: list[Optional[nn.Module]] = field(default_factory=lambda: [None])
-    unit_of: dict[int, int] = field(default_factory=dict)
-    """``id(parameter)`` to unit index."""
-
-    def unit(self, param: torch.Tensor) -> int:
-        return self.unit_of.get(id(param), ROOT)
-
-
-def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``module``, outermost first: modules of ``unit_classes`` (classes or class names) if
-    given, else the children of ``nn.ModuleList`` / ``nn.Sequential``; only those with parameters. A block compiled
-    with ``torch.compile(block)`` is found as its wrapper (see [Note: units and torch.compile])."""
-    chosen: list[tuple[str, nn.Module]] = []
-
-    def is_unit_class(m: nn.Module) -> bool:
-        cls = type(m)
-        return any(c is cls or (isinstance(c, type) and isinstance(m, c)) or c in (cls.__name__, cls.__qualname__,
-                   f"{cls.__module__}.{cls.__qualname__}") for c in unit_classes)
-
-    def visit(name: str, mod: nn.Module, in_container: bool) -> None:
-        is_block = is_unit_class(compiled_inner(mod)) if unit_classes else in_container
-        if name and is_block and _has_params(mod):
-            chosen.append((name, mod))  # a compiled block: its wrapper (see [Note: units and torch.compile])
-            return
-        if mod is not compiled_inner(mod):  # a wrapper that is not a block: look inside as if it were not there
-            visit(f"{name}._orig_mod" if name else "_orig_mod", compiled_inner(mod), in_container)
-            return
-        container = isinstance(mod, (nn.ModuleList, nn.Sequential))
-        for child_name, child in mod.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child, container)
-
-    visit("", module, False)
-    return chosen
-
-
-def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
-               persistence_threshold: int = 0) -> UnitPlan:
-    """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names."""
-    chosen = find_blocks(module, unit_classes)
-    blocks = {id(m) for _, m in chosen}
-
-    def contains_block(mod: nn.Module) -> bool:
-        return any(id(m) in blocks for m in mod.modules())
-
-    def leftovers(name: str, mod: nn.Module) -> None:
-        for child_name, child in mod.named_children():
-            full = f"{name}.{child_name}" if name else child_name
-            if id(child) in blocks:
-                continue
-            if contains_block(child):
-                leftovers(full, child)
-            elif _has_params(child):
-                chosen.append((full, child))
-
-    leftovers("", module)
-    return _assign(chosen, persistence_threshold)
-
-
-def compiled_inner(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) runs, else ``module`` itself."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
-    return module
-
-
-def _runs_compiled(module: nn.Module) -> bool:
-    """Whether ``module``'s ``forward`` (instance attribute) or whole call (``module.compile()``) is compiled."""
-    compiled_call = module.__dict__.get("_compiled_call_impl")
-    forward = module.__dict__.get("forward")
-    return compiled_call is not None or hasattr(forward, "_torchdynamo_orig_callable") or \
-        compiled_inner(module) is not module
-
-
-def units_under_compile(root: nn.Module, plan: UnitPlan) -> list[str]:
-    """Names of the units whose hooks run inside a region compiled by ``torch.compile`` (see [Note: units and
-    torch.compile]): below a compiled ancestor, or compiled with ``module.compile()`` themselves."""
-    units = {id(m): name for name, m in zip(plan.names, plan.modules) if m is not None}
-    found: list[str] = []
-
-    def visit(mod: nn.Module, compiled_above: bool) -> None:
-        own_call = mod.__dict__.get("_compiled_call_impl") is not None
-        if id(mod) in units and (compiled_above or own_call):
-            found.append(units[id(mod)])
-        for child in mod.children():
-            visit(child, compiled_above or _runs_compiled(mod))
-
-    visit(root, False)
-    return found
-
-
-def _has_params(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters())
-
-
-def _assign(chosen: list[tuple[str, nn.Module]], persistence_threshold: int) -> UnitPlan:
-    """Give each parameter to the one unit that holds it; shared ones and units too small to keep go to the root."""
-    owners: dict[int, set[int]] = {}
-    numel: dict[int, int] = {}
-    for index, (_, mod) in enumerate(chosen):
-        for p in mod.parameters():
-            owners.setdefault(id(p), set()).add(index)
-            numel[id(p)] = p.numel()
-    exclusive: dict[int, list[int]] = {index: [] for index in range(len(chosen))}
-    for pid, units in owners.items():
-        if len(units) == 1:
-            exclusive[next(iter(units))].append(pid)
-    plan = UnitPlan()
-    for index, (name, mod) in enumerate(chosen):
-        if sum(numel[pid] for pid in exclusive[index]) > persistence_threshold:
-            unit = len(plan.names)
-            plan.names.append(name)
-            plan.modules.append(mod)
-            plan.unit_of.update({pid: unit for pid in exclusive[index]})
-    return plan
 
 
 @dataclass
@@ -236,6 +89,10 @@ class UnitRuntime:
         """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`)."""
         if unit != ROOT and not self._held:
             self._free(unit)
+
+    def release_now(self, unit: int) -> None:
+        """Free ``unit`` now, the root too, whatever the step is doing (the caller gathered it outside a step)."""
+        self._free(unit)
 
     @contextmanager
     def all_gathered(self) -> Iterator[None]:

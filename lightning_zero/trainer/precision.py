@@ -54,11 +54,12 @@ class ZeroPrecision(UsesPrecisionMode, Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        """The closure (forward and backward), then the engine's step with Lightning's hooks as ``before_step``."""
-        closure_result = closure()
-        step_output = self._engine().step(optimizer, before_step=lambda: self._after_closure(model, optimizer),
-                                          zero_grad=False, **kwargs)
-        return closure_result if step_output is None else step_output
+        """The engine's step with Lightning's hooks as ``before_step``; the closure (forward and backward) runs
+        inside the user's ``optimizer.step``, as under ``ddp`` (see [Note: the closure goes to the optimizer] in
+        ``engine.py``)."""
+        return self._engine().step(optimizer, closure=closure,
+                                   before_step=lambda: self._after_closure(model, optimizer), zero_grad=False,
+                                   **kwargs)
 
     @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,

@@ -118,7 +118,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        GUARD.install()  # see [Note: signals act at agreed step boundaries] in shutdown.py
+        GUARD.install(self.config.shutdown_timeout)  # see [Note: signals act at agreed step boundaries]
         super().setup_environment()
         self._start_distributed()
         if self.device_mesh is not None and self.lightning_module is not None:
