@@ -13,8 +13,9 @@ its own. The strategies of one repeat run back to back and the repeats rotate th
 shared machine spread over all strategies and show as the range of the repeats. FSDP2 and DeepSpeed are optional:
 a peer that cannot run here is skipped with the reason. A strategy may be a variant,
 ``strategy[:option=value,...][+ENV=value,...]``: extra ``ZeroStrategy`` options (Python literals) and environment
-variables for its launches only, for interleaved A/B runs of options on a shared machine. Outputs in ``--out``: ``compare.md``, ``compare.json``,
-``compare.png`` (with matplotlib), ``profiles/`` (with ``--profile``).
+variables for its launches only, for interleaved A/B runs of options on a shared machine (``+BENCH_ROOT=DIR``: the
+ranks import the package and benchmarks from ``DIR``, a copy of another commit, for before/after runs). Outputs in
+``--out``: ``compare.md``, ``compare.json``, ``compare.png`` (with matplotlib), ``profiles/`` (with ``--profile``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
         for rank in range(world_size):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
                        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS=threads,
-                       PYTHONPATH=str(ROOT), PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072",
+                       PYTHONPATH=os.environ.get("BENCH_ROOT", str(ROOT)), PL_DISABLE_FORK="1",
+                       MALLOC_MMAP_THRESHOLD_="131072",
                        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if cfg.get("gpu") else "cpu"))
             if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
                 env.pop("MALLOC_MMAP_THRESHOLD_")
