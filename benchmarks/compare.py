@@ -75,6 +75,13 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _allocator_env() -> dict[str, str]:
+    """``os.environ`` for a rank, with the harness's allocator setting (``MALLOC_MMAP_THRESHOLD_=131072`` for every
+    strategy, none with ``BENCH_GLIBC_DEFAULTS=1``) unless the environment (a variant's ``+MALLOC_...``) sets one."""
+    default = {} if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1" else {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    return {**default, **os.environ}
+
+
 def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optional[Path] = None) -> dict[str, Any]:
     """Launch one configuration on ``world_size`` ranks; one record (slowest rank's step times, highest peak)."""
     reason = missing(cfg["strategy"])
@@ -85,13 +92,10 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
         port, threads = str(_free_port()), str(threads_per_rank(world_size))
         procs, logs = [], []
         for rank in range(world_size):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
+            env = dict(_allocator_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
                        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS=threads,
                        PYTHONPATH=os.environ.get("BENCH_ROOT", str(ROOT)), PL_DISABLE_FORK="1",
-                       MALLOC_MMAP_THRESHOLD_="131072",
                        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if cfg.get("gpu") else "cpu"))
-            if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
-                env.pop("MALLOC_MMAP_THRESHOLD_")
             logs.append(open(out / f"rank{rank}.log", "w"))
             cmd = [sys.executable, "-m", "benchmarks._worker", str(out), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
