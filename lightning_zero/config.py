@@ -61,7 +61,8 @@ class ZeroConfig:
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
     bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
-    """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on."""
+    """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
+    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in ``buckets.py``)."""
     bucket_buffers: int = 2
     """How many bucket-sized buffers may be in flight at once (constant memory: this times the bucket size)."""
     partition_whole_params: Optional[bool] = None
