@@ -59,6 +59,11 @@ def test_host_mmap_threshold_default_follows_the_model(monkeypatch):
     calls.clear()
     assert not host_memory.settle_for_model(None, host_memory.AUTO_FIXED_MIN_PARAMS)
     assert not host_memory.settle_for_model(None, 1_000) and not calls  # a large engine keeps the fixed threshold
+    assert host_memory.fix_threshold(FakeLibc(), host_memory.FIXED_THRESHOLD)
+    assert calls == [(-3, host_memory.FIXED_THRESHOLD)]  # 128 KiB: the trim threshold stays glibc's
+    calls.clear()
+    assert host_memory.fix_threshold(FakeLibc(), 4 * 2**20)
+    assert calls == [(-3, 4 * 2**20), (-1, 8 * 2**20)]  # above it the heap keeps its top, as glibc's adjustment does
 
 
 def test_start_method_is_checked():

@@ -135,7 +135,8 @@ class GradientReducer:
         self._pending = False  # gradients arrived since the last flush
         self._open: dict[int, _Slot] = {}
         self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
-        self._replicating: deque[tuple[Bucket, Any, _Slot, bool]] = deque()  # hybrid: replica all-reduces in flight
+        # hybrid sharding: replica all-reduces in flight, with the slot whose side output they reduce (None: the shard)
+        self._replicating: deque[tuple[Bucket, Any, Optional[_Slot], bool]] = deque()
         self._free: list[_Slot] = []
         self.buffers_allocated = 0
         """How many bucket buffers were ever made (the pool's high-water mark, see [Note: constant memory])."""
@@ -233,7 +234,7 @@ class GradientReducer:
     def buffer_bytes(self) -> int:
         """Bytes held by bucket buffers right now."""
         slots = (list(self._open.values()) + self._free + [s for _, _, s, _ in self._in_flight]
-                 + [s for _, _, s, _ in self._replicating])
+                 + [s for _, _, s, _ in self._replicating if s is not None])
         return sum(t.numel() * t.element_size() for s in slots for t in (s.bucket, s.out) if t is not None)
 
     # ------------------------------------------------------------------ internals
@@ -254,8 +255,8 @@ class GradientReducer:
         return slot
 
     def _acquire(self) -> _Slot:
-        while not self._free and (self._in_flight or self._replicating) and self._busy() >= self.max_buffers:
-            if self._replicating:  # the oldest buffer still busy: its reduce-scatter was waited for first
+        while not self._free and self._busy() >= self.max_buffers and (self._in_flight or self._holding()):
+            if self._holding():  # a buffer whose reduce-scatter was waited for first
                 self._finish_replica()
             else:
                 self._finish_oldest()
@@ -272,7 +273,11 @@ class GradientReducer:
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
 
     def _busy(self) -> int:
-        return len(self._open) + len(self._in_flight) + len(self._replicating)
+        return len(self._open) + len(self._in_flight) + self._holding()
+
+    def _holding(self) -> int:
+        """Replica all-reduces in flight that hold a buffer (their chunk is its side output)."""
+        return sum(slot is not None for _, _, slot, _ in self._replicating)
 
     def _complete(self, index: int) -> bool:
         return self._received[index] == self._expected[index]
@@ -316,7 +321,10 @@ class GradientReducer:
             return
         reduced = self._reduced(bucket, slot, accumulate)  # hybrid sharding: sum the N/k replicas' chunks
         work = collectives.all_reduce_async(reduced, group=self.groups.replicate)
-        self._replicating.append((bucket, work, slot, accumulate))
+        scratch = accumulate or self.sink is not None
+        if not scratch:  # the chunk is in the shard: the input buffer is free for the next bucket now
+            self._free.append(slot)
+        self._replicating.append((bucket, work, slot if scratch else None, accumulate))
         if not self.overlap:
             self._finish_replica()
 
@@ -329,12 +337,15 @@ class GradientReducer:
         the round ends (:meth:`wait`), so it runs while backward goes on and the next buckets are reduce-scattered
         (another process group: its own queue of work). Every rank starts these all-reduces in the same order, that
         of the reduce-scatters (first in, first out), so the replica group's collectives match ([Note: lockstep]).
-        Nothing reads the chunk before delivery: the shard slice is read only after :meth:`wait`, and the slot (with
-        its side output) returns to the pool only here.
+        A chunk reduced straight into the shard holds no buffer meanwhile (its slot went back to the pool when the
+        reduce-scatter was waited for), so the all-reduce runs on while backward fills the next buckets; a chunk in
+        a slot's side output (accumulation, a sink) keeps its slot until it is delivered here. Nothing reads a chunk
+        before delivery: the shard is read only after :meth:`wait`.
         """
         bucket, work, slot, accumulate = self._replicating.popleft()
         collectives.wait(work, f"all-reduce gradient bucket {bucket.index}{self._unit_label(bucket)} across replicas")
-        self._deliver(bucket, slot, accumulate)
+        if slot is not None:
+            self._deliver(bucket, slot, accumulate)
 
     def _reduced(self, bucket: Bucket, slot: _Slot, accumulate: bool) -> torch.Tensor:
         """Where ``bucket``'s reduce-scatter wrote this rank's chunk: the slot's side output or the shard slice."""

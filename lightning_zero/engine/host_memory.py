@@ -18,14 +18,18 @@ glibc alone), applied only on CPU runs, and never over a threshold the user chos
 [Note: the mmap threshold costs time]
 A fixed 128 KiB threshold returns every freed tensor above it to the kernel, so the next step's tensors of that size
 (activations, their gradients, the optimizer's temporaries: DDP's as much as ZeRO's) come back as fresh pages, each
-one a page fault that the kernel zero-fills. On a 5.3M-parameter GPT at N = 2 (batch 4 x 128 tokens, clipping,
-2-core VM) that is about 63,000 faults (245 MiB of fresh pages) per step against DDP's 4,000-12,000 with glibc's
-defaults: 1.4-1.6x DDP's CPU time per step, the regression of issue 23 (commit 4a654ac fixed the threshold for every
-model). The memory it gives back is the activations' as much as ZeRO's transients', so the trade-off is real and the
-default depends on the model: ``host_mmap_threshold=None`` fixes 128 KiB at process start, as before, and an engine
-of fewer than :data:`AUTO_FIXED_MIN_PARAMS` trainable parameters (where speed matters more than a few tens of MiB)
-then switches to :data:`HEAP_SETTINGS`: the steady state of glibc's dynamic threshold, in which freed memory stays
-in the heap and is reused without faults. A threshold once fixed cannot be made dynamic again, hence fixed values.
+one a page fault that the kernel zero-fills: many times DDP's faults per step, which run with glibc's dynamic
+threshold, and a step well above DDP's (the regression of issue 23: commit 4a654ac fixed the threshold for every
+model). The memory it gives back is the activations' as much as ZeRO's transients', and no setting tried keeps both
+(benchmarks/RESULTS.md, "Step time against DDP at N = 2": intermediate thresholds of 2-4 MiB still fault on the
+large activations and already let the heap keep stage 3's transients; huge pages, ``THP_MEM_ALLOC_ENABLE=1``, must
+be in a process's environment before its first tensor, which rank 0 of a ``Trainer`` script never is). So the
+trade-off is an option, and its default depends on the model: ``host_mmap_threshold=None`` fixes 128 KiB at process
+start, as before, and an engine of fewer than :data:`AUTO_FIXED_MIN_PARAMS` trainable parameters (where speed matters
+more than a few tens of MiB) then switches to :data:`HEAP_SETTINGS`: the steady state of glibc's dynamic threshold,
+in which freed memory stays in the heap and is reused without faults. A threshold once fixed cannot be made dynamic
+again, hence fixed values; a threshold above 128 KiB fixes the trim threshold at twice its value, as glibc's dynamic
+adjustment does (:func:`fix_threshold`), so ``host_mmap_threshold=33_554_432`` chooses the heap for any model.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ FIXED_THRESHOLD = 131_072
 #: smaller ones switch to :data:`HEAP_SETTINGS` (see [Note: the mmap threshold costs time]).
 AUTO_FIXED_MIN_PARAMS = 16_000_000
 #: (mmap threshold, trim threshold) in bytes: glibc's dynamic threshold at its 64-bit maximum, the trim threshold
-#: twice that, as glibc's dynamic adjustment sets it.
+#: twice that, as glibc's dynamic adjustment sets it (what :func:`fix_threshold` makes of 32 MiB).
 HEAP_SETTINGS = (32 * 2**20, 64 * 2**20)
 
 _large_engine = False
@@ -57,9 +61,17 @@ def release_freed_memory(threshold: Optional[int]) -> bool:
     libc = _glibc() if threshold > 0 else None
     if libc is None:
         return False
-    changed = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+    changed = fix_threshold(libc, threshold)
     libc.malloc_trim(0)
     return changed
+
+
+def fix_threshold(libc: Any, threshold: int) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes and, above :data:`FIXED_THRESHOLD`, the trim threshold at
+    twice that (as glibc's dynamic adjustment would: the heap keeps its top for reuse); ``False`` if refused."""
+    if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
+        return False
+    return threshold <= FIXED_THRESHOLD or libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold) == 1
 
 
 def settle_for_model(threshold: Optional[int], trainable: int) -> bool:
@@ -72,8 +84,7 @@ def settle_for_model(threshold: Optional[int], trainable: int) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    mmap_bytes, trim_bytes = HEAP_SETTINGS
-    return libc.mallopt(_M_MMAP_THRESHOLD, mmap_bytes) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1
+    return fix_threshold(libc, HEAP_SETTINGS[0])
 
 
 def _glibc() -> Optional[Any]:
