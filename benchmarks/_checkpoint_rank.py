@@ -1,6 +1,6 @@
 """One rank of ``python -m benchmarks.checkpoint_io``: save and resume times and peak memory.
 
-Usage (through ``tests.launch``): ``_checkpoint_rank.py OUT STRATEGY WIDTH DEPTH``. Trains one step of a TinyGPT,
+Usage (through ``lightning_zero.testing.launch``): ``_checkpoint_rank.py OUT STRATEGY WIDTH DEPTH``. Trains one step of a TinyGPT,
 saves a checkpoint (``ddp``: Lightning's own single file; zero1-3: the sharded directory), then resumes it in a new
 Trainer. Memory is the peak resident-set growth during the save and during the load hooks, sampled every 2 ms.
 """
@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from lightning_zero import ZeroStrategy
-from tests.models import TinyGPT
+from examples.tiny_gpt import TinyGPT
 
 warnings.filterwarnings("ignore")
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])

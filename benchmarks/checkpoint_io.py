@@ -21,14 +21,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 SINGLE = r"""
 import json, resource, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch, lightning_zero
-from tests.models import TinyGPT
+from examples.tiny_gpt import TinyGPT
 what, path, width, depth = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
             }
     import torch
 
-    from tests.models import TinyGPT
+    from examples.tiny_gpt import TinyGPT
 
     psi = sum(p.numel() for p in TinyGPT(width=args.width, depth=args.depth).parameters())
     print(f"GPT width {args.width} depth {args.depth}: {psi:,} parameters (fp32 weights {psi * 4 / mib:.1f} MiB, "

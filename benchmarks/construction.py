@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 MIB = 2**20
 

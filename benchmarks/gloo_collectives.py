@@ -1,4 +1,4 @@
-"""gloo's collectives on one buffer: why ``lightning_zero.engine.collectives`` runs reduce-scatter and all-gather as
+"""gloo's collectives on one buffer: why ``lightning_zero.core.collectives`` runs reduce-scatter and all-gather as
 all-reduces on CPU (see its [Note: reduce-scatter and all-gather on gloo]).
 
     python -m benchmarks.gloo_collectives --elements 23000000 --world-size 2 --repeats 5
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-sweep", action="store_true", help="time the all-reduce in buckets of each size")
     args = parser.parse_args()
-    from tests.launch import free_port  # noqa: PLC0415
+    from lightning_zero.testing.launch import free_port  # noqa: PLC0415
 
     mp.spawn(_worker, args=(args.world_size, args.elements, args.repeats, free_port(), args.bucket_sweep), nprocs=args.world_size)
 

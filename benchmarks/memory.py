@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks._model import SIZES
 from benchmarks.compare import environment, parse_variant, run_config
 from lightning_zero import expected_model_state_bytes
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 PHASES = ("setup", "forward", "backward", "reduce", "step")

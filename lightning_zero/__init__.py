@@ -11,22 +11,24 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.engine.collectives import TRAFFIC, Traffic
+from lightning_zero.core.collectives import TRAFFIC, Traffic
 from lightning_zero.config import ZeroConfig
 from lightning_zero.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
-from lightning_zero.engine.engine import ZeroEngine, sharded_construction
+from lightning_zero.engine.construction import sharded_construction
+from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
-from lightning_zero.engine.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
+from lightning_zero.core.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
 from lightning_zero.stage3.guard import ParameterNotGatheredError
 from lightning_zero.trainer.strategy import ZeroStrategy
 
-from lightning_zero.trainer import lightning_loads
+from lightning_zero.trainer import early_checks, lightning_loads
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 lightning_loads.install()  # MyModule.load_from_checkpoint(dir) and ddp's ckpt_path=dir read sharded directories
+early_checks.install()  # the Trainer's ckpt_path is checked before the model is built (see early_checks.py)
 ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __version__ = "0.1.0"

@@ -19,11 +19,17 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-import yaml
 
 from lightning_zero.checkpoints.storage import CheckpointError, missing_message
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
-from lightning_zero.estimate import count_parameters, format_estimate, human_bytes, parse_bytes, parse_count
+from lightning_zero.estimate import (
+    count_parameters,
+    format_estimate,
+    human_bytes,
+    parse_bytes,
+    parse_count,
+    parse_init_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     size = estimate.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_argument(parse_count), help="a parameter count: 350M, 1.5B, 7e9")
     size.add_argument("--model", help="an importable class, e.g. mypkg.models.GPT (built on the meta device)")
-    estimate.add_argument("--init-args", type=yaml.safe_load, default={},
+    estimate.add_argument("--init-args", type=_argument(parse_init_args), default={},
                           help="the class's init arguments as a JSON/YAML mapping, e.g. '{width: 512, depth: 12}'")
     estimate.add_argument("-n", "--world-size", type=int, required=True, help="data-parallel ranks")
     estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device with its unit, e.g. "
@@ -105,7 +111,51 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     is importable, as under ``python -m``.
     """
     _import_from_cwd()
-    _zero_cli()(args=list(argv), subclass_mode_model=True, subclass_mode_data=True)
+    _zero_cli()(args=expand_short_strategy(argv), subclass_mode_model=True, subclass_mode_data=True)
+
+
+STRATEGY_FLAG = "--trainer.strategy"
+LONG_FORM_HINT = (
+    "A strategy given by its short name (`zero3`) takes no options after it: jsonargparse reads the name as a string. "
+    "Give the class and its stage instead, on the command line `--trainer.strategy lightning_zero.ZeroStrategy "
+    "--trainer.strategy.stage 3 --trainer.strategy.reduce_bucket_size 1e6` (`lightning-zero fit` turns "
+    "`--trainer.strategy zero3 --trainer.strategy.reduce_bucket_size 1e6` into that itself), or in YAML `strategy: "
+    "{class_path: lightning_zero.ZeroStrategy, init_args: {stage: 3, reduce_bucket_size: 1e6}}`."
+)
+
+
+def expand_short_strategy(argv: Sequence[str]) -> list[str]:
+    """``--trainer.strategy zero3`` followed by ``--trainer.strategy.<option>`` flags, in the long form jsonargparse
+    accepts options for: ``--trainer.strategy lightning_zero.ZeroStrategy --trainer.strategy.stage 3`` (and the start
+    method of a ``_spawn`` / ``_fork`` name). Any other command line is returned as it is.
+
+    [Note: options after a short name]
+    jsonargparse types ``trainer.strategy`` as ``Union[str, Strategy]``: after ``zero3`` (a string) a nested flag has
+    no class to belong to, and it fails with ``Given value: NestedArg(key=...)``. The registry entry of the name says
+    which class and init arguments it stands for, so the short name is replaced by them where it stands, before the
+    flags that follow it."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_zero.trainer.strategy import ZeroStrategy
+
+    argv = list(argv)
+    if not any(a.startswith(STRATEGY_FLAG + ".") and not a.startswith(STRATEGY_FLAG + ".help") for a in argv):
+        return argv
+    for i, arg in enumerate(argv):
+        name, width = None, 1
+        if arg == STRATEGY_FLAG and i + 1 < len(argv):
+            name, width = argv[i + 1], 2
+        elif arg.startswith(STRATEGY_FLAG + "="):
+            name = arg.split("=", 1)[1]
+        entry = dict.get(StrategyRegistry, name) if isinstance(name, str) else None  # .get() would build it
+        if entry is None or not issubclass(entry["strategy"], ZeroStrategy):
+            continue
+        long_form = [STRATEGY_FLAG, "lightning_zero.ZeroStrategy"]
+        for key, value in entry["init_params"].items():
+            if not (key == "start_method" and value == "popen"):
+                long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
+        return argv[:i] + long_form + argv[i + width:]
+    return argv
 
 
 def unknown_zero_strategy(name: object) -> Optional[str]:
@@ -166,6 +216,8 @@ def _zero_cli() -> Any:
 
     class ZeroArgumentParser(LightningArgumentParser):
         def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+            if "NestedArg(" in message and 'key "trainer.strategy"' in message:  # a short name in the YAML file
+                message += "\n" + LONG_FORM_HINT
             super().error(option_hints(message), ex)
 
     class ZeroLightningCLI(LightningCLI):
@@ -191,8 +243,6 @@ def _import_from_cwd() -> None:
 def _estimate(args: argparse.Namespace) -> None:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}.")
-    if not isinstance(args.init_args, dict):
-        raise ValueError(f"--init-args must be a mapping such as '{{width: 512}}', got {args.init_args!r}.")
     _import_from_cwd()
     params = args.params if args.params is not None else count_parameters(args.model, args.init_args)
     print(format_estimate(params, args.world_size, args.memory))

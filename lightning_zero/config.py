@@ -6,14 +6,17 @@ Every option is checked when the strategy is constructed, so a bad value fails b
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
-from lightning_zero.engine.stages import STAGES, all_policies
+from lightning_zero.stages import STAGES, all_policies
 
 #: Stages this version implements.
 SUPPORTED_STAGES = STAGES
@@ -32,12 +35,12 @@ def auto_bucket_elements(numel: int) -> int:
 
     [Note: the default bucket size]
     Bucket buffers are memory that does not fall with N, so their default must be small next to the model states
-    of every model, and still large enough that collectives are not dominated by their per-call cost. Measured on
-    gloo (4 CPU ranks, 25M fp32 elements all-reduced in pieces, benchmarks/RESULTS.md "Memory at 1/N"): one piece
-    355 ms, 4M-element pieces 476 ms, 1M 476 ms, 500K 609 ms, 250K 931 ms: below about 1M elements the per-call
-    cost dominates. Above that, ``Ψ / 32`` keeps the number of buckets near 32 for mid-size models, and the 4M cap
-    (16 MiB fp32, 32 MiB for the two pooled buffers) bounds the buffers of any larger model. The former default,
-    25M elements, was a whole 25M-parameter model per buffer: 190 MiB of buffers per rank under ``zero2``.
+    of every model, and still large enough that collectives are not dominated by their per-call cost. On gloo, a
+    model's gradients all-reduced in pieces of fewer than about 1M elements take measurably longer than in larger
+    pieces (the sweep over piece sizes: benchmarks/RESULTS.md, "Memory at 1/N", "What changed"). Above that,
+    ``Ψ / 32`` keeps the number of buckets near 32 for mid-size models, and the 4M-element cap (16 MiB in fp32, 32
+    MiB for the two pooled buffers) bounds the buffers of any larger model. The former default, 25M elements, made
+    each buffer as large as a whole 25M-parameter model.
     """
     return max(MIN_AUTO_BUCKET_ELEMENTS, min(MAX_AUTO_BUCKET_ELEMENTS, -(-numel // AUTO_BUCKET_FRACTION)))
 #: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
@@ -63,6 +66,11 @@ class ZeroConfig:
     overlap_comm: bool = True
     """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
     reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in ``buckets.py``)."""
+    lockstep_check: bool = True
+    """Stage 3: before each unit's forward and backward, every rank says which unit it is about to run (one small
+    CPU round trip per unit and pass), so ranks whose control flow differs fail at once, naming the unit, instead of
+    at the process group's timeout (see [Note: the lockstep check] in ``stage3/lockstep.py``). ``False`` saves the
+    round trips once the model's control flow is known to be the same on every rank."""
     bucket_buffers: int = 2
     """How many bucket-sized buffers may be in flight at once (constant memory: this times the bucket size)."""
     partition_whole_params: Optional[bool] = None
@@ -192,10 +200,44 @@ class ZeroConfig:
             return
         ignored = [name for name, default in STAGE3_DEFAULTS.items() if getattr(self, name) != default
                    and not (name == "unit_classes" and self.activation_checkpointing is True)]
-        if ignored:
+        if ignored and _launch_rank() == 0:  # every rank builds the strategy: one warning, not one per rank
             warnings.warn(f"{', '.join(f'`{n}`' for n in ignored)} only act{'s' if len(ignored) == 1 else ''} at "
                           f"stage 3 and {'is' if len(ignored) == 1 else 'are'} ignored at stage {self.stage}. Use "
-                          "`stage=3` (`strategy='zero3'`) for them, or leave them out.", UserWarning, stacklevel=3)
+                          "`stage=3` (`strategy='zero3'`) for them, or leave them out.", UserWarning,
+                          stacklevel=_caller_stacklevel())
+
+
+#: Code whose frames a warning about the options skips: ours, the dataclass's generated ``__init__`` (``<string>``),
+#: and the libraries that build the strategy from a YAML file or a name (jsonargparse, Lightning).
+_NOT_THE_CALLER = (os.path.dirname(os.path.abspath(__file__)),
+                   *(location for name in ("jsonargparse", "lightning")
+                     for location in getattr(importlib.util.find_spec(name), "submodule_search_locations", None) or ()))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside :data:`_NOT_THE_CALLER` and Python's own (``<frozen runpy>``):
+    the user's ``ZeroStrategy(...)`` or the script line that starts the CLI. Counted from the caller of this
+    function's caller; when every frame is ours (``python -m lightning_zero fit``), the outermost of ours."""
+    frame, level, outermost = sys._getframe(2), 2, 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<frozen"):
+            outermost = level
+            if not name.startswith("<") and not os.path.abspath(name).startswith(_NOT_THE_CALLER):
+                return level
+            if name == "<string>" and frame.f_code.co_name != "__init__":
+                return level  # code run by `python -c` or exec, not a dataclass's generated __init__
+        frame, level = frame.f_back, level + 1
+    return outermost
+
+
+def _launch_rank() -> int:
+    """This process's rank as the launcher set it in the environment (as Lightning's ``rank_zero_only`` reads it):
+    the strategy is built before any process group exists."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
 
 
 def check_option_names(options: dict[str, Any]) -> None:

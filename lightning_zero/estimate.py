@@ -1,20 +1,25 @@
 """Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
 
-The figures are :func:`~lightning_zero.engine.memory.expected_model_state_bytes`, the same formula the tests hold the
-measured bytes (:func:`~lightning_zero.engine.memory.measure_model_states`) to. Activations, module buffers, the constant
+The figures are :func:`~lightning_zero.core.memory.expected_model_state_bytes`, the same formula the tests hold the
+measured bytes (:func:`~lightning_zero.core.memory.measure_model_states`) to. Activations, module buffers, the constant
 bucket buffers and stage 3's gathered units come on top.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import math
+import re
 from typing import Any, Optional
 
 import torch
+import yaml
 
-from lightning_zero.engine.stages import all_policies
-from lightning_zero.engine.memory import (  # noqa: F401  (human_bytes: the CLI's import)
+from lightning_zero.checkpoints import pretrained
+from lightning_zero.stages import all_policies
+from lightning_zero.core.memory import (  # noqa: F401  (human_bytes: the CLI's import)
     BYTES_PER_PARAM,
     expected_model_state_bytes,
     expected_offload_bytes,
@@ -28,21 +33,62 @@ PRECISIONS = tuple(BYTES_PER_PARAM)
 
 
 def count_parameters(class_path: str, init_args: Optional[dict[str, Any]] = None) -> int:
-    """Trainable parameters of ``class_path(**init_args)``, built on the meta device (no memory, no weights)."""
+    """Trainable parameters of ``class_path(**init_args)``, built on the meta device (no memory, no weights).
+
+    ``configure_model`` runs as zero3 runs it: ``load_pretrained`` there checks the names and shapes against the
+    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in ``pretrained.py``).
+    """
+    cls = _import_class(class_path)
+    try:
+        with torch.device("meta"), pretrained.deferring():
+            model = cls(**(init_args or {}))
+            if isinstance(model, torch.nn.Module) and callable(getattr(model, "configure_model", None)):
+                model.configure_model()  # Lightning's default does nothing
+    except Exception as error:  # noqa: BLE001 - the user's class: say which call failed and with which arguments
+        raise ValueError(f"Building {class_path}(**{init_args or {}!r}) on the meta device failed: "
+                         f"{type(error).__name__}: {error}{_signature_hint(cls, error)}") from error
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{class_path} built a {type(model).__name__}, not a torch.nn.Module.")
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _import_class(class_path: str) -> Any:
+    """The class (or factory) that ``package.module.ClassName`` names."""
     module_name, _, name = class_path.rpartition(".")
     if not module_name:
         raise ValueError(f"`{class_path}` is not an importable class path; write it as `package.module.ClassName`.")
     try:
-        cls = getattr(importlib.import_module(module_name), name)
+        return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"Cannot import {class_path}: {error}") from error
-    with torch.device("meta"):
-        model = cls(**(init_args or {}))
-        if isinstance(model, torch.nn.Module) and callable(getattr(model, "configure_model", None)):
-            model.configure_model()  # Lightning's default does nothing
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"{class_path} built a {type(model).__name__}, not a torch.nn.Module.")
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _signature_hint(cls: Any, error: Exception) -> str:
+    """For a ``TypeError`` (an argument the class does not take, or one it needs): the class's arguments."""
+    if not isinstance(error, TypeError):
+        return ""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return ""
+    hint = f". {getattr(cls, '__name__', cls)} takes {signature}: pass them with `--init-args`"
+    unknown = re.search(r"unexpected keyword argument '([^']+)'", str(error))
+    match = difflib.get_close_matches(unknown.group(1), list(signature.parameters), n=1) if unknown else []
+    return hint + (f" (`{unknown.group(1)}`: did you mean `{match[0]}`?)." if match else ".")
+
+
+def parse_init_args(text: str) -> dict[str, Any]:
+    """``--init-args``: a YAML or JSON mapping of the class's init arguments (``'{width: 512, depth: 12}'``)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{text!r} is not YAML or JSON ({str(error).splitlines()[0]}): write a mapping such as "
+                         "'{width: 512, depth: 12}' (quoted for the shell).") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{text!r} is not a mapping of init arguments: write e.g. '{{width: 512, depth: 12}}'.")
+    return value
 
 
 def model_state_table(num_params: int, world_size: int) -> dict[str, dict[str, float]]:
@@ -125,23 +171,36 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def decimal_bytes(n: float) -> str:
+    """``n`` bytes in the paper's decimal units: B, KB, MB, GB or TB (powers of 1000)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def both_units(n: float) -> str:
+    """``n`` bytes in binary and decimal units, ``"15.3 GiB (16.4 GB)"``: the paper's tables count in GB."""
+    return f"{human_bytes(n)} ({decimal_bytes(n)})" if abs(n) >= 1000 else human_bytes(n)
+
+
 def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[float] = None) -> str:
     """The markdown tables ``lightning-zero estimate`` prints."""
     lines = [f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
-             f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top):", "",
+             f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; GiB = 2^30 bytes, GB = 10^9 as in the paper):", "",
              "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
     for precision, row in model_state_table(num_params, world_size).items():
-        lines.append(f"| {precision} | " + " | ".join(human_bytes(b) for b in row.values()) + " |")
+        lines.append(f"| {precision} | " + " | ".join(both_units(b) for b in row.values()) + " |")
     offloaded = list(OFFLOADED)
     lines += ["", "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and the "
               "gradient shard on the host; `zero3+params`: also `offload_params=True`, the parameter shard on the "
               "host, which leaves the device only the units in flight and the bucket buffers):", "", "| precision | " + " | ".join(offloaded) + " |",
               "|---|" + "---|" * len(offloaded)]
     for precision, cells in offload_table(num_params, world_size).items():
-        lines.append(f"| {precision} | " + " | ".join(f"{human_bytes(d)} + {human_bytes(h)} host"
+        lines.append(f"| {precision} | " + " | ".join(f"{both_units(d)} + {both_units(h)} host"
                                                       for d, h in cells.values()) + " |")
     if memory_bytes is not None:
-        lines += ["", f"Largest model whose model states fit in {human_bytes(memory_bytes)} per rank:", "",
+        lines += ["", f"Largest model whose model states fit in {both_units(memory_bytes)} per rank:", "",
                   "| precision | " + " | ".join(STRATEGIES) + " | " + " | ".join(f"{n}+offload" for n in offloaded)
                   + " |", "|---|" + "---|" * (len(STRATEGIES) + len(offloaded))]
         on_host = largest_offloaded_model(memory_bytes, world_size)

@@ -4,7 +4,7 @@ module tells ZeRO which of its parameters are slices of larger tensors.
 Under ``ZeroStrategy(tensor_parallel_size=t)`` (or Fabric's, or ``ZeroEngine``'s option) the ranks form a
 (data x tensor) ``DeviceMesh``; ``configure_model`` gets it as ``self.device_mesh`` and builds its layers over
 ``self.device_mesh["tensor_parallel"]``. ZeRO then partitions each rank's slices over ``"data_parallel"`` (see
-[Note: ZeRO over the data dimension] in ``engine/groups.py``)::
+[Note: ZeRO over the data dimension] in ``core/groups.py``)::
 
     def configure_model(self):
         tp = self.device_mesh["tensor_parallel"].get_group()
@@ -31,42 +31,15 @@ import fnmatch
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.groups import make_shard_groups
-
-_ATTRIBUTE = "_lightning_zero_tensor_parallel"
-
-
-@dataclass(frozen=True)
-class TensorParallelSlice:
-    """Where a parameter sits in its full tensor: the full tensor is cut into ``size`` equal slices along ``dim``
-    and this rank holds slice ``rank``; with ``parts > 1`` the full tensor is ``parts`` equal blocks along ``dim``
-    (a fused q/k/v projection), each cut so, and the slice is this rank's piece of every block, in order."""
-
-    dim: int
-    rank: int
-    size: int
-    parts: int = 1
-
-
-def mark_tensor_parallel(param: Tensor, dim: int, group: Optional[Any], parts: int = 1) -> Tensor:
-    """Record that ``param`` is this rank's slice, along ``dim``, of a tensor cut over the tensor group ``group``
-    (of ``parts`` blocks, each cut: see :class:`TensorParallelSlice`); it survives stage 3's construction on the
-    meta device. Returns ``param``."""
-    if not -param.dim() <= dim < max(param.dim(), 1):
-        raise ValueError(f"mark_tensor_parallel: dim {dim} is out of range for a parameter of shape "
-                         f"{tuple(param.shape)}.")
-    setattr(param, _ATTRIBUTE, TensorParallelSlice(dim % max(param.dim(), 1), collectives.rank(group),
-                                                   collectives.world_size(group), parts))
-    return param
-
+from lightning_zero.core import collectives
+from lightning_zero.core.groups import make_shard_groups
+from lightning_zero.core.slices import mark_tensor_parallel, tensor_parallel_slice
 
 def cut(full: Tensor, size: int, dim: int, parts: int = 1) -> list[Tensor]:
     """The ``size`` slices of a whole tensor (see :class:`TensorParallelSlice`), as views where they can be."""
@@ -80,12 +53,6 @@ def join(slices: Sequence[Tensor], dim: int, parts: int = 1) -> Tensor:
     """The whole tensor of ``slices`` (every rank's, in rank order): the inverse of :func:`cut`."""
     pieces = [piece.chunk(parts, dim) for piece in slices]
     return torch.cat([torch.cat([p[q] for p in pieces], dim) for q in range(parts)], dim)
-
-
-def tensor_parallel_slice(tensor: Tensor) -> Optional[TensorParallelSlice]:
-    """The slice ``tensor`` is (see :func:`mark_tensor_parallel`), ``None`` for a replicated tensor."""
-    found = getattr(tensor, _ATTRIBUTE, None)
-    return found if found is not None and found.size > 1 else None
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

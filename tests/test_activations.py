@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.engine.activations import checkpoint_blocks
-from tests.launch import launch
-from tests.test_parity import RTOL, _assert_losses_close, _assert_params_close
+from lightning_zero.core.activations import checkpoint_blocks
+from lightning_zero.testing.launch import launch
+from tests.compare import assert_losses_close, assert_params_close
+from tests.test_parity import RTOL
 
 
 # ---------------------------------------------------------------------------------------------------- Lightning, 2 ranks
@@ -32,8 +33,8 @@ def test_checkpointed_zero_matches_ddp_with_dropout_and_frozen_params(lightning_
         ddp, run = rank["ddp"], rank[case]
         assert run["blocks"] == ["blocks.0", "blocks.1", "blocks.2"]
         assert run["stats"]["packed"] == run["stats"]["unpacked"] == 3 * 6  # 3 blocks, 6 micro-batches
-        _assert_losses_close(run["losses"], ddp["losses"], RTOL)
-        _assert_params_close(run["params"], ddp["params"], RTOL)
+        assert_losses_close(run["losses"], ddp["losses"], RTOL)
+        assert_params_close(run["params"], ddp["params"], RTOL)
         assert run["keys"] == ddp["keys"]  # the state-dict keys do not change
         assert not run["wrapped_after_fit"]  # teardown gave the blocks their own forward back
 
@@ -50,8 +51,8 @@ def test_bf16_mixed_checkpointing_recomputes_the_same_values(lightning_runs):
     for rank in lightning_runs:
         plain, checkpointed = rank["zero3_bf16_plain"], rank["zero3_bf16"]
         assert checkpointed["stats"]["unpacked"] > 0 and plain["stats"] is None
-        _assert_losses_close(checkpointed["losses"], plain["losses"], 1e-6)  # autocast is replayed in recompute
-        _assert_params_close(checkpointed["params"], plain["params"], 1e-6)
+        assert_losses_close(checkpointed["losses"], plain["losses"], 1e-6)  # autocast is replayed in recompute
+        assert_params_close(checkpointed["params"], plain["params"], 1e-6)
 
 
 def test_contiguous_checkpoints_live_in_one_buffer_after_the_first_step(lightning_runs):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.zygote import ZYGOTE
+from benchmarks._report import markdown, summarize
+from lightning_zero.testing.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,5 +38,35 @@ def test_compare_writes_the_table_and_the_json(tmp_path):
         assert "error" not in row, row
         assert row["world_size"] == 2 and row["step_median"] > 0 and row["peak_memory"] > 0
         assert row["model_states"] > 0 and row["comm_total"] > 0, row  # ddp's all-reduce is counted too
-    assert rows["ddp"]["step_median_vs_ddp"] == 1.0
-    assert rows["zero2"]["model_states_vs_ddp"] < 1.0  # gradients and optimizer states are sharded
+    zero2, ddp = rows["zero2"], rows["ddp"]
+    for key in ("step_median", "peak_memory", "model_states", "comm_total"):  # ratios of the measured numbers
+        assert zero2[f"{key}_vs_ddp"] == pytest.approx(zero2[key] / ddp[key]), key
+    assert zero2["model_states_vs_ddp"] < 1.0  # gradients and optimizer states are sharded
+    assert _table_cells(table, "zero2")[3] == f"{zero2['step_median_vs_ddp']:.2f}"  # the table's step "vs ddp"
+
+
+def _table_cells(table: str, strategy: str) -> list[str]:
+    """The cells of ``strategy``'s row in a markdown table of :func:`benchmarks._report.markdown`."""
+    row = next(line for line in table.splitlines() if line.startswith(f"| {strategy} |"))
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def _record(strategy: str, step_times: list[float], peak: int, states: int, comm: int) -> dict:
+    """One repeat's record as ``benchmarks/_worker.py`` returns it (only the fields the report reads)."""
+    return {"world_size": 2, "size_name": "tiny", "strategy": strategy, "params": 1_000_000, "step_times": step_times,
+            "peak_memory": peak, "peak_growth": peak // 2, "model_states": states, "comm_bytes": {"all_reduce": comm},
+            "comm_calls": {"all_reduce": 3}, "loss": 1.0}
+
+
+def test_report_ratios_and_table_come_from_the_records():
+    # hand-made records: ddp's median step 0.2 s, zero2's 0.3 s over two repeats (medians 0.1 and 0.3 s)
+    rows = {r["strategy"]: r for r in summarize([_record("ddp", [0.2, 0.2, 0.2], 800, 400, 64),
+                                                 _record("zero2", [0.1, 0.1, 0.3], 600, 100, 64),
+                                                 _record("zero2", [0.3, 0.3, 0.3], 700, 100, 64)])}
+    zero2 = rows["zero2"]
+    assert zero2["repeats"] == 2 and zero2["step_median"] == 0.3
+    assert (zero2["step_min"], zero2["step_max"]) == (0.1, 0.3)
+    assert zero2["step_median_vs_ddp"] == pytest.approx(1.5) and zero2["peak_memory_vs_ddp"] == pytest.approx(0.875)
+    assert zero2["model_states_vs_ddp"] == pytest.approx(0.25) and zero2["comm_total_vs_ddp"] == pytest.approx(1.0)
+    cells = _table_cells(markdown(list(rows.values()), "test"), "zero2")
+    assert cells[1:4] == ["300.0", "100.0–300.0", "1.50"] and cells[8] == "0.25"

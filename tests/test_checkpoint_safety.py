@@ -22,9 +22,9 @@ from lightning_zero.checkpoints.staging import write_meta_digest
 from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.checkpoints.storage import _replace, check_files, load_sharded, read_meta
 from lightning_zero.cli import main as cli
-from tests.launch import ROOT, _tail, launch, start
+from lightning_zero.testing.launch import ROOT, _tail, launch, start
 from tests.models import TinyGPT, TinyLM
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.zygote import ZYGOTE
 
 
 def _trainer(strategy="zero3", **kwargs) -> L.Trainer:
@@ -228,6 +228,49 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(save
         _trainer("zero3").fit(model, ckpt_path=saved)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # refused before a single tensor was written
+
+
+class _Built(TinyGPT):
+    """A TinyGPT built in ``configure_model`` that records how far the Trainer got."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(meta_init=True, **kwargs)
+        self.stages: list[str] = []
+
+    def configure_model(self) -> None:
+        self.stages.append("configure_model")
+        super().configure_model()
+
+    def on_fit_start(self) -> None:
+        self.stages.append("on_fit_start")
+
+
+def test_a_bad_ckpt_path_through_the_trainer_is_refused_before_the_model_is_built(saved, copy, tmp_path):
+    # [Note: a checkpoint is checked before the build] in lightning_zero/trainer/early_checks.py
+    model = _Built()
+    with pytest.raises(CheckpointError, match=r"`ckpt_path`: No checkpoint at .*nothing\.ckpt\. Nothing was built yet"):
+        _trainer("zero3").fit(model, ckpt_path=tmp_path / "nothing.ckpt")
+    assert model.stages == []  # not even configure_model ran
+    meta = copy / "meta.pt"
+    data = bytearray(meta.read_bytes())
+    data[100] ^= 0x01
+    meta.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is damaged: meta.pt does not match its checksum"):
+        _trainer("zero3").fit(model, ckpt_path=copy)
+    assert model.stages == []
+    # another model's shapes: found after configure_model recorded it (zero3: on the meta device), before the engine
+    # builds and shards it, by the Trainer's own strictness (`strict_loading`)
+    other = _Built(width=16)
+    trainer = _trainer("zero3")
+    with pytest.raises(CheckpointError, match=r"`ckpt_path`: The checkpoint .* does not fit this model: shape "
+                                              r"mismatch for .*wte.weight: checkpoint \(37, 32\), model \(37, 16\).*"
+                                              "Found before the model was built and sharded"):
+        trainer.fit(other, ckpt_path=saved)
+    assert other.stages == ["configure_model"] and trainer.strategy.engine is None
+    # the same checkpoint with the right model still resumes
+    good = _Built()
+    _trainer("zero3", max_steps=3).fit(good, ckpt_path=saved)
+    assert good.stages == ["configure_model", "on_fit_start"]
 
 
 class _GPTWithExtra(TinyGPT):

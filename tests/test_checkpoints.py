@@ -13,7 +13,7 @@ import torch
 
 import lightning_zero
 from lightning_zero.checkpoints.storage import check_files, read_meta
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 from tests.workers.checkpoints import FIXED_INPUT, GPT
 
 STAGES = ["zero1", "zero2", "zero3"]

@@ -39,7 +39,7 @@ def test_config_rejects_bad_values(kwargs, error, match):
 def test_host_mmap_threshold_default_follows_the_model(monkeypatch):
     """``None`` (the default): the heap settings only for engines under the cut, never over the environment's
     threshold, never after a large engine (see [Note: the mmap threshold costs time])."""
-    from lightning_zero.engine import host_memory
+    from lightning_zero.core import host_memory
 
     assert ZeroConfig().host_mmap_threshold is None
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
@@ -97,6 +97,18 @@ def test_stage3_options_warn_below_stage3(kwargs, stage):
     with pytest.warns(UserWarning, match=f"only acts? at stage 3 and (is|are) ignored at stage {stage}") as caught:
         ZeroStrategy(stage=stage, **kwargs)
     assert all(f"`{name}`" in str(caught[0].message) for name in kwargs)
+
+
+def test_a_stage3_option_below_stage3_warns_once_from_the_users_line_on_rank_zero_only(monkeypatch):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeroStrategy(stage=2, persistence_threshold=5)  # this line, not the dataclass's generated `<string>` __init__
+        monkeypatch.setenv("LOCAL_RANK", "1")  # another rank started by Lightning's launcher builds it too: silent
+        ZeroStrategy(stage=2, persistence_threshold=5)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].filename == __file__ and "persistence_threshold" in str(caught[0].message)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

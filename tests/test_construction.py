@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_zero.stage3.construction import record_construction
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 transformers = pytest.importorskip("transformers")
 

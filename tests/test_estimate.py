@@ -9,7 +9,7 @@ import pytest
 
 from lightning_zero import expected_model_state_bytes
 from lightning_zero.cli import main as cli
-from lightning_zero.estimate import count_parameters, largest_model, model_state_table, parse_bytes, parse_count
+from lightning_zero.estimate import count_parameters, format_estimate, largest_model, model_state_table, parse_bytes, parse_count
 from tests.models import TinyGPT
 
 
@@ -75,10 +75,68 @@ def test_estimate_command(capsys):
     out = capsys.readouterr().out
     # the GPT of benchmarks/RESULTS.md: measured 288.84 / 216.63 / 180.52 / 144.51 MiB per rank at N=2, fp32
     assert "18,929,152 trainable parameters on 2 ranks" in out
-    assert "| 32-true | 288.8 MiB | 216.6 MiB | 180.5 MiB | 144.4 MiB |" in out
-    assert "Largest model whose model states fit in 1.0 GiB per rank" in out
+    assert "| 32-true | 288.8 MiB (302.9 MB) | 216.6 MiB (227.1 MB) | 180.5 MiB (189.3 MB) | 144.4 MiB (151.4 MB) |" in out
+    assert "Largest model whose model states fit in 1.0 GiB (1.1 GB) per rank" in out
     assert cli(["estimate", "--params", "1B", "-n", "0"]) == 2
     assert "--world-size must be at least 1" in capsys.readouterr().err
+
+
+def test_the_papers_table_in_gb():
+    # the paper's 7.5B model on 64 ranks in decimal GB as its Figure 1 gives them: 120 / 31.4 / 16.6 / 1.88 GB
+    out = format_estimate(7_500_000_000, 64)
+    assert "| bf16-mixed | 111.8 GiB (120.0 GB) | 29.2 GiB (31.4 GB) | 15.5 GiB (16.6 GB) | 1.7 GiB (1.9 GB) |" in out
+
+
+@pytest.mark.parametrize(("init_args", "message"), [
+    ("{width: 16", "argument --init-args: '{width: 16' is not YAML or JSON"),
+    ("[16]", "argument --init-args: '[16]' is not a mapping of init arguments: write e.g. '{width: 512, depth: 12}'"),
+    ("{widht: 16}", "Building tests.models.TinyGPT(**{'widht': 16}) on the meta device failed: TypeError: "),
+])
+def test_bad_init_args_get_a_clear_error_not_a_traceback(capsys, init_args, message):
+    try:
+        code = cli(["estimate", "--model", "tests.models.TinyGPT", "--init-args", init_args, "-n", "2"])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    if "widht" in init_args:  # the class's own arguments, with the one meant
+        assert "TinyGPT takes (" in err and "width" in err and "did you mean `width`?" in err, err
+
+
+class FineTune(L.LightningModule):
+    """The README's fine-tuning pattern: a Hugging Face model built and loaded in ``configure_model``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def configure_model(self) -> None:
+        import transformers
+
+        import lightning_zero
+
+        if getattr(self, "lm", None) is not None:
+            return
+        self.lm = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(self.path))
+        lightning_zero.load_pretrained(self.lm, self.path)
+
+
+def test_estimate_runs_the_readmes_fine_tuning_pattern_without_reading_weights(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    expected = sum(p.numel() for p in transformers.GPT2LMHeadModel(config).parameters())
+    assert cli(["estimate", "--model", f"{__name__}.FineTune", "--init-args", f"{{path: '{tmp_path / 'gpt2'}'}}",
+                "-n", "2"]) == 0
+    assert f"{expected:,} trainable parameters on 2 ranks" in capsys.readouterr().out
+    # the names and shapes are still checked against the files: another size is refused, naming the shapes
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100,
+                                                         n_positions=16)).save_pretrained(tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text((tmp_path / "gpt2" / "config.json").read_text())
+    assert cli(["estimate", "--model", f"{__name__}.FineTune", "--init-args", f"{{path: '{tmp_path / 'other'}'}}",
+                "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "on the meta device failed: ValueError" in err and "shape" in err and "Traceback" not in err, err
 
 
 def test_fit_logs_one_summary_on_rank_zero(caplog):

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 import lightning_zero
-from tests.launch import run_in_own_session
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.launch import run_in_own_session
+from lightning_zero.testing.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -40,7 +40,7 @@ def user_env() -> dict[str, str]:
 
 
 def run(*cmd: str, cwd: Path) -> str:
-    """Run a user's ``python ...`` command (its first process forked from the test zygote, tests/zygote.py); fail with
+    """Run a user's ``python ...`` command (its first process forked from the test zygote, lightning_zero/testing/zygote.py); fail with
     its output if it fails or hangs; return what it printed to stdout."""
     assert cmd[0] == sys.executable, cmd
     out, err = cwd / "stdout.txt", cwd / "stderr.txt"
@@ -82,8 +82,13 @@ def test_gpt_walkthrough_stop_resume_on_other_world_size_generate(tmp_path):
     assert saved["global_step"] == 4 and saved["world_size"] == 2  # the save the signal landed in completed
 
     resume_to = saved["global_step"] + 2
-    run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), "--trainer.devices", "3",
-        "--trainer.max_steps", str(resume_to), "--ckpt_path", str(last), cwd=tmp_path)
+    resumed = run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(config), "--trainer.devices", "3",
+                  "--trainer.max_steps", str(resume_to), "--ckpt_path", str(last), "--trainer.enable_progress_bar",
+                  "true", cwd=tmp_path)
+    # the progress bar as the README describes it: resumed inside the epoch (batch 4 of 233 on 3 processes) it counts
+    # on from the restored batch, against the steps left to max_steps less one (the walkthrough's resume, past the
+    # end of a 3-process epoch, counts from 1 instead: measured 10/9 for 10 steps)
+    assert "Epoch 0/-2 " in resumed and f" {resume_to}/{resume_to - saved['global_step'] - 1} " in resumed, resumed[-2000:]
     summary = json.loads(run(sys.executable, "-m", "lightning_zero", "inspect", str(last), "--json", cwd=tmp_path))
     assert (summary["world_size"], summary["stage"], summary["global_step"]) == (3, 3, resume_to)
 
@@ -94,7 +99,7 @@ def test_gpt_walkthrough_stop_resume_on_other_world_size_generate(tmp_path):
 
 def interrupt_in_second_save(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group and press Ctrl-C (SIGINT to the group) while rank 0 writes the second
-    checkpoint event's first directory: a fault point sends it (see lightning_zero/engine/faults.py), so where the signal
+    checkpoint event's first directory: a fault point sends it (see lightning_zero/core/faults.py), so where the signal
     lands never depends on timing."""
     log = cwd / "interrupted.log"
     fault = "point=save.written,signal=SIGINT,rank=0,target=group,occurrence=3"  # 2 writes per event: top-k, last
@@ -112,6 +117,27 @@ def test_gpt_configs_with_the_script_and_with_the_lightning_zero_command(tmp_pat
         run(sys.executable, "-m", "lightning_zero", "fit", "--model", "examples.gpt.GPT", "--data",
             "examples.gpt.ShakespeareData", "--config", str(config), cwd=tmp_path)
     assert (tmp_path / "checkpoints" / f"gpt-zero{stage}" / "last.ckpt" / "meta.pt").is_file()
+
+
+def test_engine_example_under_torchrun_with_a_distributed_sampler(tmp_path):
+    # torchrun starts 2 gloo ranks; the plain loop of the README's `ZeroEngine` section, then the Trainer's format
+    out = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              str(EXAMPLES / "engine_gpt.py"), "--max-steps", "3", cwd=tmp_path)
+    assert "step 2: loss" in out and "saved checkpoints/gpt-engine/last.ckpt" in out, out
+    from examples.gpt import GPT  # what examples/generate.py does with it, in this process
+
+    model = lightning_zero.load_from_checkpoint(GPT, tmp_path / "checkpoints" / "gpt-engine" / "last.ckpt")
+    assert model.hparams.n_layer == 2 and model.generate("ROMEO:", 4).startswith("ROMEO:")
+
+
+def test_readme_engine_snippet_is_the_shipped_example():
+    # every line of the README's `ZeroEngine` snippet is a line of examples/engine_gpt.py, which the test above runs
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### A plain PyTorch loop: `ZeroEngine`"):]
+    snippet = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 3)]
+    example = {line.strip() for line in (EXAMPLES / "engine_gpt.py").read_text().splitlines()}
+    lines = [line.strip() for line in snippet.splitlines() if line.strip() and line.strip() != "..."]
+    assert len(lines) >= 10 and [line for line in lines if line not in example] == []
 
 
 def test_manual_optimization_with_two_optimizers(tmp_path):

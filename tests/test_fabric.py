@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from lightning_zero import load_full_checkpoint
-from tests.launch import launch
-from tests.test_parity import RTOL, _assert_losses_close, _assert_params_close
+from lightning_zero.testing.launch import launch
+from tests.compare import assert_losses_close, assert_params_close
+from tests.test_parity import RTOL
 
 ZERO = ["zero1", "zero2", "zero3", "engine1", "engine2", "engine3"]
 AT_WORLD_SIZE = {
@@ -53,8 +54,8 @@ def test_fp32_matches_fabric_ddp_step_for_step(launches, world_size, scenario, r
     results, _ = launches(world_size)
     for rank_result in results:
         ddp, zero = rank_result[scenario]["ddp"], rank_result[scenario][runner]
-        _assert_losses_close(zero["losses"], ddp["losses"], RTOL)
-        _assert_params_close(zero["params"], ddp["params"], RTOL)
+        assert_losses_close(zero["losses"], ddp["losses"], RTOL)
+        assert_params_close(zero["params"], ddp["params"], RTOL)
         assert zero["lr"] == ddp["lr"]  # the schedule and the param groups stay the user's
 
 
@@ -63,7 +64,7 @@ def test_bf16_mixed_close_to_fabric_ddp_amp(launches, world_size, scenario, runn
     # the bound of tests/test_parity.py::test_bf16_mixed_close_to_ddp_amp (bf16 working weights vs fp32 + autocast)
     results, _ = launches(world_size)
     for rank_result in results:
-        _assert_losses_close(rank_result[scenario][runner]["losses"], rank_result[scenario]["ddp"]["losses"], 1e-2)
+        assert_losses_close(rank_result[scenario][runner]["losses"], rank_result[scenario]["ddp"]["losses"], 1e-2)
 
 
 def _assert_same_checkpoint_content(actual_path: Any, expected_path: Any) -> None:

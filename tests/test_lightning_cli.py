@@ -113,3 +113,31 @@ def test_a_missing_ckpt_path_is_found_before_the_model_is_built(tmp_path, capsys
                                 "--trainer.accelerator", "cpu", "--trainer.devices", "1",
                                 "--ckpt_path", str(tmp_path / "nothing.ckpt")])
     assert "`ckpt_path`: No checkpoint at" in capsys.readouterr().err
+
+
+def _zero_cli(*args: str) -> LightningCLI:
+    """``lightning-zero fit``'s CLI class with its command line as the command would pass it, not run."""
+    from lightning_zero.cli import _zero_cli as zero_cli
+    from lightning_zero.cli import expand_short_strategy
+
+    return zero_cli()(TinyGPT, args=expand_short_strategy(["--trainer.accelerator", "cpu", "--trainer.devices", "1",
+                                                            *args]), run=False, save_config_callback=None)
+
+
+@pytest.mark.parametrize("flags", [["--trainer.strategy", "zero3"], ["--trainer.strategy=zero3_spawn"]])
+@pytest.mark.parametrize("option", ["--trainer.strategy.reduce_bucket_size", "--trainer.strategy.init_args.reduce_bucket_size"])
+def test_options_override_a_short_name_on_the_command_line(flags, option):
+    strategy = _zero_cli(*flags, option, "1e6", "--trainer.strategy.prefetch_size", "1000").trainer.strategy
+    assert isinstance(strategy, lightning_zero.ZeroStrategy)
+    assert (strategy.config.stage, strategy.config.reduce_bucket_size, strategy.config.prefetch_size) == (3, 10**6, 1000)
+    assert strategy._start_method == ("spawn" if "spawn" in flags[0] else "popen")
+
+
+def test_options_after_a_short_name_in_yaml_get_the_form_that_works(tmp_path, capsys):
+    config = tmp_path / "short.yaml"
+    config.write_text("trainer:\n  strategy: zero3\n")
+    with pytest.raises(SystemExit):
+        _zero_cli("--config", str(config), "--trainer.strategy.reduce_bucket_size", "1e6")
+    err = capsys.readouterr().err
+    assert "NestedArg(key='reduce_bucket_size'" in err and "--trainer.strategy lightning_zero.ZeroStrategy " \
+        "--trainer.strategy.stage 3 --trainer.strategy.reduce_bucket_size 1e6" in err, err

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero import expected_model_state_bytes
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 WIDTH = 96
 

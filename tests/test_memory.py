@@ -1,7 +1,7 @@
 """Memory at 1/N: zero3's peak resident memory per rank during ``fit`` against DDP's, measured in one launch.
 
 Measurement (``tests/workers/measure.py``, ``fit_peak_growth``): 4 gloo ranks, one process each, with glibc's mmap
-threshold fixed by ``tests/launch.py`` (``MALLOC_MMAP_THRESHOLD_=131072``) so that freed tensors leave the process
+threshold fixed by ``lightning_zero/testing/launch.py`` (``MALLOC_MMAP_THRESHOLD_=131072``) so that freed tensors leave the process
 and resident memory tracks live memory. Right before each ``fit`` the rank's resident high-water mark is reset to
 its current level (``/proc/self/clear_refs``); at the end of training, before teardown hands the full weights back,
 ``VmHWM`` minus that level is the peak growth of that ``fit``. DDP and zero3 run one after the other in the same
@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 TARGET = 0.30
 WIDTH, DEPTH, STEPS = 512, 8, 2
@@ -46,7 +46,7 @@ def test_a_step_in_pieces_is_bitwise_one_step():
     """Elementwise optimizers step in bucket-size pieces (constant temporaries) with the results of one call."""
     import torch
 
-    from lightning_zero.engine.optimizer_support import step_in_pieces
+    from lightning_zero.core.optimizer_support import step_in_pieces
 
     for foreach in (True, False):
         torch.manual_seed(0)

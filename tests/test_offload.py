@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.engine.memory import expected_offload_bytes
-from lightning_zero.engine.buckets import GradientReducer
-from lightning_zero.engine.layout import plan_layout
+from lightning_zero.core.memory import expected_offload_bytes
+from lightning_zero.core.buckets import GradientReducer
+from lightning_zero.core.layout import plan_layout
 from lightning_zero.estimate import human_bytes
-from lightning_zero.engine.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
-from tests.launch import launch
+from lightning_zero.core.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
+from tests.compare import assert_losses_close, assert_params_close
+from lightning_zero.testing.launch import launch
 from tests.models import TinyLM
 
 STAGES = ["zero1+offload", "zero2+offload", "zero3+offload"]
@@ -33,20 +34,6 @@ def results(tmp_path_factory) -> list[dict]:
     return launch("offload.py", 2, tmp_path_factory.mktemp("offload"), timeout=300)
 
 
-def _assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
-    assert len(actual) == len(expected) > 0
-    for step, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * abs(e), f"step {step}: loss {a} vs reference {e}"
-
-
-def _assert_params_close(actual: dict, expected: dict, rtol: float) -> None:
-    assert actual.keys() == expected.keys()
-    for name, e in expected.items():
-        e = e.double()
-        err = (actual[name].double() - e).norm() / e.norm().clamp_min(1e-12)
-        assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
-
-
 @pytest.mark.parametrize(("scenario", "stage"), [(scenario, stage) for scenario in ("adamw", "gan_manual")
                                                   for stage in STAGES]
                          + [("shared_adafactor", stage) for stage in STAGES[1:]]
@@ -57,8 +44,8 @@ def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
     # gan_manual: manual optimization with two optimizers (Adam, SGD) and `clip_gradients`; shared_adafactor: three
     # optimizers sharing parameters (SGD with a closure, Adam after clipping, Adafactor stepping on whole tensors)
     for rank in results:
-        _assert_losses_close(rank[scenario][stage]["losses"], rank[scenario]["ddp"]["losses"], RTOL)
-        _assert_params_close(rank[scenario][stage]["params"], rank[scenario]["ddp"]["params"], RTOL)
+        assert_losses_close(rank[scenario][stage]["losses"], rank[scenario]["ddp"]["losses"], RTOL)
+        assert_params_close(rank[scenario][stage]["params"], rank[scenario]["ddp"]["params"], RTOL)
     for name, value in results[1][scenario][stage]["params"].items():
         assert torch.equal(value, results[0][scenario][stage]["params"][name]), f"{name} differs between ranks"
 
@@ -118,14 +105,14 @@ def test_bf16_mixed_offloaded_close_to_ddp_amp(results):
     for rank in results:
         runs = rank["bf16_mixed"]
         for stage in STAGES + PARAMS:
-            _assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
+            assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())
         # stages 1 and 2 do the same arithmetic in the same order, offloaded or not
-        _assert_losses_close(runs["zero2+offload"]["losses"], runs["zero1+offload"]["losses"], 1e-6)
-        _assert_params_close(runs["zero2+offload"]["params"], runs["zero1+offload"]["params"], 1e-6)
+        assert_losses_close(runs["zero2+offload"]["losses"], runs["zero1+offload"]["losses"], 1e-6)
+        assert_params_close(runs["zero2+offload"]["params"], runs["zero1+offload"]["params"], 1e-6)
         # where the parameter shard lives changes no arithmetic: with the optimizer offloaded in both, bit for bit
         assert runs["zero3+offload+params"]["losses"] == runs["zero3+offload"]["losses"]
-        _assert_params_close(runs["zero3+offload+params"]["params"], runs["zero3+offload"]["params"], 0.0)
+        assert_params_close(runs["zero3+offload+params"]["params"], runs["zero3+offload"]["params"], 0.0)
 
 
 def test_fp16_loss_scaling_skips_the_overflowed_step_on_every_rank(results):
@@ -139,7 +126,7 @@ def test_checkpoint_round_trip_offloaded_plain_offloaded(results):
     # zero1+offload resumes from that: the same losses as three epochs in one run without offload
     for rank in results:
         run = rank["round_trip"]["zero"]
-        _assert_losses_close(run["resumed"], run["straight"], RTOL)
+        assert_losses_close(run["resumed"], run["straight"], RTOL)
 
 
 def test_checkpoint_round_trip_offloaded_params_plain_offloaded_params(results):
@@ -147,7 +134,7 @@ def test_checkpoint_round_trip_offloaded_params_plain_offloaded_params(results):
     # offload_params and offload_optimizer resumes from that: the same losses as three epochs in one run
     for rank in results:
         run = rank["round_trip"]["zero"]
-        _assert_losses_close(run["resumed_params"], run["straight"], RTOL)
+        assert_losses_close(run["resumed_params"], run["straight"], RTOL)
 
 
 # ---------------------------------------------------------------------- one process
@@ -213,7 +200,7 @@ def test_device_model_states_do_not_grow_with_the_model_when_both_are_offloaded(
     from torch import nn
 
     from lightning_zero import ZeroEngine
-    from lightning_zero.engine.memory import measure_model_states
+    from lightning_zero.core.memory import measure_model_states
 
     seen = []
     for depth in (2, 8):
@@ -274,8 +261,8 @@ def test_estimate_shows_device_and_host_bytes(capsys):
     # bf16-mixed, N = 4: the gradient shard is on the host only; zero3+offload keeps its 2Ψ/N = 0.5 GB of
     # parameters on the device and 16Ψ/N = 4 GB on the host, with offload_params no model state on the device and
     # 18Ψ/N = 4.5 GB on the host; zero1 keeps the full 2Ψ .grad until the step
-    assert ("| bf16-mixed | 3.7 GiB + 3.7 GiB host | 1.9 GiB + 3.7 GiB host | 476.8 MiB + 3.7 GiB host | 0 B + "
-            "4.2 GiB host |\n") in out
+    assert ("| bf16-mixed | 3.7 GiB (4.0 GB) + 3.7 GiB (4.0 GB) host | 1.9 GiB (2.0 GB) + 3.7 GiB (4.0 GB) host | "
+            "476.8 MiB (500.0 MB) + 3.7 GiB (4.0 GB) host | 0 B + 4.2 GiB (4.5 GB) host |\n") in out
     # the device holds 2 of zero3's 16 bytes per parameter: 8x the model on the same device memory (no bound with
     # params: only the units in flight and the bucket buffers stay)
     assert "| bf16-mixed | 1.07B | 2.45B | 3.12B | 4.29B | 4.29B | 8.59B | 34.36B | no bound |\n" in out
@@ -314,12 +301,13 @@ def test_offload_benchmark_measures_every_cpu_step_against_the_bound():
 
 @pytest.mark.parametrize("offload_optimizer", [True, False])
 def test_the_refresh_follows_the_step_piece_by_piece(monkeypatch, offload_optimizer):
-    """[Note: the refresh follows the step piece by piece]: with the step in pieces, each piece's buckets are
-    all-gathered before the next piece steps, every bucket exactly once, and the weights are those of one step."""
+    """With the step in pieces (see [Note: the refresh follows the step piece by piece] in ``flat.py``), each piece's
+    buckets are all-gathered before the next piece steps, every bucket exactly once, and the weights are those of
+    one step."""
     from torch import nn
 
     from lightning_zero import ZeroEngine
-    from lightning_zero.engine import collectives
+    from lightning_zero.core import collectives
 
     def build():
         torch.manual_seed(0)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lightning_zero import load_full_checkpoint
-from tests.launch import launch
+from tests.compare import assert_losses_close, assert_params_close
+from lightning_zero.testing.launch import launch
 
 FP32_SCENARIOS = ["adamw", "gpt", "gpt_checkpointing", "sgd_value_clip", "adafactor", "gan_manual"]
 STAGES = ["zero1", "zero2", "zero3"]
@@ -72,26 +73,12 @@ def results(request, launches) -> list[dict]:
     return launches(request.param)
 
 
-def _assert_losses_close(actual, expected, rtol):
-    assert len(actual) == len(expected) > 0
-    for step, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * abs(e), f"step {step}: loss {a} vs DDP {e}"
-
-
-def _assert_params_close(actual, expected, rtol):
-    assert actual.keys() == expected.keys()
-    for name, e in expected.items():
-        e = torch.as_tensor(e, dtype=torch.float64)
-        err = (torch.as_tensor(actual[name], dtype=torch.float64) - e).norm() / e.norm().clamp_min(1e-12)
-        assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.0e}"
-
-
 @pytest.mark.parametrize(("results", "scenario", "stage"), cases(FP32_SCENARIOS, STAGES), indirect=["results"])
 def test_fp32_matches_ddp_step_for_step(results, scenario, stage):
     for rank_result in results:
         ddp, zero = rank_result[scenario]["ddp"], rank_result[scenario][stage]
-        _assert_losses_close(zero["losses"], ddp["losses"], RTOL)
-        _assert_params_close(zero["params"], ddp["params"], RTOL)
+        assert_losses_close(zero["losses"], ddp["losses"], RTOL)
+        assert_params_close(zero["params"], ddp["params"], RTOL)
 
 
 @pytest.mark.parametrize(("results", "scenario"), cases(["adamw"]), indirect=["results"])
@@ -121,10 +108,10 @@ def test_bf16_mixed_close_to_ddp_amp(results, scenario):
     for rank_result in results:
         runs = rank_result[scenario]
         for stage in STAGES:
-            _assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
+            assert_losses_close(runs[stage]["losses"], runs["ddp"]["losses"], 1e-2)
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())  # fp32 back after fit
-        _assert_losses_close(runs["zero2"]["losses"], runs["zero1"]["losses"], 1e-6)
-        _assert_params_close(runs["zero2"]["params"], runs["zero1"]["params"], 1e-6)
+        assert_losses_close(runs["zero2"]["losses"], runs["zero1"]["losses"], 1e-6)
+        assert_params_close(runs["zero2"]["params"], runs["zero1"]["params"], 1e-6)
 
 
 @pytest.mark.parametrize(("results", "scenario"), cases(["fp16_overflow"]), indirect=["results"])
@@ -142,17 +129,17 @@ def test_fp16_overflow_skips_the_step_on_every_rank(results, scenario):
 def test_checkpoint_resumes_under_another_stage(results, scenario, stage):
     for rank_result in results:
         run = rank_result[scenario][stage]
-        _assert_losses_close(run["resumed"], run["straight"], RTOL)
+        assert_losses_close(run["resumed"], run["straight"], RTOL)
 
 
 @pytest.mark.parametrize(("results", "scenario", "stage"), cases(CHECKPOINTS, STAGES), indirect=["results"])
 def test_checkpoint_has_the_content_of_a_ddp_checkpoint(results, scenario, stage):
     ddp = torch.load(results[0][scenario]["ddp"]["ckpt"], weights_only=False)
     zero = load_full_checkpoint(results[0][scenario][stage]["ckpt"])  # the sharded directory, assembled
-    _assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
+    assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
     ddp_opt, zero_opt = ddp["optimizer_states"][0], zero["optimizer_states"][0]
     assert [g["params"] for g in zero_opt["param_groups"]] == [g["params"] for g in ddp_opt["param_groups"]]
     assert zero_opt["state"].keys() == ddp_opt["state"].keys()
     for index, expected in ddp_opt["state"].items():
         assert zero_opt["state"][index].keys() == expected.keys()
-        _assert_params_close(zero_opt["state"][index], expected, RTOL)
+        assert_params_close(zero_opt["state"][index], expected, RTOL)

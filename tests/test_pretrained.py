@@ -17,7 +17,7 @@ import lightning_zero
 from lightning_zero import load_pretrained
 from lightning_zero.checkpoints import pretrained_files
 from lightning_zero.checkpoints.pretrained import _PENDING, deferring
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

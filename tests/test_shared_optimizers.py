@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from lightning_zero import load_full_checkpoint
-from tests.launch import launch
-from tests.test_parity import RTOL, _assert_losses_close, _assert_params_close
+from lightning_zero.testing.launch import launch
+from tests.compare import assert_losses_close, assert_params_close
+from tests.test_parity import RTOL
 
 STAGES = ["zero1", "zero2", "zero3"]
 
@@ -30,8 +31,8 @@ def test_shared_parameters_match_ddp_step_for_step(ranks, scenario, stage):
     for rank in ranks:
         ddp, zero = rank[scenario]["ddp"], rank[scenario][stage]
         assert len(ddp["losses"]) == 16
-        _assert_losses_close(zero["losses"], ddp["losses"], RTOL)
-        _assert_params_close(zero["params"], ddp["params"], RTOL)
+        assert_losses_close(zero["losses"], ddp["losses"], RTOL)
+        assert_params_close(zero["params"], ddp["params"], RTOL)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -60,16 +61,16 @@ def test_checkpoint_round_trip_with_shared_parameters(ranks, stage):
     for rank in ranks:
         run = rank["checkpoint"][stage]  # saved under `stage`, resumed under the next stage
         assert len(run["resumed"]) == len(run["straight"]) == 8
-        _assert_losses_close(run["resumed"], run["straight"], RTOL)
-        _assert_params_close(run["resumed_params"], run["straight_params"], RTOL)
-        _assert_losses_close(run["from_ddp"], rank["checkpoint"]["ddp"]["straight"], RTOL)  # ddp's file, resumed
+        assert_losses_close(run["resumed"], run["straight"], RTOL)
+        assert_params_close(run["resumed_params"], run["straight_params"], RTOL)
+        assert_losses_close(run["from_ddp"], rank["checkpoint"]["ddp"]["straight"], RTOL)  # ddp's file, resumed
     ddp = torch.load(ranks[0]["checkpoint"]["ddp"]["ckpt"], weights_only=False)
     zero = load_full_checkpoint(ranks[0]["checkpoint"][stage]["ckpt"])
-    _assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
+    assert_params_close(zero["state_dict"], ddp["state_dict"], RTOL)
     assert len(zero["optimizer_states"]) == len(ddp["optimizer_states"]) == 3
     for ddp_opt, zero_opt in zip(ddp["optimizer_states"], zero["optimizer_states"]):  # each optimizer its own state
         assert [g["params"] for g in zero_opt["param_groups"]] == [g["params"] for g in ddp_opt["param_groups"]]
         assert zero_opt["state"].keys() == ddp_opt["state"].keys() and ddp_opt["state"]
         for index, expected in ddp_opt["state"].items():
             assert zero_opt["state"][index].keys() == expected.keys()
-            _assert_params_close(zero_opt["state"][index], expected, RTOL)
+            assert_params_close(zero_opt["state"][index], expected, RTOL)

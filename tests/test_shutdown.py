@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM at chosen points: every rank ends soon, cleanly, and the last complete checkpoint is intact.
 
 Each case runs a user's script on 2 CPU ranks (Lightning's launcher starts rank 1 in the same process group) with
-``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/engine/faults.py):
+``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/core/faults.py):
 the outcome never depends on when a timer fired. The signal goes to the whole process group, as Ctrl-C does, so
 rank 1 receives it wherever it happens to be; the outcome must be the same wherever that is.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lightning_zero import inspect_checkpoint
-from tests.launch import ROOT, _tail, run_in_own_session, start, wait_all
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.launch import ROOT, _tail, run_in_own_session, start, wait_all
+from lightning_zero.testing.zygote import ZYGOTE
 
 TIMEOUT = 300  # the whole run, start-up included; the signal itself must end it within SHUTDOWN seconds
 SHUTDOWN = 60
@@ -124,7 +124,7 @@ def run_slurm_job(tmp_path: Path, bin_dir: Path, fault: str | None, max_steps: i
                   job: str) -> list[tuple[int, str]]:
     """Start the two tasks of a SLURM job step the way ``srun`` would: one process group apart from this test (the
     fault point's ``target=group`` signal reaches both tasks and nothing else), SLURM's variables, each task forked
-    from the test zygote (tests/zygote.py)."""
+    from the test zygote (lightning_zero/testing/zygote.py)."""
     import socket
 
     with socket.socket() as s:
@@ -163,7 +163,7 @@ def test_a_rank_stuck_away_from_a_step_boundary_ends_within_shutdown_timeout(tmp
 
 def test_a_second_ctrl_c_claims_no_agreed_stop():
     """After the second Ctrl-C this rank stops alone: at teardown nothing claims that every rank stopped together."""
-    from lightning_zero.engine.shutdown import SignalGuard
+    from lightning_zero.core.shutdown import SignalGuard
 
     guard = SignalGuard()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -181,7 +181,7 @@ def test_a_second_ctrl_c_claims_no_agreed_stop():
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():
     """One process, no collective: what the guard does with Lightning's handlers around it."""
-    from lightning_zero.engine.shutdown import SignalGuard, Stopped
+    from lightning_zero.core.shutdown import SignalGuard, Stopped
 
     guard, seen = SignalGuard(), []
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest runs under nohup

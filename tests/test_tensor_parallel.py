@@ -24,16 +24,16 @@ from torch import nn
 from examples.gpt import GPT, ShakespeareData
 from lightning_zero import ZeroConfig, ZeroStrategy, expected_model_state_bytes, inspect_checkpoint
 from lightning_zero.config import resolve_shard_group_size
+from lightning_zero.core.slices import TensorParallelSlice
 from lightning_zero.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TensorParallelSlice,
     mark_tensor_parallel,
     parallelize,
     tensor_parallel_slice,
 )
 from tests.compare import relative, traffic_per_step
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 WORLD, T = 4, 2
 HYBRID_WORLD = int(os.environ.get("LIGHTNING_ZERO_TP_HYBRID_WORLD", "4"))

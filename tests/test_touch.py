@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lightning_zero.stage3 import guard
-from lightning_zero.stage3.plan import find_blocks
-from tests.launch import launch
+from lightning_zero.core.blocks import find_blocks
+from lightning_zero.testing.launch import launch
 
 STRATEGIES = ["zero1", "zero2", "zero3"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tests.launch import launch
+from lightning_zero.testing.launch import launch
 
 
 def test_configure_model_never_materializes_the_full_model_and_validation_stays_sharded(tmp_path):
@@ -21,15 +21,33 @@ def test_configure_model_never_materializes_the_full_model_and_validation_stays_
         assert math.isfinite(rank["val_loss"]) and rank["val_loss"] == ranks[0]["val_loss"]
 
 
-def test_ranks_running_different_units_fail_with_the_unit_named(tmp_path):
-    # rank 1 skips a block at step 2; with a 20 s process-group timeout the job must end, not hang
-    ranks = launch("diverge.py", 2, tmp_path, timeout=150)
+def test_ranks_running_different_units_fail_at_once_with_the_skipped_unit_named(tmp_path):
+    # rank 1 skips blocks.1 at step 2 under the default 30-minute process-group timeout: the lockstep check ends the
+    # job at the first unit where the ranks differ, on every rank, well within this test's bound
+    ranks = launch("diverge.py", 2, tmp_path, timeout=120)
     errors = [rank["error"] for rank in ranks]
-    assert all(errors), errors  # every rank stopped with an error
-    # the unit named is the one whose collective failed (the mismatch shows there, not where rank 1 skipped)
-    assert any("stage 3 unit '" in e and "different collectives" in e for e in errors), errors
+    for error in errors:  # every rank stopped with the same error, at the same point, none by a broken connection
+        assert error and error.startswith("RanksOutOfStepError: ZeRO stage 3: the ranks ran different units"), errors
+        assert "rank 0: the forward of stage 3 unit 'blocks.1'; rank 1: the forward of stage 3 unit 'blocks.2'" in error
+        assert "Rank 1 skipped 'blocks.1' (in the order of the first step's forward)" in error, error
+        assert "different collectives" in error  # the hint: what to change
+    assert errors[0] == errors[1]
     # teardown after the error: no collective, and stage 3's parameters are empty tensors, not views of freed memory
     assert all(rank["elements_left"] == 0 and math.isfinite(rank["state_sum"]) for rank in ranks), ranks
+
+
+def test_lockstep_check_names_each_ranks_unit_and_what_was_skipped():
+    from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, LockstepCheck
+
+    check = LockstepCheck(["<root>", "blocks.0", "blocks.1", "blocks.2", "ln_f"])  # no process group: no check
+    order = [0, 1, 2, 3, 4]
+    text = check.describe([[FORWARD, 2, 2], [FORWARD, 4, 4]], order)
+    assert "rank 0: the forward of stage 3 unit 'blocks.1'; rank 1: the forward of stage 3 unit 'ln_f'" in text
+    assert "Rank 1 skipped 'blocks.1', 'blocks.2'" in text
+    # in backward, or before the forward order is known, nothing is said about skipping
+    assert "Rank 1 skipped" not in check.describe([[FORWARD, 2, 2], [BACKWARD, 3, 3]], order)
+    assert "Rank 1 skipped" not in check.describe([[FORWARD, 2, -1], [FORWARD, 3, -1]], [])
+    check.check(1, FORWARD, order)  # one process: nothing to compare with
 
 
 def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():

@@ -1,4 +1,4 @@
-"""The test zygote (tests/zygote.py) runs a script the way ``python script.py`` would: these are the behaviours the
+"""The test zygote (lightning_zero/testing/zygote.py) runs a script the way ``python script.py`` would: these are the behaviours the
 multi-process tests rely on."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import signal
 from pathlib import Path
 
-from tests.zygote import ZYGOTE
+from lightning_zero.testing.zygote import ZYGOTE
 
 SCRIPT = """
 import atexit, os, sys, threading, time

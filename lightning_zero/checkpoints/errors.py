@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import errno as errnos
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.engine import collectives
+from lightning_zero.core import collectives
 
 # what went wrong on one rank: (rank, exception type, message, errno or None)
 Report = tuple[int, str, str, Optional[int]]
@@ -82,3 +82,15 @@ def _advice(code: Optional[int], path: Path) -> str:
         return (f"This job may not write in {path.parent}: make it writable by the job, or save to another directory "
                 "(e.g. `ModelCheckpoint(dirpath=...)`). ")
     return ""
+
+
+def agree_on_check(check: Callable[[], None]) -> None:
+    """Run ``check`` on every rank; if it raised on any, raise the first rank's error on every rank."""
+    try:
+        check()
+        mine: Optional[str] = None
+    except (CheckpointError, FileNotFoundError) as error:
+        mine = str(error)
+    errors = [e for e in collectives.all_gather_objects(mine) if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])

@@ -17,8 +17,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.core import collectives
+from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, is_per_element, optimizer_destination, param_groups, stack_slices
 
 # (canonical parameter index, state key or None for the weight, start in the flattened parameter, value)

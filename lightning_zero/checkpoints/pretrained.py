@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.pretrained_files import WeightFiles
 from lightning_zero.checkpoints.shards import Shard, model_shards
 

@@ -38,12 +38,9 @@ sizes and checksums of the other files; written last), meta.crc32 (the size and 
 """
 
 
-def write_readme(directory: Path, name: str, meta: dict[str, Any]) -> None:
+def write_readme(directory: Path, name: str, meta: dict[str, Any], info: dict[str, Any]) -> None:
     """Write ``README.txt`` into ``directory``, the checkpoint that will be called ``name``; ``meta`` is what goes
-    into its ``meta.pt`` (Lightning's checkpoint dict with lightning-zero's metadata under ``"lightning_zero"``)."""
-    from lightning_zero.checkpoints.storage import KEY  # here: storage.py imports this module
-
-    info = meta.get(KEY, {})
+    into its ``meta.pt`` (Lightning's checkpoint dict), ``info`` lightning-zero's metadata in it."""
     world_size = info.get("world_size", "?")
     text = _TEXT.format(format=info.get("format", "?"), stage=info.get("stage", "?"), world_size=world_size,
                         es="" if world_size == 1 else "es", epoch=meta.get("epoch", "?"),

@@ -14,9 +14,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.engine import collectives
+from lightning_zero.core import collectives
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object

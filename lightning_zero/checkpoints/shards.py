@@ -38,8 +38,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.engine.layout import MasterSlot
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.core.layout import MasterSlot
+from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.tensor_parallel import cut, tensor_parallel_slice
 
 

@@ -41,12 +41,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_zero.engine import collectives
+from lightning_zero.core import collectives
 from lightning_zero.checkpoints.errors import CheckpointError, agree_on_failure
 from lightning_zero.checkpoints.readme import write_readme
 from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.checkpoints.staging import (
-    META_DIGEST_FILE,
     StagingLock,
     describe,
     make_staging,
@@ -56,8 +55,8 @@ from lightning_zero.checkpoints.staging import (
     siblings,
     write_meta_digest,
 )
-from lightning_zero.engine.faults import fault_point
-from lightning_zero.engine.shutdown import GUARD
+from lightning_zero.core.faults import fault_point
+from lightning_zero.core.shutdown import GUARD
 
 FORMAT = "lightning-zero/1"
 META_FILE = "meta.pt"
@@ -172,7 +171,7 @@ def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any
         files = {name: info for part in every for name, info in part.items()}
         files[".metadata"] = _describe(staging / ".metadata")
         meta[KEY]["files"] = files
-        write_readme(staging, path.name, meta)  # what the directory is, for people (never read by a load)
+        write_readme(staging, path.name, meta, meta.get(KEY, {}))  # what the directory is, for people (never read by a load)
         _save_file(meta, staging / META_FILE)
         write_meta_digest(staging, staging / META_FILE)
         _replace(staging, path, token)

@@ -37,14 +37,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.groups import ShardGroups, make_shard_groups
-from lightning_zero.engine.host_memory import settle_for_model
-from lightning_zero.checkpoints import module_state, pretrained
-from lightning_zero.engine.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.engine.amp import PrecisionMode, clip_grad_norm, clip_grad_value, parameter_grad_norms
+from lightning_zero.core import collectives
+from lightning_zero.core.groups import ShardGroups, make_shard_groups
+from lightning_zero.core.host_memory import settle_for_model
+from lightning_zero.checkpoints import pretrained
+from lightning_zero.engine import module_state
+from lightning_zero.core.activations import ActivationCheckpointing, activations_from_config
+from lightning_zero.core.amp import PrecisionMode, clip_grad_norm, clip_grad_value, parameter_grad_norms
 from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
-from lightning_zero.stage3.construction import Recording, record_construction
+from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.materialize import (
     broadcast_module_states,
     drop_meta,
@@ -52,18 +53,18 @@ from lightning_zero.stage3.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.engine.memory import model_state_summary
-from lightning_zero.engine.offload import fused_hint
-from lightning_zero.engine.optimizer_support import check_not_dtensor
+from lightning_zero.core.offload import fused_hint
+from lightning_zero.core.optimizer_support import check_not_dtensor
 from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
-from lightning_zero.engine.flat import FlatShardedOptimizer
-from lightning_zero.engine.optimizer import ShardedOptimizer
-from lightning_zero.engine.sharing import whole_params_per_optimizer
-from lightning_zero.engine.stages import policy_for
+from lightning_zero.core.flat import FlatShardedOptimizer
+from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.sharing import whole_params_per_optimizer
+from lightning_zero.stages import policy_for
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.partitioned import PartitionedOptimizer, move_units
 from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
+from lightning_zero.engine.summary import model_state_summary
 
 
 class ZeroEngine:
@@ -151,7 +152,8 @@ class ZeroEngine:
         shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
         guard.name_parameters(self.module, {id(p): self.unit_plan.names[unit] for sharded in self.optimizers
                                             for p, unit in zip(sharded.params, sharded.param_units)})
-        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
+        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size,
+                                   self.config.lockstep_check)
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
@@ -180,7 +182,8 @@ class ZeroEngine:
         holder.remove_hooks()
         for sharded in self.optimizers:
             sharded.install_grad_hooks()
-        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size)
+        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size,
+                                   self.config.lockstep_check)
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
@@ -401,16 +404,6 @@ class ZeroEngine:
         pretrained.detach(self.module)
         for handle in self._state_hooks:
             handle.remove()
-
-
-@contextmanager
-def sharded_construction(device: torch.device, recording: Optional[Recording] = None) -> Iterator[Recording]:
-    """Build a model for stage 3 without holding it whole: inside, modules are made on the meta device and their
-    construction recorded; pass the recording to :class:`ZeroEngine` (``recording=``), which replays it one unit at
-    a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup.
-    ``recording`` continues an earlier recording."""
-    with record_construction(device, recording) as recording, pretrained.deferring():
-        yield recording
 
 
 def _default_device() -> torch.device:

@@ -2,7 +2,7 @@
 
 A thin adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`: ``fabric.setup`` makes the engine,
 ``fabric.backward`` and ``optimizer.step()`` are the engine's, ``fabric.save`` / ``fabric.load`` write and read the
-Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``checkpoints/engine_state.py``), and
+Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``engine/state.py``), and
 ``fabric.init_module()`` under zero3 builds the model sharded, as the Trainer's ``configure_model`` does.
 
 [Note: the Fabric state dict in the Trainer's format]
@@ -15,10 +15,10 @@ keys (the engine knows their order) and the other entries by name. A Trainer che
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -28,9 +28,8 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -38,16 +37,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import collectives
-from lightning_zero.checkpoints import engine_state
-from lightning_zero.checkpoints.engine_state import STORAGE_OPTIONS_ERROR
-from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode, UsesPrecisionMode
+from lightning_zero.engine import state as engine_state
+from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
+from lightning_zero.engine.precision import LossScaler, PrecisionInput, UsesPrecisionMode
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.fabric.processes import StartMethod, ZeroProcesses
+from lightning_zero.engine.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
-from lightning_zero.engine.engine import ZeroEngine, sharded_construction
-from lightning_zero.stage3.construction import PendingRecording, Recording
-from lightning_zero.stage3.materialize import move_materialized
+from lightning_zero.engine.construction import InitModuleRecording, place_module
+from lightning_zero.engine.engine import ZeroEngine
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
 PRECISION_KEY = "ZeroPrecision"
@@ -61,9 +58,7 @@ class ZeroFabricPrecision(UsesPrecisionMode, Precision):
 
     def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
                  loss_scaler: Optional[LossScaler] = None) -> None:
-        self.mode = PrecisionMode(precision, loss_scaler)
-        self.precision = self.mode.precision  # type: ignore[assignment]
-        self.device_type = device_type
+        super().__init__(precision, device_type, loss_scaler)
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
@@ -141,7 +136,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._num_nodes = 1
         self._backward_sync_control = _ZeroBackwardSyncControl()
-        self._pending: Optional[PendingRecording] = None
+        self._init_module = InitModuleRecording()
         """Stage 3: the recording still on between ``init_module()`` and ``setup()``."""
 
     # ------------------------------------------------------------------ properties
@@ -197,21 +192,17 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         return optimizer
 
     def _make_engine(self, module: Module, optimizers: list[Optimizer]) -> None:
-        self._end_pending_recording()
+        recording = self._init_module.take()
         if self.engine is not None:
             raise RuntimeError("ZeroFabricStrategy sets up one model: call `fabric.setup` (or `setup_module`) once, "
                                "with every optimizer of the model.")
         self.engine = ZeroEngine(module, optimizers, precision=self.precision.mode, device=self.root_device,
-                                 config=self.config, recording=self._recording, shard_groups=self.shard_groups)
-        self._recording = None
+                                 config=self.config, recording=recording, shard_groups=self.shard_groups)
 
     @override
     def module_to_device(self, module: Module) -> None:
-        self._end_pending_recording()  # Fabric's setup calls this first
-        if self.policy.shards_params:
-            move_materialized(module, self.root_device)  # the rest is built unit by unit at setup
-        else:
-            module.to(self.root_device)
+        self._init_module.stop()  # Fabric's setup calls this first
+        place_module(module, self.root_device, self.policy.shards_params)
 
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
@@ -222,26 +213,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         ``construction.py``). Stages 1 and 2 build on the device, as ``ddp``."""
         if not self.policy.shards_params:
             return super().module_init_context(empty_init)
-        return self._recorded_construction(bool(empty_init))
-
-    @contextmanager
-    def _recorded_construction(self, empty_init: bool) -> Iterator[None]:
-        """See [Note: what happens between init_module and setup] in ``construction.py``: the recording goes on
-        after the context until ``setup``."""
-        earlier = self._end_pending_recording()
-        with ExitStack() as stack:
-            stack.enter_context(self.precision.module_init_context())
-            recording = stack.enter_context(sharded_construction(self.root_device, earlier))
-            stack.enter_context(_EmptyInit(enabled=empty_init))
-            yield
-        self._pending = PendingRecording(recording).start()
-
-    def _end_pending_recording(self) -> Optional[Recording]:
-        """Stop recording what is done to the model built under ``init_module`` (setup replays it)."""
-        if self._pending is not None:
-            self._recording = self._pending.stop()
-            self._pending = None
-        return self._recording
+        return self._init_module.context(self.root_device, self.precision.module_init_context(), bool(empty_init))
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
@@ -285,14 +257,6 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        collectives.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return collectives.broadcast_object(obj, src)
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
@@ -304,25 +268,16 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             raise ValueError("ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
                              "any world size and stage): remove `filter=` from `fabric.save`.")
         engine = self._engine()
-        checkpoint: dict[str, Any] = {}
-        states: dict[int, Any] = {}
-        for key, obj in state.items():
-            if isinstance(obj, Module):
-                self._check_module(obj)
-                checkpoint["state_dict"] = engine_state.model_state(engine)
-            elif isinstance(obj, Optimizer):
-                index = engine.optimizers.index(engine.sharded(obj))
-                states[index] = engine_state.optimizer_state(engine, obj)
-            else:
-                checkpoint[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
-        if states:
-            if sorted(states) != list(range(len(engine.optimizers))):
-                raise ValueError(f"`fabric.save` got {len(states)} of the model's {len(engine.optimizers)} optimizers:"
-                                 " save all of them (or none), so that the checkpoint resumes.")
-            checkpoint["optimizer_states"] = [states[k] for k in range(len(states))]
-        if "state_dict" not in checkpoint:
+        modules = [obj for obj in state.values() if isinstance(obj, Module)]
+        if not modules:
             raise ValueError("`fabric.save` under ZeroFabricStrategy needs the model in the state: "
                              "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
+        for module in modules:
+            self._check_module(module)
+        optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
+        checkpoint = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj for key, obj in state.items()
+                      if not isinstance(obj, (Module, Optimizer))}
+        checkpoint.update(engine_state.states_entries(engine, optimizers))
         checkpoint[PRECISION_KEY] = self.precision.state_dict()
         engine_state.save(engine, checkpoint, Path(path), writer="fabric")
 
@@ -384,7 +339,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ teardown and registration
     @override
     def teardown(self) -> None:
-        self._end_pending_recording()
+        self._init_module.stop()  # a model built under init_module and never set up: stop recording it
         if self.engine is not None:
             self.engine.teardown(gather=True)
         super().teardown()

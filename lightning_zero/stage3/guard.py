@@ -8,14 +8,14 @@ swapped for a subclass of its own class (:func:`guarded_class`) whose ``__torch_
 that would read the values with :class:`ParameterNotGatheredError`, naming the parameter, its unit and the fix, and
 allows what only reads metadata (shape, dtype, device, ``requires_grad``, ``.grad``, hooks). Gathering the unit swaps
 the class back before anyone can use the values, so inside forward and backward the parameters are plain
-``nn.Parameter`` objects: the step pays one attribute store per parameter per gather and release (about 0.1 us),
-nothing per operation.
+``nn.Parameter`` objects: the step pays one attribute store per parameter per gather and release, nothing per
+operation (timings: benchmarks/RESULTS.md, "Guarding released stage 3 parameters").
 
 Alternatives measured or weighed (2026-11-24): DeepSpeed's 0-element ``param.data`` swaps (a read gives zeros or a
 shape error far from the cause, ``W.norm()`` silently returns 0: silent loss, and the tensors autograd saved would
 keep the old storage, so backward's re-gather would need ``param.data`` swaps of every saved view as well); FSDP2's
 DTensor shards (every operation pays DTensor dispatch, and the user's optimizer and hooks would see DTensors); a
-permanent ``__torch_function__`` subclass (about 3-5 us per operation on a parameter in every forward, and a
+permanent ``__torch_function__`` subclass (a Python dispatch per operation on a parameter in every forward, and a
 subclass dynamo must trace). The class swap keeps the step exactly as fast as plain parameters and autograd's saved
 views (which share the buffer's storage) untouched.
 """
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import resolve_name
 
-from lightning_zero.engine.mixins import with_mixin
+from lightning_zero.core.mixins import with_mixin
 
 #: What may be asked of a released parameter: nothing here reads its values.
 _METADATA = frozenset(
@@ -78,7 +78,7 @@ def guarded_class(cls: type) -> type:
 
 def _detached(param: Tensor) -> Tensor:
     """``param.detach()`` of a released parameter: a tensor that refuses reads in the same way (a placeholder that
-    ``module.state_dict()`` replaces with the gathered values, see ``checkpoints/module_state.py``)."""
+    ``module.state_dict()`` replaces with the gathered values, see ``engine/module_state.py``)."""
     with torch._C.DisableTorchFunctionSubclass():
         out = param.detach().as_subclass(guarded_class(torch.Tensor))
     out.__dict__[_INFO] = param.__dict__.get(_INFO, ("a parameter", "?"))

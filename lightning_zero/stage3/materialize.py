@@ -15,10 +15,11 @@ parameters (GPT-2's ``normal_(std=0.02)`` on its token embedding, tied to the he
 own initialization in its constructor and the parent's code runs afterwards, so the parent's wins. Lightning's
 ``_materialize_meta_tensors`` walks ``module.modules()`` parents first: the parent's ``reset_parameters`` sees the
 child still on the meta device (or initializes it, then the child's default initialization overwrites it). The
-GPT of ``benchmarks/gpt.py`` (now ``benchmarks/_model.py``) then started zero3 with ``N(0, 1)`` embeddings instead of ``N(0, 0.02)`` (loss 62
-instead of 6.2 before the first update; the subnormal gradients that followed made every matmul several times
-slower). :func:`materialize` gives every meta tensor its memory first and then calls ``reset_parameters``
-children first, parents last, as eager construction does.
+GPT of ``benchmarks/gpt.py`` (now ``benchmarks/_model.py``) then started zero3 with ``N(0, 1)`` embeddings instead
+of ``N(0, 0.02)`` (a loss far above ``ln(vocabulary)`` before the first update, and subnormal gradients that slowed
+every matmul: benchmarks/RESULTS.md, "What it was: a wrong initialization, then subnormal floats").
+:func:`materialize` gives every meta tensor its memory first and then calls ``reset_parameters`` children first,
+parents last, as eager construction does.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.groups import ShardGroups
+from lightning_zero.core import collectives
+from lightning_zero.core.groups import ShardGroups
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.partitioned import PartitionedOptimizer
-from lightning_zero.engine.faults import fault_point
-from lightning_zero.engine.shutdown import GUARD
+from lightning_zero.core.faults import fault_point
+from lightning_zero.core.shutdown import GUARD
 from lightning_zero.stage3.plan import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.

@@ -26,9 +26,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.layout import FlatLayout
-from lightning_zero.engine.offload import pins
+from lightning_zero.core import collectives
+from lightning_zero.core.layout import FlatLayout
+from lightning_zero.core.offload import pins
 from lightning_zero.stage3 import guard
 
 

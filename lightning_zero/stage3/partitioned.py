@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine import collectives, offload
-from lightning_zero.engine.layout import MasterSlot
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.core import collectives, offload
+from lightning_zero.core.layout import MasterSlot
+from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
 

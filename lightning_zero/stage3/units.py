@@ -7,15 +7,16 @@ saved in forward (the weights, and views of them such as ``W.t()``) read the re-
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
 parameters have their gradient. Inside backward (activation checkpointing recomputes a forward) the post-forward
 hook does not free: the backward that follows needs the parameters, and the pre-forward hook prefetches in backward
-order. A block checkpointed by the strategy (:mod:`lightning_zero.engine.activations`) recomputes its original ``forward``
+order. A block checkpointed by the strategy (:mod:`lightning_zero.core.activations`) recomputes its original ``forward``
 without its hooks; the unit is gathered once in backward, by the hook on its output, before the recomputation.
 
 [Note: lockstep and prefetch]
 Every rank must issue the same all-gathers in the same order. The order of units in the first forward is recorded;
 afterwards the next units in that order (the previous ones in backward) are gathered asynchronously while the
 current one computes, up to ``prefetch_size`` elements in flight. A rank whose control flow runs a different unit
-than the others cannot be matched: its collective fails after the process group timeout, and the error names the
-unit.
+than the others cannot be matched: every unit hook first checks that all ranks are about to run the same unit (see
+[Note: the lockstep check] in ``lockstep.py``), so every rank fails at the first unit where they differ, at once, and
+the error names the unit each rank ran and the units a rank skipped.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.compiled import eager_hook
+from lightning_zero.core import collectives
+from lightning_zero.core.compiled import eager_hook
+from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ class _UnitState:
 class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
-    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int) -> None:
+    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int,
+                 lockstep_check: bool = True) -> None:
         self.plan = plan
         self.engines = engines
         self.prefetch_size = prefetch_size
@@ -61,6 +64,7 @@ class UnitRuntime:
         self._held = False
         """Inside :meth:`all_gathered`: the hooks free nothing."""
         self._handles: list[Any] = []
+        self.lockstep = LockstepCheck(plan.names) if lockstep_check else None  # a collective: every rank makes it
         for engine in engines:
             for j, p in enumerate(engine.params):
                 unit = engine.param_units[j]
@@ -153,6 +157,7 @@ class UnitRuntime:
     def _pre_forward_hook(self, unit: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             recompute = _in_backward()
+            self._check_lockstep(unit, RECOMPUTE if recompute else FORWARD)
             if torch.is_grad_enabled() and not recompute and not self._recorded and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self.gather(unit)
@@ -175,6 +180,7 @@ class UnitRuntime:
 
     def _pre_backward_hook(self, unit: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
+            self._check_lockstep(unit, BACKWARD)
             self.gather(unit)
             self._prefetch(unit, step=-1)
 
@@ -189,6 +195,22 @@ class UnitRuntime:
                 self.release(unit)
 
         return eager_hook(hook, "stage 3's gradient hook (frees the unit)")
+
+    def _check_lockstep(self, unit: int, phase: int) -> None:
+        """Fail on every rank at once if the ranks are about to run different units (see [Note: the lockstep check]).
+
+        The prefetches in flight were issued by every rank alike (the check before them passed), so they complete:
+        they are waited for before the error leaves, because teardown frees the buffers they write into."""
+        if self.lockstep is None:
+            return
+        try:
+            self.lockstep.check(unit, phase, self.forward_order)
+        except RanksOutOfStepError:
+            for state in self.states:
+                for work in state.pending:
+                    work.wait()
+                state.pending = []
+            raise
 
     def _prefetch(self, unit: int, step: int) -> None:
         if unit not in self.forward_order or self.prefetch_size <= 0:

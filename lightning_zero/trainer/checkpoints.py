@@ -1,5 +1,5 @@
 """The checkpoint half of :class:`~lightning_zero.ZeroStrategy`: Lightning's save and load hooks, handed to the
-engine's checkpoint functions (``checkpoints/engine_state.py``; see [Note: one checkpoint format for every way in]).
+engine's checkpoint functions (``engine/state.py``; see [Note: one checkpoint format for every way in]).
 
 Kept apart from ``strategy.py`` so that each file stays readable. ``ZeroStrategy`` lists this class first among its
 bases, so these hooks override ``ParallelStrategy``'s and ``super()`` here reaches Lightning's.
@@ -16,8 +16,8 @@ from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoints import engine_state
-from lightning_zero.checkpoints.engine_state import STORAGE_OPTIONS_ERROR
+from lightning_zero.engine import state as engine_state
+from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.checkpoints.storage import KEY
 
 class CheckpointHooks:

@@ -1,6 +1,6 @@
 """The Trainer's precision plugin of ZeRO: a thin adapter that hands Lightning's optimizer step to the engine.
 
-Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.engine.amp.PrecisionMode`'s;
+Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.core.amp.PrecisionMode`'s;
 the order of one optimizer step is :meth:`ZeroEngine.step`'s (see [Note: the order of one optimizer step] in
 ``engine.py``). Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping run as the step's
 ``before_step``, after the gradients were reduced and unscaled.
@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode, UsesPrecisionMode
+from lightning_zero.engine.precision import LossScaler, PrecisionInput, UsesPrecisionMode
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -36,9 +36,7 @@ class ZeroPrecision(UsesPrecisionMode, Precision):
 
     def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
                  loss_scaler: Optional[LossScaler] = None) -> None:
-        self.mode = PrecisionMode(precision, loss_scaler)
-        self.precision = self.mode.precision  # type: ignore[assignment]
-        self.device_type = device_type
+        super().__init__(precision, device_type, loss_scaler)
         self.engine: Optional["ZeroEngine"] = None
         """Set by the strategy at setup."""
 

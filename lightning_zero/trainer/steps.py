@@ -13,16 +13,14 @@ from typing import Any, Callable
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero.engine.faults import fault_point
-from lightning_zero.engine.shutdown import GUARD
 
 
 class StepHooks:
-    """Uses the strategy's ``engine`` and ``lightning_module``."""
+    """Uses the strategy's ``engine``, ``lightning_module`` and ``_step_boundary`` (``engine/processes.py``)."""
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        GUARD.safe_point()
+        self._step_boundary()
         self.engine.begin_step()
         output = super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:
@@ -42,8 +40,7 @@ class StepHooks:
         return self._evaluation_step(super().predict_step, *args, **kwargs)
 
     def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        GUARD.safe_point()
-        fault_point("evaluation.step")
+        self._step_boundary("evaluation.step")
         self.engine.begin_step()
         try:
             return step(*args, **kwargs)

@@ -25,14 +25,10 @@ from typing_extensions import override
 
 from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.engine import collectives
-from lightning_zero.engine.activations import ActivationCheckpointing
-from lightning_zero.engine.engine import ZeroEngine, sharded_construction
-from lightning_zero.engine.optimizer import ShardedOptimizer
-from lightning_zero.engine.shutdown import GUARD
-from lightning_zero.fabric.processes import StartMethod, ZeroProcesses
-from lightning_zero.stage3.materialize import drop_meta
-from lightning_zero.stage3.units import UnitRuntime
+from lightning_zero.engine.construction import abandon_construction, sharded_construction
+from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.engine.processes import StartMethod, ZeroProcesses
+from lightning_zero.trainer import early_checks
 from lightning_zero.trainer.checkpoints import CheckpointHooks
 from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.trainer.steps import StepHooks
@@ -118,33 +114,23 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        GUARD.install(self.config.shutdown_timeout)  # see [Note: signals act at agreed step boundaries]
+        self._guard_signals()
         super().setup_environment()
         self._start_distributed()
+        # before configure_model: see [Note: a checkpoint is checked before the build] in early_checks.py
+        early_checks.check_path(early_checks.selected_ckpt_path(self.lightning_module))
         if self.device_mesh is not None and self.lightning_module is not None:
             # as Lightning's ModelParallelStrategy: `configure_model` parallelizes over `self.device_mesh`
             self.lightning_module._device_mesh = self.device_mesh
 
     # ------------------------------------------------------------------ setup
-    @property
-    def engines(self) -> list[ShardedOptimizer]:
-        """The shards of each optimizer (those of the last setup: a checkpoint can still be saved after fit)."""
-        return self.engine.optimizers if self.engine is not None else []
-
-    @property
-    def runtime(self) -> Optional[UnitRuntime]:
-        """Stage 3's unit runtime while set up."""
-        return self.engine.runtime if self.engine is not None else None
-
-    @property
-    def activations(self) -> Optional[ActivationCheckpointing]:
-        return self.engine.activations if self.engine is not None else None
-
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Make the engine over the LightningModule and the optimizers of ``configure_optimizers`` (none outside
         fit: stage 3 still shards the weights for validate, test and predict)."""
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
+        early_checks.check_shapes(early_checks.selected_ckpt_path(self.lightning_module), self.lightning_module,
+                                  strict=self.lightning_module.strict_loading)  # before the engine shards the model
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -195,20 +181,11 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         if self.engine is not None:
             self.engine.teardown(gather=self._ranks_in_step)
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
-            drop_meta(self.model, self.root_device)
+            abandon_construction(self.model, self.root_device)
         super().teardown()
-        GUARD.remove()
-        GUARD.raise_pending()  # a Ctrl-C during the last checkpoint write still stops the script
+        self._release_signals()
 
     # ------------------------------------------------------------------ collectives for Lightning
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        collectives.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast_object(obj, src)
-
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:

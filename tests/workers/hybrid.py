@@ -2,7 +2,7 @@
 ranks and replicated across the two pairs, on the same seed and data; then checkpoints crossing layouts.
 
 Saves per run the losses, the final weights, the collective payload per batch by scope (see [Note: hybrid sharding
-and its traffic] in ``collectives.py``) and T, the padded flat size of the engines (Ψ rounded up per bucket). The
+and its traffic] in ``groups.py``) and T, the padded flat size of the engines (Ψ rounded up per bucket). The
 checkpoint chain: the zero3 k=2 checkpoint resumes a plain zero1 run (k=4) for one step, whose checkpoint resumes a
 zero2 k=2 run for one more; ddp resumes its own checkpoints the same way.
 """

@@ -1,6 +1,6 @@
 """One rank of the measurement run: traffic per optimizer step and model-state bytes per rank, for ddp and zero1-3.
 
-Usage (through ``tests.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS [MODEL [DEPTH [OPTIONS]]]]``
+Usage (through ``lightning_zero.testing.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS [MODEL [DEPTH [OPTIONS]]]]``
 with MODEL ``lm`` (the MLP language model, default) or ``gpt`` (TinyGPT, tied embeddings, built in
 ``configure_model``), and OPTIONS ``test`` (small buckets, every unit its own: the default) or ``defaults`` (ZeRO's
 own defaults). ``peak_rss_growth`` (``ru_maxrss``) is only meaningful when one strategy runs per launch;

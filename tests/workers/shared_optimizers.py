@@ -1,6 +1,6 @@
 """One rank of the shared-optimizer suite: ``SharedOptimizers`` under ddp, zero1, zero2 and zero3 in the same processes.
 
-Usage (through ``tests.launch``): ``shared_optimizers.py OUT``. Saves, per scenario and strategy, the losses, final
+Usage (through ``lightning_zero.testing.launch``): ``shared_optimizers.py OUT``. Saves, per scenario and strategy, the losses, final
 weights, learning rates, call counts, logged metrics, or the error Lightning raised.
 """
 

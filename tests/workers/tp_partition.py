@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero import TRAFFIC
-from lightning_zero.engine.activations import checkpoint_blocks, resolve_partition_group
+from lightning_zero.core.activations import checkpoint_blocks, resolve_partition_group
 
 WIDTH, HIDDEN, DEPTH = 16, 64, 4
 

@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.layout import Bucket
-from lightning_zero.engine.optimizer_support import optimizer_name, user_class
+from lightning_zero.core.layout import Bucket
+from lightning_zero.core.optimizer_support import optimizer_name, user_class
 
 HOST = torch.device("cpu")
 #: torch optimizers with fused CPU kernels: their CPU step reaches the memory bandwidth, the default loop does not.
@@ -77,7 +77,7 @@ def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offloa
 
 class HostGrads:
     """This engine's reduced gradient shard, in host memory and the master dtype: the reducer's
-    :class:`~lightning_zero.engine.buckets.GradSink` (step 1 of [Note: what lives where ...]).
+    :class:`~lightning_zero.core.buckets.GradSink` (step 1 of [Note: what lives where ...]).
 
     [Note: the gradient shard goes to the host bucket by bucket]
     No gradient shard exists on the device. Each bucket's reduce-scatter (and, under hybrid sharding, the replica
@@ -208,13 +208,14 @@ def fused_hint(optimizer: Optimizer) -> Optional[str]:
     """Advice for an offloaded torch Adam/AdamW without ``fused=True``, whose CPU step is then several times slower.
 
     [Note: the fast CPU step is the user's choice]
-    benchmarks/offload.py (25M parameters, one thread): AdamW's default CPU step 182 ms, ``foreach=True`` 136 ms,
-    ``fused=True`` 31 ms, at 96% of the memory-bandwidth bound. The optimizer's options stay the user's, so this is
-    advice, not a change.
+    ``benchmarks/offload.py`` times AdamW's CPU step with its default implementation, ``foreach=True`` and
+    ``fused=True`` against the memory-bandwidth bound: only ``fused=True`` comes near the bound (benchmarks/RESULTS.md,
+    "The CPU step against the memory-bandwidth bound"). The optimizer's options stay the user's, so this is advice,
+    not a change.
     """
     name = optimizer_name(optimizer)
     if name not in FUSED_ON_CPU or optimizer.defaults.get("fused"):
         return None
-    return (f"`offload_optimizer=True` runs {name}'s step on the CPU, where its default implementation is about 6x "
-            f"slower than `fused=True` (see benchmarks/offload.py). Create it with `{name}(..., fused=True)` for "
+    return (f"`offload_optimizer=True` runs {name}'s step on the CPU, where its default implementation is several "
+            f"times slower than `fused=True` (see benchmarks/RESULTS.md). Create it with `{name}(..., fused=True)` for "
             "the fastest offloaded step.")

@@ -22,10 +22,16 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
 from lightning_zero.config import ZeroConfig, process_group_timeout, resolve_shard_group_size
-from lightning_zero.engine.groups import ShardGroups, make_shard_groups
+from lightning_zero.core.groups import ShardGroups, make_shard_groups
+from lightning_zero.core import collectives
+from lightning_zero.core.activations import ActivationCheckpointing
+from lightning_zero.core.faults import fault_point
+from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.shutdown import GUARD
 from lightning_zero.engine.engine import ZeroEngine
-from lightning_zero.engine.host_memory import release_freed_memory
-from lightning_zero.engine.stages import all_policies, policy_for
+from lightning_zero.stage3.units import UnitRuntime
+from lightning_zero.core.host_memory import release_freed_memory
+from lightning_zero.stages import all_policies, policy_for
 from lightning_zero.stage3.construction import Recording
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -96,6 +102,48 @@ class ZeroProcesses:
         if self.engine is None:
             raise RuntimeError("`grad_norms()` needs the model set up (and a backward done).")
         return self.engine.grad_norms(float(norm_type), optimizer)
+
+    @property
+    def engines(self) -> list[ShardedOptimizer]:
+        """The shards of each optimizer (those of the last setup: a checkpoint can still be saved after fit)."""
+        return self.engine.optimizers if self.engine is not None else []
+
+    @property
+    def runtime(self) -> Optional[UnitRuntime]:
+        """Stage 3's unit runtime while set up."""
+        return self.engine.runtime if self.engine is not None else None
+
+    @property
+    def activations(self) -> Optional[ActivationCheckpointing]:
+        """ZeRO-R's activation checkpointing while set up (``None`` without it)."""
+        return self.engine.activations if self.engine is not None else None
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier (both APIs), on the process group's device."""
+        collectives.barrier(self.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast of a picklable object (both APIs)."""
+        return collectives.broadcast_object(obj, src)
+
+    def _guard_signals(self) -> None:
+        """From here on SIGINT/SIGTERM/SIGUSR1 act at step boundaries every rank agrees on (see [Note: signals act
+        at agreed step boundaries] in ``core/shutdown.py``)."""
+        GUARD.install(self.config.shutdown_timeout)
+
+    @staticmethod
+    def _step_boundary(point: Optional[str] = None) -> None:
+        """A step boundary (a collective: every rank reaches it): act on a signal any rank received; ``point`` names
+        it for fault injection (see [Note: fault points] in ``core/faults.py``)."""
+        GUARD.safe_point()
+        if point is not None:
+            fault_point(point)
+
+    @staticmethod
+    def _release_signals() -> None:
+        """At teardown: the handlers go back; a Ctrl-C during the last checkpoint write still stops the script."""
+        GUARD.remove()
+        GUARD.raise_pending()
 
     @property
     def device_mesh(self) -> Optional[Any]:

@@ -2,7 +2,7 @@
 
 Each rank is a separate process with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` set, so Lightning sees an
 externally launched job and does not start processes itself. The ranks are forked from a zygote that imported torch
-and Lightning once (tests/zygote.py), which saves the ~6 s those imports cost each process. A hung collective fails
+and Lightning once (lightning_zero/testing/zygote.py), which saves the ~6 s those imports cost each process. A hung collective fails
 the test after ``timeout`` seconds instead of eating CI's time.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from tests.zygote import ZYGOTE, ZYGOTE_ENV, Child
+from lightning_zero.testing.zygote import ZYGOTE, ZYGOTE_ENV, Child
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/ and benchmarks/ beside the package)
 
 
 def free_port() -> int:
@@ -77,7 +77,7 @@ def wait_all(procs: list[Any], timeout: float) -> list[int]:
 def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> int:
     """Run ``cmd`` (``[sys.executable, ...]``: a user's launch, where Lightning starts the other ranks as its
     children) in a session and process group of its own, so that a signal to the group reaches this run only, as
-    Ctrl-C reaches a terminal's foreground job. The first process is forked from the zygote (tests/zygote.py);
+    Ctrl-C reaches a terminal's foreground job. The first process is forked from the zygote (lightning_zero/testing/zygote.py);
     Lightning's ranks are fresh ``python`` processes. Returns the exit code; on a hang every process prints where it
     is stuck (SIGABRT with ``PYTHONFAULTHANDLER``) and it fails.
     """

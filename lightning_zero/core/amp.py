@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from lightning_zero.engine import collectives
+from lightning_zero.core import collectives
 
 PrecisionInput = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -134,39 +134,6 @@ class PrecisionMode:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
-
-
-class UsesPrecisionMode:
-    """Mixin of the Trainer's and Fabric's precision plugins: the numerics are ``self.mode``'s (a
-    :class:`PrecisionMode`); each plugin adds only what its Lightning base class asks differently."""
-
-    mode: PrecisionMode
-
-    @property
-    def scaler(self) -> Optional[LossScaler]:
-        return self.mode.scaler
-
-    @property
-    def working_dtype(self) -> torch.dtype:
-        """dtype of the parameters the model computes with."""
-        return self.mode.working_dtype
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        """dtype of the weights and states the optimizer steps on."""
-        return self.mode.master_dtype
-
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return self.mode.convert_module(module)
-
-    def forward_context(self) -> AbstractContextManager:
-        return self.mode.forward_context(self.device_type)  # type: ignore[attr-defined]
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.mode.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.mode.load_state_dict(state_dict)
 
 
 def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None, norm_type: float = 2.0,

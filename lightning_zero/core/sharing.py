@@ -23,17 +23,26 @@ own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine.layout import MasterSlot
-from lightning_zero.engine.optimizer_support import check_optimizer, is_elementwise
+from lightning_zero.core.layout import FlatLayout, MasterSlot
+from lightning_zero.core.optimizer_support import check_optimizer, is_elementwise
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.optimizer import ShardedOptimizer
+
+
+class Lender(Protocol):
+    """What borrowing reads of an engine that owns parameters (a
+    :class:`~lightning_zero.core.optimizer.ShardedOptimizer`, which imports this module)."""
+
+    params: list[Tensor]
+    layout: FlatLayout
+
+    def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
+        """The slots in the engine's own shard with their master tensors."""
 
 
 def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConfig) -> list[bool]:
@@ -68,13 +77,13 @@ class Members:
     """Canonical index (in the optimizer's param groups) of each member: the owned ones first, then the borrowed."""
     owned: int
     """How many members the engine owns."""
-    owners: list["ShardedOptimizer"]
+    owners: list["Lender"]
     """The engines it borrows from, in order of first use (the same on every rank)."""
     borrowed: dict[int, list[int]]
     """``id(owner)`` to the indices in ``owner.params`` of the parameters borrowed from it."""
 
 
-def split_members(canonical: Sequence[Tensor], owners: Sequence["ShardedOptimizer"]) -> Members:
+def split_members(canonical: Sequence[Tensor], owners: Sequence["Lender"]) -> Members:
     """Split the trainable parameters of ``canonical`` into those no engine in ``owners`` holds yet and the rest."""
     owned_by = {id(p): (engine, j) for engine in owners for j, p in enumerate(engine.params)}
     trainable = [i for i, p in enumerate(canonical) if p.requires_grad]
@@ -86,7 +95,7 @@ def split_members(canonical: Sequence[Tensor], owners: Sequence["ShardedOptimize
 
 
 def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int],
-                   owners: Sequence["ShardedOptimizer"]) -> list[tuple["ShardedOptimizer", MasterSlot]]:
+                   owners: Sequence["Lender"]) -> list[tuple["Lender", MasterSlot]]:
     """The master tensors a borrowing engine steps on for ``members[first_borrowed:]``, with the engine owning each.
 
     Each is a :class:`MasterSlot` whose ``start`` is an offset in the *owner's* shard and whose pieces index
@@ -94,7 +103,7 @@ def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dic
     borrower are merged into one tensor; a whole-parameter slot is borrowed whole, in the parameter's shape.
     """
     member_of = {id(p): m for m, p in enumerate(members) if m >= first_borrowed}
-    out: list[tuple[ShardedOptimizer, MasterSlot]] = []
+    out: list[tuple[Lender, MasterSlot]] = []
     for owner in owners:
         for slot, _ in owner.own_masters():
             runs: list[list[tuple[int, int, int, int]]] = []  # (member, param start, length, offset in the slot)

@@ -9,8 +9,8 @@ times ``(N - 1) / N``) and are not what is compared. A process group of one rank
 
 [Note: reduce-scatter and all-gather on gloo]
 gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are much slower than its all-reduce of the same
-buffer (2 CPU ranks, 23M fp32 elements: all-reduce 111 ms, reduce-scatter 272 ms, all-gather 220 ms; see
-benchmarks/RESULTS.md), so on gloo both are carried out as one all-reduce each. A reduce-scatter all-reduces its
+buffer (timings: benchmarks/RESULTS.md, "Profile and fixes (part 5)", from ``benchmarks/gloo_collectives.py``), so on
+gloo both are carried out as one all-reduce each. A reduce-scatter all-reduces its
 input in place (the caller's bucket is scratch) and copies this rank's chunk out when the work is waited for; an
 all-gather zeros the other ranks' chunks of the output and all-reduces it. ``x + 0 == x`` exactly, so the gathered
 values are bit-identical (only a ``-0.0`` comes back as ``+0.0``); the reduced sums are DDP's own all-reduce. The
@@ -18,11 +18,11 @@ memory is the same (in place), the counters still count the logical payload abov
 all-gather double, which gloo's own algorithm costs in time anyway. Stage 3's unit gathers stay native: their order
 follows the model's control flow, and two ranks out of step must fail (an all-reduce would silently sum two units
 of the same size; an all-reduce of two different sizes even aborts the process inside gloo). gloo's own all-gather
-allocates a second, full-size output inside gloo and copies it out (measured: +95 MiB of peak for a 95 MiB
-all-gather, +3 MiB for an all-reduce of the same buffer), so stage 3 gathers a unit bucket by bucket: the
-temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the unit's.
-Bucket reduce-scatters and the after-step gathers are issued in a fixed order by every rank. NCCL keeps its native collectives, and
-``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
+allocates a second, full-size output inside gloo and copies it out (its peak is a second copy of the output; an
+all-reduce of the same buffer adds next to nothing: benchmarks/RESULTS.md, "Where the overhead went"), so stage 3
+gathers a unit bucket by bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in
+``config.py``), not the unit's. Bucket reduce-scatters and the after-step gathers are issued in a fixed order by
+every rank. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
 Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
 scope (:func:`register_scope`).
@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.faults import fault_point
+from lightning_zero.core.faults import fault_point
 
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -310,3 +310,27 @@ def agree_max(values: list[int]) -> list[int]:
     TRAFFIC.add("control", tensor)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return tensor.tolist()
+
+
+_LOCKSTEP_GROUPS: dict[int, Any] = {}
+
+
+def make_lockstep_group() -> Optional[Any]:
+    """Collective (every rank calls it at setup): the gloo group stage 3's lockstep check talks over, made once per
+    job; ``None`` without a process group of more than one rank. A group of its own, so that a check never waits
+    behind the data collectives in flight (gloo runs one group's collectives one after the other)."""
+    if not is_distributed():
+        return None
+    key = world_key()
+    if key not in _LOCKSTEP_GROUPS:
+        _LOCKSTEP_GROUPS[key] = dist.new_group(backend="gloo")
+    return _LOCKSTEP_GROUPS[key]
+
+
+def exchange_positions(values: list[int], group: Any) -> list[list[int]]:
+    """Every rank's few integers (the same count on each), on every rank, over ``group`` (from
+    :func:`make_lockstep_group`); synchronous, on the CPU. Control messages, not payload: not counted."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
+    _all_gather_single(out, mine, group=group)
+    return out.view(-1, len(values)).tolist()

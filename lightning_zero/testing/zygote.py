@@ -10,7 +10,7 @@ as the interpreter would (threads joined, ``atexit`` run, an uncaught Ctrl-C re-
 ``-signal``) comes back like a ``subprocess`` return code. Processes it starts itself (Lightning's launcher starting
 the other ranks) are ordinary ``python`` processes. Variables read only once at process start (glibc's
 ``MALLOC_MMAP_THRESHOLD_``, ``PYTHONPATH``, ``OMP_NUM_THREADS``) are the ones the zygote itself starts with
-(:data:`ZYGOTE_ENV`), equal to what :mod:`tests.launch` gives every rank; anything else lightning_zero reads from the
+(:data:`ZYGOTE_ENV`), equal to what :mod:`lightning_zero.testing.launch` gives every rank; anything else lightning_zero reads from the
 environment, it reads when used, not at import.
 
 Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"argv", "env", "cwd", "stdout", "stderr",
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/ and benchmarks/ beside the package)
 ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 

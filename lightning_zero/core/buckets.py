@@ -47,9 +47,9 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.groups import ShardGroups
-from lightning_zero.engine.layout import Bucket, FlatLayout
+from lightning_zero.core import collectives
+from lightning_zero.core.groups import ShardGroups
+from lightning_zero.core.layout import Bucket, FlatLayout
 
 
 class GradSink(Protocol):

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.mixins import with_mixin
+from lightning_zero.core.mixins import with_mixin
 from lightning_zero.config import ZeroConfig
 
 #: torch optimizers whose update of an element depends on that element's gradient and state only.

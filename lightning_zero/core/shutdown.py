@@ -43,7 +43,7 @@ import traceback
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
-from lightning_zero.engine import collectives
+from lightning_zero.core import collectives
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 

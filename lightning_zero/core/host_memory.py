@@ -7,8 +7,8 @@ Linux), so from then on every tensor of up to 32 MiB comes from the heap or a th
 stays resident wherever it is not at the top of the heap. ZeRO's transients are exactly such tensors: stage 3's
 gathered units, gradient buckets, per-parameter gradients before they reach a bucket, the optimizer's temporaries.
 With the dynamic threshold they stay in the process after being freed, and the peak resident memory of a rank no
-longer falls as 1/N (measured on a 25M-parameter GPT, 4 ranks: zero3 394 MiB of growth in ``fit`` against 198 MiB
-with a fixed threshold, of which 98 MiB model states; benchmarks/RESULTS.md, "Memory at 1/N").
+longer falls as 1/N (zero3's growth in ``fit`` with glibc's defaults against a fixed threshold: benchmarks/RESULTS.md,
+"Memory at 1/N", "Where the overhead went").
 
 :func:`release_freed_memory` fixes the threshold (``mallopt(M_MMAP_THRESHOLD, ...)``, which also turns the dynamic
 adjustment off), as ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment would, and trims what the heap holds free

@@ -29,14 +29,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.groups import ShardGroups
-from lightning_zero.engine import offload
-from lightning_zero.engine.buckets import GradientReducer
-from lightning_zero.engine.compiled import eager_hook
+from lightning_zero.core import collectives
+from lightning_zero.core.groups import ShardGroups
+from lightning_zero.core import offload
+from lightning_zero.core.buckets import GradientReducer
+from lightning_zero.core.compiled import eager_hook
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
-from lightning_zero.engine.optimizer_support import (
+from lightning_zero.core.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
+from lightning_zero.core.optimizer_support import (
     backward_order,
     check_optimizer,
     check_params,
@@ -45,9 +45,9 @@ from lightning_zero.engine.optimizer_support import (
     steps_in_pieces,
     zero_subclass,
 )
-from lightning_zero.engine.sharing import borrowed_slots, split_members
-from lightning_zero.engine.stages import StagePolicy
-from lightning_zero.tensor_parallel import tensor_parallel_slice
+from lightning_zero.core.sharing import borrowed_slots, split_members
+from lightning_zero.stages import StagePolicy
+from lightning_zero.core.slices import tensor_parallel_slice
 
 
 class ShardedOptimizer:
@@ -55,7 +55,7 @@ class ShardedOptimizer:
 
     [Note: two storages, one step]
     What differs between the stages is where the working parameters live, so that is what the two subclasses hold:
-    :class:`~lightning_zero.engine.flat.FlatShardedOptimizer` (stages 1 and 2: one full flat working buffer on every
+    :class:`~lightning_zero.core.flat.FlatShardedOptimizer` (stages 1 and 2: one full flat working buffer on every
     rank, refreshed by an all-gather after the step) and :class:`~lightning_zero.stage3.partitioned.PartitionedOptimizer`
     (stage 3: a working shard, units gathered around their use). Everything else, the layout, the reduction of
     gradients, the master tensors the user's optimizer steps on, ``zero_grad`` and borrowing, is this class's.
@@ -64,7 +64,7 @@ class ShardedOptimizer:
     not laid out again (see [Note: parameters shared by several optimizers] in ``sharing.py``). ``whole_params``
     overrides whether the optimizer gets whole tensors (default: unless it is elementwise). ``groups`` are the
     process groups it shards over and replicates across (default: shard over the world; see [Note: hybrid sharding
-    and its traffic] in ``collectives.py``).
+    and its traffic] in ``groups.py``).
     """
 
     def __init__(

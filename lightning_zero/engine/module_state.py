@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.checkpoints.engine_state import load_model
+from lightning_zero.engine.state import load_model
 from lightning_zero.checkpoints.shards import Shard
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.layout import hybrid_rank_lists
+from lightning_zero.core import collectives
+from lightning_zero.core.layout import hybrid_rank_lists
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.engine import collectives
-from lightning_zero.stage3.plan import find_blocks
+from lightning_zero.core import collectives
+from lightning_zero.core.blocks import find_blocks
 
 PartitionGroup = Union[Sequence[int], Sequence[Sequence[int]], Callable[[], Any], None]
 _ALIGN = 64  # bytes; every checkpoint in the contiguous buffer starts at a multiple of this

@@ -3,7 +3,7 @@ step] in ``optimizer.py``).
 
 [Note: working parameters are views of one flat buffer]
 The managed parameters become views of one flat buffer in the working dtype (16-bit under mixed precision), in the
-order of :mod:`lightning_zero.engine.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights
+order of :mod:`lightning_zero.core.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights
 and user references keep working. After the step, each rank writes its updated chunk into the buffer and one
 all-gather per bucket refreshes everybody's copy in place. When the master dtype equals the working dtype
 (``32-true``, ``bf16-true``) and the optimizer is not offloaded, the master shard *is* this rank's chunk of the
@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine import collectives, offload
-from lightning_zero.engine.layout import Bucket, MasterSlot
-from lightning_zero.engine.optimizer import ShardedOptimizer
+from lightning_zero.core import collectives, offload
+from lightning_zero.core.layout import Bucket, MasterSlot
+from lightning_zero.core.optimizer import ShardedOptimizer
 
 
 class FlatShardedOptimizer(ShardedOptimizer):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
-from lightning_zero.tensor_parallel import tensor_parallel_slice
+from lightning_zero.core import collectives
+from lightning_zero.core.slices import tensor_parallel_slice
 from lightning_zero.checkpoints.errors import agree_on_failure
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.sharded import (
@@ -68,6 +68,21 @@ def optimizer_state(engine: "ZeroEngine", optimizer: Optimizer) -> dict[str, Any
         state = full_optimizer_state(sharded)
         return state if collectives.rank() == 0 else {}
     return {"state": optimizer_shards(sharded), "param_groups": param_groups(sharded)}
+
+
+def states_entries(engine: "ZeroEngine", optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    """The format's entries of a checkpoint: ``state_dict`` (:func:`model_state`) and, when ``optimizers`` are given,
+    ``optimizer_states`` in the engine's order (:func:`optimizer_state`); all of the engine's optimizers or none,
+    so that the checkpoint resumes."""
+    entries: dict[str, Any] = {"state_dict": model_state(engine)}
+    if not optimizers:
+        return entries
+    states = {engine.optimizers.index(engine.sharded(o)): optimizer_state(engine, o) for o in optimizers}
+    if sorted(states) != list(range(len(engine.optimizers))):
+        raise ValueError(f"Got {len(states)} of the model's {len(engine.optimizers)} optimizers: save all of them "
+                         "(or none), so that the checkpoint resumes.")
+    entries["optimizer_states"] = [states[k] for k in range(len(states))]
+    return entries
 
 
 def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: Writer) -> None:

@@ -1,0 +1,37 @@
+"""The one-line summary of what an engine's ranks hold, next to what DDP would hold (``ZeroEngine.summary``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_zero.core import collectives
+from lightning_zero.core.memory import expected_model_state_bytes, expected_offload_bytes, human_bytes
+
+if TYPE_CHECKING:
+    from lightning_zero.engine.engine import ZeroEngine
+
+
+def model_state_summary(engine: "ZeroEngine") -> str:
+    """One line: what each rank of ``engine`` holds, next to what DDP would hold (DESIGN.md's table, with the shard
+    group's size k in place of N under hybrid sharding; under tensor parallelism of this rank's slices, over the
+    data dimension)."""
+    config, groups = engine.config, engine.shard_groups
+    t = groups.tensor_size
+    n = collectives.world_size() // t  # the data-parallel ranks (all ranks without tensor parallelism)
+    k = n // groups.replicas
+    psi = sum(p.numel() for sharded in engine.optimizers for p in sharded.params)
+    mode = engine.precision.precision
+    zero = expected_model_state_bytes(psi, k, config.stage, mode)
+    ddp = expected_model_state_bytes(psi, n, 0, mode)
+    if not ddp:
+        return "no trainable parameters"
+    where = ""
+    moved = [name for name in ("offload_optimizer", "offload_params") if getattr(config, name)]
+    if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
+        zero, host = expected_offload_bytes(psi, k, config.stage, mode, config.offload_optimizer, config.offload_params)
+        where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
+    hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
+    ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
+    own = "" if t == 1 else " (this rank's tensor-parallel slices)"
+    return (f"ZeRO stage {config.stage} on {ranks}{hybrid}, precision {mode}: {psi:,} trainable parameters{own}; "
+            f"model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)")

@@ -1,0 +1,125 @@
+"""The package's import graph: folders in layers, no import from a lower layer to a higher one, no circle.
+
+[Note: the layers of the package]
+Read bottom-up, the folders follow one training step's data path: ``config``/``stages`` (the options) ->
+``core`` (layout, buckets, the gradient reducer, collectives, the sharded optimizer step, precision, offload) ->
+``tensor_parallel`` and ``stage3`` (what is sliced and what is gathered around its use) -> ``checkpoints`` (the
+state of all of it on disk) -> ``engine`` (``ZeroEngine``: one step composed from the above, and the processes the
+adapters share) -> ``trainer`` and ``fabric`` (Lightning's two APIs) -> ``estimate``, ``cli``, ``testing``. A module
+imports only from its own folder or a lower layer; folders in one layer do not import each other; the adapters use
+only the engine, the options and the checkpoint functions. Every import counts, also one inside a function or under
+``TYPE_CHECKING`` (an annotation that names a higher layer is a dependency too); only the test for circles
+between modules leaves out imports made for annotations alone, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lightning_zero"
+LAYERS: list[tuple[str, ...]] = [
+    ("stages",),
+    ("config",),
+    ("core",),
+    ("tensor_parallel", "stage3"),
+    ("checkpoints",),
+    ("engine",),
+    ("trainer", "fabric"),
+    ("estimate",),
+    ("cli", "testing", "__init__"),
+    ("__main__",),
+]
+ADAPTERS = ("trainer", "fabric")
+ADAPTERS_USE = ("engine", "config", "stages", "checkpoints")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    base = ROOT / name.replace(".", "/")
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _imports(path: Path, typing_too: bool = True) -> list[tuple[int, str]]:
+    """(line, module) for every import of a ``lightning_zero`` module in ``path``, wherever it is written (without
+    ``typing_too``, not those under ``if TYPE_CHECKING:``)."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if not typing_too and id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:  # `from lightning_zero.core import collectives` imports a module
+                full = f"{target}.{alias.name}"
+                found.append((node.lineno, full if _is_module(full) else target))
+    return [(line, name) for line, name in found if name.split(".")[0] == "lightning_zero"]
+
+
+def _graph(typing_too: bool = True) -> dict[str, list[tuple[int, str]]]:
+    return {_module_name(p): _imports(p, typing_too) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(folder: str) -> int:
+    for index, folders in enumerate(LAYERS):
+        if folder in folders:
+            return index
+    raise AssertionError(f"lightning_zero/{folder} is in no layer: add it to LAYERS in tests/test_layers.py")
+
+
+def test_no_import_goes_up_or_sideways() -> None:
+    wrong = []
+    for module, imports in _graph().items():
+        here = _folder(module)
+        for line, target in imports:
+            there = _folder(target)
+            if there == here or target == "lightning_zero" and here in ("__main__", "testing"):
+                continue
+            if _layer(there) >= _layer(here):
+                wrong.append(f"{module}:{line} imports {target} ({there} is not below {here})")
+            elif here in ADAPTERS and there not in ADAPTERS_USE:
+                wrong.append(f"{module}:{line} imports {target}: the adapters use only {', '.join(ADAPTERS_USE)}")
+    assert not wrong, "Imports against [Note: the layers of the package]:\n" + "\n".join(wrong)
+
+
+def test_no_circle_between_modules() -> None:
+    graph = {m: sorted({t for _, t in imports if t != m}) for m, imports in _graph(typing_too=False).items()}
+    circles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in graph.get(module, []):
+            if target in path:
+                circles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in graph:
+        if module not in done:
+            visit(module, [module])
+    assert not circles, "Import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_benchmarks_and_examples_do_not_import_tests() -> None:
+    wrong = [f"{path.relative_to(ROOT)}:{node.lineno}" for folder in ("benchmarks", "examples", "lightning_zero")
+             for path in sorted((ROOT / folder).rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                 (getattr(node, "module", None) or name.name).split(".")[0] == "tests" for name in node.names)]
+    assert not wrong, "Import from tests/ (use lightning_zero.testing or examples/): " + ", ".join(wrong)
