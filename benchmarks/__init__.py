@@ -4,6 +4,7 @@
                                                 # the peak of each phase of a step, against DDP and FSDP2
     python -m benchmarks.compare                # step time and memory: ddp, zero1-3, FSDP2, DeepSpeed side by side,
                                                 # and interleaved A/B runs of strategy options
+    python -m benchmarks.check_speed            # regression check before merging: zero1-3 against DDP at N=2
     python -m benchmarks.gloo_collectives       # gloo's collectives on one buffer (why CPU runs use all-reduce)
     python -m benchmarks.activations            # activation checkpointing (ZeRO-R): bytes held, peak, step time
     python -m benchmarks.construction           # zero3's sharded construction: host memory and time per rank

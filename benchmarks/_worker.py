@@ -133,7 +133,7 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     phases = PhaseProbe(baseline) if cfg.get("phases") and not cfg.get("gpu") else None
     trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket"), cfg.get("options")),
                         accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
-                        max_steps=cfg["steps"], callbacks=[probe] + ([phases] if phases else []), logger=False,
+                        max_steps=cfg["steps"], gradient_clip_val=cfg.get("clip"), callbacks=[probe] + ([phases] if phases else []), logger=False,
                         enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     if profiler is not None:

@@ -13,8 +13,9 @@ its own. The strategies of one repeat run back to back and the repeats rotate th
 shared machine spread over all strategies and show as the range of the repeats. FSDP2 and DeepSpeed are optional:
 a peer that cannot run here is skipped with the reason. A strategy may be a variant,
 ``strategy[:option=value,...][+ENV=value,...]``: extra ``ZeroStrategy`` options (Python literals) and environment
-variables for its launches only, for interleaved A/B runs of options on a shared machine. Outputs in ``--out``: ``compare.md``, ``compare.json``,
-``compare.png`` (with matplotlib), ``profiles/`` (with ``--profile``).
+variables for its launches only, for interleaved A/B runs of options on a shared machine (``+BENCH_ROOT=DIR``: the
+ranks import the package and benchmarks from ``DIR``, a copy of another commit, for before/after runs). Outputs in
+``--out``: ``compare.md``, ``compare.json``, ``compare.png`` (with matplotlib), ``profiles/`` (with ``--profile``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _allocator_env() -> dict[str, str]:
+    """``os.environ`` for a rank, with the harness's allocator setting (``MALLOC_MMAP_THRESHOLD_=131072`` for every
+    strategy, none with ``BENCH_GLIBC_DEFAULTS=1``) unless the environment (a variant's ``+MALLOC_...``) sets one."""
+    default = {} if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1" else {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    return {**default, **os.environ}
+
+
 def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optional[Path] = None) -> dict[str, Any]:
     """Launch one configuration on ``world_size`` ranks; one record (slowest rank's step times, highest peak)."""
     reason = missing(cfg["strategy"])
@@ -84,12 +92,10 @@ def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optio
         port, threads = str(_free_port()), str(threads_per_rank(world_size))
         procs, logs = [], []
         for rank in range(world_size):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
+            env = dict(_allocator_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
                        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS=threads,
-                       PYTHONPATH=str(ROOT), PL_DISABLE_FORK="1", MALLOC_MMAP_THRESHOLD_="131072",
+                       PYTHONPATH=os.environ.get("BENCH_ROOT", str(ROOT)), PL_DISABLE_FORK="1",
                        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if cfg.get("gpu") else "cpu"))
-            if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1":  # glibc's own (dynamic) mmap threshold
-                env.pop("MALLOC_MMAP_THRESHOLD_")
             logs.append(open(out / f"rank{rank}.log", "w"))
             cmd = [sys.executable, "-m", "benchmarks._worker", str(out), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=out))
@@ -116,13 +122,20 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [max(times) for times in zip(*(r["step_times"] for r in ranks))]
     top = max(ranks, key=lambda r: r["peak_memory"] - r["baseline_memory"])
     zero = ranks[0]
-    return {"step_times": steps, "peak_memory": max(r["peak_memory"] for r in ranks),
+    cpu = [max(c) for c in zip(*(r.get("step_cpu", []) for r in ranks))]
+    faults = [max(f) for f in zip(*(r.get("step_faults", []) for r in ranks))]
+    return {"step_times": steps, "step_cpu": cpu, "step_faults": faults,
+            "peak_memory": max(r["peak_memory"] for r in ranks),
             "peak_growth": top["peak_memory"] - top["baseline_memory"],
             "model_states": zero["states"].get("model_states"), "states": zero["states"],
             "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
             "params": zero["size"]["params"], "threads": zero["threads"],
             "cpu_seconds": [r.get("cpu_seconds") for r in ranks],
             **{k: top[k] for k in ("phases", "levels") if k in top}}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
 
 
 def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[str, Any]]:
@@ -137,14 +150,16 @@ def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[st
                     name, options, env = parse_variant(strategy)
                     cfg = {"strategy": name, "size": size.__dict__, "steps": args.steps, "warmup": args.warmup,
                            "bucket": args.bucket, "gpu": args.gpu, "precision": args.precision,
-                           "profile": args.profile, "options": options}
+                           "profile": args.profile, "options": options, "clip": args.clip}
                     t0 = time.perf_counter()
                     with environment(env):
                         rec = run_config(cfg, world_size, args.timeout, keep)
                     rec.update(strategy=strategy, world_size=world_size, size_name=size_name, repeat=repeat,
                                params=size.num_params())
                     status = rec.get("skipped") or rec.get("error") or (
-                        f"median step {sorted(rec['step_times'])[len(rec['step_times']) // 2] * 1e3:.0f} ms, "
+                        f"median step {_median(rec['step_times']) * 1e3:.0f} ms "
+                        f"(CPU {_median(rec['step_cpu']) * 1e3:.0f} ms, "
+                        f"{_median(rec['step_faults']):.0f} page faults), "
                         f"loss {rec['loss']:.6f}, collectives {rec['comm_calls']}")
                     print(f"[{repeat}] N={world_size} {size_name} {strategy}: {status} "
                           f"({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -219,6 +234,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="sequences per rank per step (default: the size's)")
     parser.add_argument("--bucket", type=int, help="bucket elements for every strategy (default: each one's own)")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--clip", type=float, help="gradient_clip_val of the Trainer (norm clipping; default: none)")
     parser.add_argument("--gpu", action="store_true", help="one CUDA device per rank (nccl)")
     parser.add_argument("--profile", action="store_true", help="write rank 0's torch.profiler tables")
     parser.add_argument("--fit-budget", type=parse_bytes, help="bisection mode: bytes per rank, e.g. 2GiB")

@@ -64,7 +64,8 @@ class ZeroConfig:
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
     bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
-    """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on."""
+    """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
+    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in ``buckets.py``)."""
     lockstep_check: bool = True
     """Stage 3: before each unit's forward and backward, every rank says which unit it is about to run (one small
     CPU round trip per unit and pass), so ranks whose control flow differs fail at once, naming the unit, instead of
@@ -85,9 +86,11 @@ class ZeroConfig:
     """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
     prefetch_size: Elements = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
-    host_mmap_threshold: Elements = 131_072
+    host_mmap_threshold: Optional[Elements] = None
     """CPU runs on glibc: fix the allocator's mmap threshold at this many bytes so that freed tensors leave the
-    process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone."""
+    process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone.
+    ``None``: 128 KiB for models of 16M trainable parameters or more, and for smaller ones a heap that keeps freed
+    memory for reuse, which is faster (see [Note: the mmap threshold costs time])."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
     in the form ``ddp`` writes."""
@@ -150,6 +153,8 @@ class ZeroConfig:
         object.__setattr__(self, "unit_classes", tuple(classes))
         for name in ("persistence_threshold", "prefetch_size", "host_mmap_threshold"):
             value = getattr(self, name)
+            if name == "host_mmap_threshold" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
         if self.state_dict_type not in ("sharded", "full"):

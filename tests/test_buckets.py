@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 import torch
 
 from lightning_zero.core.buckets import GradientReducer
@@ -77,3 +79,46 @@ def test_two_interleaved_param_groups_keep_the_buffers_constant():
         reducer.finalize(force=True)
         assert sorted(layout.reduce_order) == list(range(len(layout.buckets)))
         assert reducer.buffers_allocated <= 3, (blocks, reducer.buffers_allocated)
+
+
+class _ReplicaSum:
+    """Stands in for an asynchronous all-reduce over two identical replicas: the chunk doubles when waited for."""
+
+    def __init__(self, tensor, log):
+        self.tensor, self.log, self.done = tensor, log, False
+        log.append(self)
+
+    def wait(self):
+        if not self.done:
+            self.tensor.mul_(2)
+            self.done = True
+        return True
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_replica_all_reduce_overlaps_and_lands_before_delivery(monkeypatch, overlap):
+    """The replica all-reduce (see [Note: the replica all-reduce overlaps] in ``buckets.py``) is started when its
+    reduce-scatter is waited for, waited for only when its buffer is needed or the round ends (with
+    ``overlap_comm``), and always before the chunk is read or accumulated."""
+    from lightning_zero.core import collectives
+    from lightning_zero.core.groups import ShardGroups
+
+    started = []
+    monkeypatch.setattr(collectives, "all_reduce_async", lambda tensor, group=None: _ReplicaSum(tensor, started))
+    numels = [37] * 12
+    layout = plan_layout(numels, [0] * len(numels), world_size=1, bucket_size=50)
+    groups = ShardGroups(replicate=object(), replicas=2)  # the divisor is 2: each replica sends half the sum
+    reducer = GradientReducer(layout, 0, torch.float32, torch.device("cpu"), 2, overlap=overlap, groups=groups)
+    grads = [torch.randn(n) for n in numels]
+    for round_ in range(2):  # the second round accumulates through the side outputs
+        for j in reversed(range(len(numels))):
+            reducer.add_grad(j, grads[j])
+        if round_ == 0:  # chunks reduced into the shard hold no buffer: their all-reduces run on through backward
+            assert sum(not w.done for w in started) >= (len(layout.buckets) - 2 if overlap else 0)
+            assert overlap or all(w.done for w in started)
+        reducer.flush()
+        reducer.wait()
+        assert all(w.done for w in started)
+        assert reducer.buffers_allocated <= 2
+    assert len(started) == 2 * len(layout.buckets)
+    torch.testing.assert_close(reducer.finalize(force=False), 2 * _expected_shard(layout, grads))

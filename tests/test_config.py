@@ -19,6 +19,7 @@ from tests.models import TinyLM
         ({"stage": 4}, ValueError, "no stage 4"),
         ({"stage": 0}, ValueError, "no stage 0"),
         ({"persistence_threshold": -1}, ValueError, "persistence_threshold"),
+        ({"host_mmap_threshold": -1}, ValueError, "host_mmap_threshold"),
         ({"unit_classes": "Block"}, TypeError, "unit_classes"),
         ({"stage": "2"}, TypeError, "must be an int"),
         ({"reduce_bucket_size": -5}, ValueError, "positive number of elements"),
@@ -33,6 +34,36 @@ def test_config_rejects_bad_values(kwargs, error, match):
         ZeroConfig(**kwargs)
     with pytest.raises(error, match=match):
         ZeroStrategy(**kwargs)
+
+
+def test_host_mmap_threshold_default_follows_the_model(monkeypatch):
+    """``None`` (the default): the heap settings only for engines under the cut, never over the environment's
+    threshold, never after a large engine (see [Note: the mmap threshold costs time])."""
+    from lightning_zero.core import host_memory
+
+    assert ZeroConfig().host_mmap_threshold is None
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert host_memory._glibc() is None  # a threshold set in the environment wins
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, option, value):
+            calls.append((option, value))
+            return 1
+
+    monkeypatch.setattr(host_memory, "_glibc", lambda: FakeLibc())
+    monkeypatch.setattr(host_memory, "_large_engine", False)
+    assert not host_memory.settle_for_model(131_072, 1_000)  # an explicit threshold stays
+    assert host_memory.settle_for_model(None, host_memory.AUTO_FIXED_MIN_PARAMS - 1)
+    assert calls == [(-3, host_memory.HEAP_SETTINGS[0]), (-1, host_memory.HEAP_SETTINGS[1])]
+    calls.clear()
+    assert not host_memory.settle_for_model(None, host_memory.AUTO_FIXED_MIN_PARAMS)
+    assert not host_memory.settle_for_model(None, 1_000) and not calls  # a large engine keeps the fixed threshold
+    assert host_memory.fix_threshold(FakeLibc(), host_memory.FIXED_THRESHOLD)
+    assert calls == [(-3, host_memory.FIXED_THRESHOLD)]  # 128 KiB: the trim threshold stays glibc's
+    calls.clear()
+    assert host_memory.fix_threshold(FakeLibc(), 4 * 2**20)
+    assert calls == [(-3, 4 * 2**20), (-1, 8 * 2**20)]  # above it the heap keeps its top, as glibc's adjustment does
 
 
 def test_start_method_is_checked():

@@ -297,3 +297,39 @@ def test_offload_benchmark_measures_every_cpu_step_against_the_bound():
                          "AdamW fused=True"]
     assert all(r["seconds"] > 0 and r["bandwidth"] > 0 for r in rows) and rows[0]["efficiency"] == 1.0
     assert "| AdamW fused=True |" in _table_cpu(rows, 300_000, 1)
+
+
+@pytest.mark.parametrize("offload_optimizer", [True, False])
+def test_the_refresh_follows_the_step_piece_by_piece(monkeypatch, offload_optimizer):
+    """With the step in pieces (see [Note: the refresh follows the step piece by piece] in ``flat.py``), each piece's
+    buckets are all-gathered before the next piece steps, every bucket exactly once, and the weights are those of
+    one step."""
+    from torch import nn
+
+    from lightning_zero import ZeroEngine
+    from lightning_zero.core import collectives
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+    model, optimizer = build()
+    engine = ZeroEngine(model, [optimizer], stage=2, offload_optimizer=offload_optimizer, reduce_bucket_size=300)
+    events = []
+    gather = collectives.all_gather
+    monkeypatch.setattr(collectives, "all_gather", lambda *a, **k: events.append("gather") or gather(*a, **k))
+    step = type(optimizer).step
+    monkeypatch.setattr(type(optimizer), "step", lambda self, *a, **k: events.append("step") or step(self, *a, **k))
+    reference, ref_optimizer = build()
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    engine.finish_backward()
+    engine.step()
+    reference(x).square().mean().backward()
+    ref_optimizer.step()
+    buckets = len(engine.optimizers[0].layout.buckets)
+    assert events.count("step") > 1 and events.count("gather") == buckets  # in pieces; each bucket once
+    assert events.index("gather") < len(events) - 1 - events[::-1].index("step")  # a gather before the last piece
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)

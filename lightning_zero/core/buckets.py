@@ -23,7 +23,9 @@ Each bucket is divided by the world size before the reduce-scatter, so the sum i
 sharding the divisor is the whole job's N (not the shard group's k), the reduce-scatter runs inside the shard group,
 and each reduced chunk is then all-reduced (summed) across the replica group as soon as it is waited for, before it
 is added to the shard: so every replica holds the same N-rank mean, and an accumulated shard is never all-reduced
-twice (see [Note: hybrid sharding and its traffic] in ``groups.py``). The first
+twice (see [Note: hybrid sharding and its traffic] in ``groups.py``). With ``overlap_comm`` that all-reduce is
+started when the reduce-scatter is waited for and waited for only when its buffer is needed again (or at the end of
+the round): see [Note: the replica all-reduce overlaps]. The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
 accumulation) land in a side buffer and are added, so the shard accumulates exactly as ``.grad`` does under DDP.
 
@@ -133,6 +135,8 @@ class GradientReducer:
         self._pending = False  # gradients arrived since the last flush
         self._open: dict[int, _Slot] = {}
         self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
+        # hybrid sharding: replica all-reduces in flight, with the slot whose side output they reduce (None: the shard)
+        self._replicating: deque[tuple[Bucket, Any, Optional[_Slot], bool]] = deque()
         self._free: list[_Slot] = []
         self.buffers_allocated = 0
         """How many bucket buffers were ever made (the pool's high-water mark, see [Note: constant memory])."""
@@ -173,9 +177,11 @@ class GradientReducer:
         self._pending = False
 
     def wait(self) -> None:
-        """Wait for every reduce-scatter in flight and accumulate its result."""
+        """Wait for every reduce-scatter (and replica all-reduce) in flight and accumulate its result."""
         while self._in_flight:
             self._finish_oldest()
+        while self._replicating:
+            self._finish_replica()
 
     def finalize(self, force: bool) -> torch.Tensor:
         """Flush, wait, and zero the shard slices no gradient reached; returns the complete gradient shard (the
@@ -227,7 +233,8 @@ class GradientReducer:
     @property
     def buffer_bytes(self) -> int:
         """Bytes held by bucket buffers right now."""
-        slots = list(self._open.values()) + self._free + [s for _, _, s, _ in self._in_flight]
+        slots = (list(self._open.values()) + self._free + [s for _, _, s, _ in self._in_flight]
+                 + [s for _, _, s, _ in self._replicating if s is not None])
         return sum(t.numel() * t.element_size() for s in slots for t in (s.bucket, s.out) if t is not None)
 
     # ------------------------------------------------------------------ internals
@@ -248,8 +255,11 @@ class GradientReducer:
         return slot
 
     def _acquire(self) -> _Slot:
-        while not self._free and self._in_flight and self._busy() >= self.max_buffers:
-            self._finish_oldest()
+        while not self._free and self._busy() >= self.max_buffers and (self._in_flight or self._holding()):
+            if self._holding():  # a buffer whose reduce-scatter was waited for first
+                self._finish_replica()
+            else:
+                self._finish_oldest()
         if self._free:
             return self._free.pop()
         self.buffers_allocated += 1
@@ -263,7 +273,11 @@ class GradientReducer:
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
 
     def _busy(self) -> int:
-        return len(self._open) + len(self._in_flight)
+        return len(self._open) + len(self._in_flight) + self._holding()
+
+    def _holding(self) -> int:
+        """Replica all-reduces in flight that hold a buffer (their chunk is its side output)."""
+        return sum(slot is not None for _, _, slot, _ in self._replicating)
 
     def _complete(self, index: int) -> bool:
         return self._received[index] == self._expected[index]
@@ -298,12 +312,49 @@ class GradientReducer:
         got.clear()
 
     def _finish_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter; deliver its chunk, or under hybrid sharding start its replica
+        all-reduce first (see [Note: the replica all-reduce overlaps])."""
         bucket, work, slot, accumulate = self._in_flight.popleft()
         collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index}{self._unit_label(bucket)}")
+        if self.groups.replicate is None:
+            self._deliver(bucket, slot, accumulate)
+            return
+        reduced = self._reduced(bucket, slot, accumulate)  # hybrid sharding: sum the N/k replicas' chunks
+        work = collectives.all_reduce_async(reduced, group=self.groups.replicate)
         scratch = accumulate or self.sink is not None
-        reduced = slot.output(bucket, self.layout.world_size) if scratch else self._shard_slice(bucket)
-        if self.groups.replicate is not None:  # hybrid sharding: sum the N/k replicas' chunks
-            collectives.all_reduce(reduced, group=self.groups.replicate)
+        if not scratch:  # the chunk is in the shard: the input buffer is free for the next bucket now
+            self._free.append(slot)
+        self._replicating.append((bucket, work, slot if scratch else None, accumulate))
+        if not self.overlap:
+            self._finish_replica()
+
+    def _finish_replica(self) -> None:
+        """Wait for the oldest replica all-reduce (hybrid sharding) and deliver its chunk.
+
+        [Note: the replica all-reduce overlaps]
+        Under hybrid sharding a reduced chunk is all-reduced across the replica group before it is delivered. It is
+        started as soon as its reduce-scatter is waited for and waited for only when its buffer is needed again or
+        the round ends (:meth:`wait`), so it runs while backward goes on and the next buckets are reduce-scattered
+        (another process group: its own queue of work). Every rank starts these all-reduces in the same order, that
+        of the reduce-scatters (first in, first out), so the replica group's collectives match ([Note: lockstep]).
+        A chunk reduced straight into the shard holds no buffer meanwhile (its slot went back to the pool when the
+        reduce-scatter was waited for), so the all-reduce runs on while backward fills the next buckets; a chunk in
+        a slot's side output (accumulation, a sink) keeps its slot until it is delivered here. Nothing reads a chunk
+        before delivery: the shard is read only after :meth:`wait`.
+        """
+        bucket, work, slot, accumulate = self._replicating.popleft()
+        collectives.wait(work, f"all-reduce gradient bucket {bucket.index}{self._unit_label(bucket)} across replicas")
+        if slot is not None:
+            self._deliver(bucket, slot, accumulate)
+
+    def _reduced(self, bucket: Bucket, slot: _Slot, accumulate: bool) -> torch.Tensor:
+        """Where ``bucket``'s reduce-scatter wrote this rank's chunk: the slot's side output or the shard slice."""
+        scratch = accumulate or self.sink is not None
+        return slot.output(bucket, self.layout.world_size) if scratch else self._shard_slice(bucket)
+
+    def _deliver(self, bucket: Bucket, slot: _Slot, accumulate: bool) -> None:
+        """Hand the fully reduced chunk to the sink, or add it to the shard (accumulation); free the slot."""
+        reduced = self._reduced(bucket, slot, accumulate)
         if self.sink is not None:
             slot.fence = self.sink.write(bucket, reduced, accumulate)
         elif accumulate:

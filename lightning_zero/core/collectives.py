@@ -202,6 +202,14 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None
     return tensor
 
 
+def all_reduce_async(tensor: torch.Tensor, group: Optional[Any] = None) -> Any:
+    """In-place sum over ``group``, started now; returns the work to :func:`wait` on (done at once without peers)."""
+    if not is_distributed(group):
+        return _DoneWork()
+    TRAFFIC.add("all_reduce", tensor, group)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional[Any] = None) -> torch.Tensor:
     """In-place broadcast from global rank ``src``; returns ``tensor``."""
     if is_distributed(group):

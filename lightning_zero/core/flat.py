@@ -12,12 +12,14 @@ buffer: no second copy.
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core import collectives, offload
-from lightning_zero.core.layout import MasterSlot
+from lightning_zero.core.layout import Bucket, MasterSlot
 from lightning_zero.core.optimizer import ShardedOptimizer
 
 
@@ -28,6 +30,7 @@ class FlatShardedOptimizer(ShardedOptimizer):
                       config: ZeroConfig) -> None:
         self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=self.device)
         """The full working parameters; every managed parameter is a view of it."""
+        self._refreshing: dict[int, Any] = {}  # bucket index -> its all-gather, started by a step in pieces
         aliased = working_dtype == master_dtype and not offload_optimizer
         if not aliased:
             self.master_storage = offload.allocate_master(self.layout.shard_size, master_dtype, self.device,
@@ -58,19 +61,45 @@ class FlatShardedOptimizer(ShardedOptimizer):
         raise IndexError(shard_offset)
 
     def refresh_working(self) -> None:
-        """Each rank writes its updated chunk into the buffer; one all-gather per bucket refreshes everybody's copy."""
-        works = []
+        """Each rank writes its updated chunk into the buffer; one all-gather per bucket refreshes everybody's copy
+        (those a step in pieces started already are only waited for)."""
+        started, self._refreshing = self._refreshing, {}
+        works = [started.get(b.index) or self._refresh_bucket(b) for b in self.layout.buckets]
+        for work in works:
+            collectives.wait(work, "all-gather the updated parameters")
+
+    def _refresh_bucket(self, bucket: Bucket) -> Any:
+        """Upload this rank's updated chunk of ``bucket`` (``offload_optimizer``) and start its all-gather."""
+        c0, c1 = self.layout.chunk_range(bucket, self.rank)
         with torch.no_grad():
-            for bucket in self.layout.buckets:
-                c0, c1 = self.layout.chunk_range(bucket, self.rank)
-                if self.master_storage is not None:  # an upload under offload_optimizer: see offload.py
-                    end = bucket.shard_offset + bucket.chunk_size
-                    offload.copy_to_device(self.flat[c0:c1], self.master_storage[bucket.shard_offset : end])
-                b0, b1 = self.layout.bucket_range(bucket)
-                works.append(collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group,
-                                                    async_op=True))
-            for work in works:
-                collectives.wait(work, "all-gather the updated parameters")
+            if self.master_storage is not None:  # an upload under offload_optimizer: see offload.py
+                end = bucket.shard_offset + bucket.chunk_size
+                offload.copy_to_device(self.flat[c0:c1], self.master_storage[bucket.shard_offset : end])
+            b0, b1 = self.layout.bucket_range(bucket)
+            return collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group, async_op=True)
+
+    def _piece_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
+        """[Note: the refresh follows the step piece by piece]
+        When the step runs in pieces (see [Note: the step in constant-size pieces] in ``optimizer_support.py``),
+        each piece's buckets are uploaded and all-gathered as soon as the piece is stepped, so the all-gathers run
+        while the next pieces step (the host step of ``offload_optimizer`` included) instead of all after it.
+        Pieces are runs of whole master tensors, one per bucket chunk, of the same sizes on every rank, so every rank
+        starts the same all-gathers in the same order ([Note: lockstep] in ``buckets.py``); :meth:`refresh_working`
+        then waits for them and starts the rest in the layout's order. A piece's all-gather writes only its buckets'
+        ranges of the flat buffer, which no later piece reads or writes. Only for an engine that lends and borrows
+        nothing (one source): a borrowed tensor's bucket is its owner's, refreshed by the owner after the step."""
+        if len(self.sources) > 1 or self.layout.whole_params:
+            return None
+        by_offset = {b.shard_offset: b for b in self.layout.buckets if b.chunk_size}
+        bucket_of = {id(m): by_offset[s.start] for m, s in zip(self.masters, self.slots)}
+
+        def start_refresh(stepped: list[Tensor]) -> None:
+            for tensor in stepped:
+                bucket = bucket_of.get(id(tensor))
+                if bucket is not None and bucket.index not in self._refreshing:
+                    self._refreshing[bucket.index] = self._refresh_bucket(bucket)
+
+        return start_refresh
 
     def gather_full_master(self) -> Tensor:
         return self.flat if self.master_storage is None else super().gather_full_master()

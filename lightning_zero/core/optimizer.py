@@ -274,7 +274,12 @@ class ShardedOptimizer:
         elements, so that its temporaries stay that small (see [Note: the step in constant-size pieces])."""
         if self.layout.whole_params:
             return call()
-        return step_in_pieces(self.optimizer, self.bucket_elements, call)
+        return step_in_pieces(self.optimizer, self.bucket_elements, call, self._piece_stepped())
+
+    def _piece_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
+        """What to do with the master tensors of each piece once it is stepped (stages 1 and 2 start their refresh);
+        ``None``: nothing before :meth:`after_step`."""
+        return None
 
     @property
     def steps_once(self) -> bool:

@@ -103,8 +103,10 @@ def steps_in_pieces(optimizer: Optimizer, limit: int) -> bool:
     return pieces > 1
 
 
-def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) -> Any:
-    """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements.
+def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any],
+                   after_piece: Optional[Callable[[list[Any]], None]] = None) -> Any:
+    """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements;
+    ``after_piece`` gets the tensors of each piece once it is stepped (only when there are several pieces).
 
     [Note: the step in constant-size pieces]
     An optimizer allocates temporaries as large as what one ``step`` call covers (``foreach`` AdamW: one per master
@@ -137,6 +139,8 @@ def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any]) ->
             for group, params in zip(groups, piece):
                 group["params"] = params
             output = step()
+            if after_piece is not None:
+                after_piece([tensor for params in piece for tensor in params])
     finally:
         for group, params in zip(groups, saved):
             group["params"] = params

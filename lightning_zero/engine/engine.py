@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core import collectives
 from lightning_zero.core.groups import ShardGroups, make_shard_groups
+from lightning_zero.core.host_memory import settle_for_model
 from lightning_zero.checkpoints import pretrained
 from lightning_zero.engine import module_state
 from lightning_zero.core.activations import ActivationCheckpointing, activations_from_config
@@ -132,6 +133,8 @@ class ZeroEngine:
             broadcast_module_states(self.module, self.shard_groups)
             self._add_optimizers(optimizers)
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
+        if self.device.type == "cpu":  # see [Note: the mmap threshold costs time] in host_memory.py
+            settle_for_model(self.config.host_mmap_threshold, sum(sum(s.layout.numels) for s in self.optimizers))
         self._state_hooks = module_state.attach(self)  # `model.state_dict()` / `load_state_dict` after setup
 
     def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
