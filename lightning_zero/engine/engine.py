@@ -55,7 +55,7 @@ from lightning_zero.stage3.materialize import (
 )
 from lightning_zero.core.offload import fused_hint
 from lightning_zero.core.optimizer_support import check_not_dtensor
-from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
+from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
 from lightning_zero.core.flat import FlatShardedOptimizer
 from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.core.sharing import whole_params_per_optimizer
@@ -125,6 +125,7 @@ class ZeroEngine:
             check_not_dtensor(param, name)
         if self.shard_groups.tensor is not None:
             warn_if_nothing_is_sliced(self.module, self.shard_groups.tensor_size)
+            count_tensor_parallel(self.module, self.shard_groups.tensor)
         self.activations = activations_from_config(self.module, self.config, self.shard_groups.tensor)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
@@ -266,7 +267,8 @@ class ZeroEngine:
         overflow (the step is then skipped on every rank). Idempotent until the step or ``zero_grad``."""
         scaler = self.precision.scaler
         sharded = self.sharded(optimizer)
-        unscale = (lambda grads: scaler.unscale_and_check(grads, self.device)) if scaler is not None else None
+        world = self.shard_groups.world
+        unscale = (lambda grads: scaler.unscale_and_check(grads, self.device, world)) if scaler is not None else None
         return sharded.prepare_step(unscale)
 
     def clip_grad_norm(self, max_norm: float, optimizer: Optional[Optimizer] = None, norm_type: float = 2.0,

@@ -201,7 +201,7 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partiti
     managed = {id(p) for engine in engines for p in engine.params}
     shard_groups = engines[0].groups if engines else ShardGroups()
     for unit in range(1, len(plan.names)):
-        GUARD.safe_point()  # Ctrl-C between two units stops every rank here
+        GUARD.safe_point(shard_groups)  # Ctrl-C between two units stops every rank here
         fault_point("materialize.unit")
         unit_module = plan.modules[unit]
         assert unit_module is not None

@@ -79,11 +79,11 @@ def run_reducer(groups: ShardGroups, rank: int, with_sink: bool) -> dict[str, An
                      max(b.chunk_size for b in layout.buckets)) if with_sink else None
     reducer = GradientReducer(layout, shard_rank, torch.float32, torch.device("cpu"), 2, overlap=True, groups=groups,
                               sink=sink)
-    collectives.TRAFFIC.reset()
+    groups.traffic.reset()
     for backward in range(ROUNDS):
         _backward(reducer, rank, backward)
     accumulated = reducer.finalize(force=False).clone()
-    traffic = collectives.TRAFFIC.snapshot()["scopes"]
+    traffic = groups.traffic.snapshot()["scopes"]
     reducer.clear()
     _backward(reducer, rank, ROUNDS, skip=SKIPPED)
     return {"accumulated": accumulated, "traffic": traffic, "after_clear": reducer.finalize(force=False).clone(),
