@@ -112,9 +112,13 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     groups = make_shard_groups(SHARD_GROUP_SIZE)
+    other = make_shard_groups(SHARD_GROUP_SIZE)  # a second engine's communication object, idle while `groups` talks
     result = {"rank": rank, "shard_rank": collectives.rank(groups.shard), "replicas": groups.replicas,
               "device": run_reducer(groups, rank, with_sink=False), "sink": run_reducer(groups, rank, with_sink=True),
               "params": run_params(groups)}
+    result["other"] = {"traffic": other.traffic.snapshot()["scopes"],
+                       "same_process_groups": (other.shard.process_group is groups.shard.process_group
+                                               and other.replicate.process_group is groups.replicate.process_group)}
     torch.save(result, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
