@@ -243,6 +243,7 @@ def fill_pending(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: 
 
 
 # ---------------------------------------------------------------------- which strategy holds a module's shards
+#
 # [Note: which engine holds a module]
 # `load_pretrained(module, source)` is called with the user's module alone (any submodule, from anywhere: a callback,
 # the script after `fit`), so finding the engine whose shards it must fill needs a table from module to engine: the
