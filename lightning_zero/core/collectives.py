@@ -45,14 +45,19 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _counts() -> defaultdict[str, int]:
+    """A count per collective kind (a named function, not a lambda: a strategy holding a ``Traffic`` pickles)."""
+    return defaultdict(int)
+
+
 @dataclass
 class Traffic:
     """Payload moved per collective kind since the last :meth:`reset`, in bytes and in elements."""
 
-    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    bytes: dict[str, int] = field(default_factory=_counts)
+    elements: dict[str, int] = field(default_factory=_counts)
+    calls: dict[str, int] = field(default_factory=_counts)
+    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_counts))
     """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``) and kind: see
     [Note: hybrid sharding and its traffic] in ``groups.py``. ``elements`` is their sum over scopes."""
 

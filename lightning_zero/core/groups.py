@@ -63,7 +63,8 @@ class ShardGroups:
     """Tensor parallelism with hybrid sharding: the whole data-parallel group (shard groups times replicas)."""
     traffic: collectives.Traffic = field(default_factory=collectives.Traffic)
     """What the collectives over these groups moved, by kind and scope; tests and benchmarks reset and read it
-    around the steps they measure (``ZeroStrategy.traffic`` and ``ZeroEngine.traffic`` are this object)."""
+    around the steps they measure (a strategy's ``traffic`` is this object; a plain loop reads
+    ``engine.shard_groups.traffic``)."""
 
     def __post_init__(self) -> None:
         for name in _COUNTED:
