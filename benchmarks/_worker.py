@@ -127,7 +127,8 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     accelerator = "gpu" if cfg.get("gpu") else "cpu"
     device = torch.device("cuda", 0) if cfg.get("gpu") else torch.device("cpu")
     samples = size.batch * world_size * cfg["steps"]
-    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples, fused=cfg.get("fused", False))
+    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples, fused=cfg.get("fused", False),
+                                                         compile_blocks=cfg.get("compile", False))
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
     phases = PhaseProbe(baseline) if cfg.get("phases") and not cfg.get("gpu") else None
@@ -146,7 +147,7 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
         _write_profile(profiler, cfg, out)
     extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak}
     return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
-            "cpu_seconds": cpu_seconds, **extra}
+            "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")), **extra}
 
 
 def _profiler(cfg: dict[str, Any], out: Path) -> Any:
