@@ -44,16 +44,14 @@ class Probe(L.Callback):
     def __init__(self) -> None:
         self.seen: dict[str, Any] = {}
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.seen:
             return
-        states = [v for state in optimizer.state.values() for v in state.values()
+        states = [v for state in trainer.optimizers[0].state.values() for v in state.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
-        self.seen = {"state_devices": {t.device.type for t in states},
+        self.seen = {"param_devices": {p.device.type for p in pl_module.parameters()},
+                     "state_devices": {t.device.type for t in states},
                      "state_pinned": all(t.is_pinned() for t in states if t.device.type == "cpu")}
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.seen.setdefault("param_devices", {p.device.type for p in pl_module.parameters()})
 
 
 def train(strategy: Any, precision: str = "32-true", steps: int = STEPS, ckpt_path: str | None = None,
