@@ -47,10 +47,15 @@ class Probe(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.timer.start()
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.timer.stop()
         if self.profiler is not None:
             self.profiler.step()
+        # in the rank's log as it goes, so a launch that dies in teardown still shows its steps (the launcher prints
+        # the log's tail then)
+        print(f"[probe] step {trainer.global_step}: {self.timer.last * 1e3:.0f} ms, device peak "
+              f"{probes.peak_memory(pl_module.device) / 2**30:.1f} GiB, host peak "
+              f"{probes.peak_memory(torch.device('cpu')) / 2**30:.1f} GiB", flush=True)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.measure_at and not self.states:
