@@ -57,8 +57,8 @@ def line(rec: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--zero3-depths", type=int, nargs="+", default=[16, 20, 24])
-    parser.add_argument("--offload-depths", type=int, nargs="+", default=[28, 32, 36])
+    parser.add_argument("--zero3-depths", type=int, nargs="*", default=[16, 20, 24])
+    parser.add_argument("--offload-depths", type=int, nargs="*", default=[28, 32, 36])
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=32768)
