@@ -65,7 +65,7 @@ class _ZeroGradHook:
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - documented on torch.optim.Optimizer
         super().zero_grad(set_to_none)  # type: ignore[misc]
-        self._zero_engine.zero_grad()  # type: ignore[attr-defined]
+        self._zero_sharded.zero_grad()  # type: ignore[attr-defined]
 
 
 def zero_subclass(cls: type) -> type:

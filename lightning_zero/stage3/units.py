@@ -37,7 +37,7 @@ from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, Lockste
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
 
 if TYPE_CHECKING:
-    from lightning_zero.stage3.partitioned import PartitionedOptimizer
+    from lightning_zero.stage3.partitioned import PartitionedStorage
 
 
 @dataclass
@@ -51,10 +51,10 @@ class _UnitState:
 class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
-    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int,
+    def __init__(self, plan: UnitPlan, storages: list["PartitionedStorage"], prefetch_size: int,
                  lockstep_check: bool = True) -> None:
         self.plan = plan
-        self.engines = engines
+        self.storages = storages
         self.prefetch_size = prefetch_size
         self.states = [_UnitState() for _ in plan.names]
         self.forward_order: list[int] = []
@@ -65,9 +65,9 @@ class UnitRuntime:
         """Inside :meth:`all_gathered`: the hooks free nothing."""
         self._handles: list[Any] = []
         self.lockstep = LockstepCheck(plan.names) if lockstep_check else None  # a collective: every rank makes it
-        for engine in engines:
-            for j, p in enumerate(engine.params):
-                unit = engine.param_units[j]
+        for storage in storages:
+            for j, p in enumerate(storage.params):
+                unit = storage.param_units[j]
                 self.states[unit].grads_expected += 1
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
         for unit, mod in enumerate(plan.modules):
@@ -80,9 +80,9 @@ class UnitRuntime:
         """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather."""
         state = self.states[unit]
         if not state.gathered:
-            state.pending = [w for engine in self.engines for w in engine.gather_unit(unit)]
+            state.pending = [w for storage in self.storages for w in storage.gather_unit(unit)]
             state.gathered = True
-            live = sum(engine.gathered_bytes for engine in self.engines)
+            live = sum(storage.gathered_bytes for storage in self.storages)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         if wait and state.pending:
             for work in state.pending:
@@ -119,8 +119,8 @@ class UnitRuntime:
         if not state.gathered:
             return
         self.gather(unit)  # a prefetch still in flight must land before its buffer goes
-        for engine in self.engines:
-            engine.release_unit(unit)
+        for storage in self.storages:
+            storage.release_unit(unit)
         state.gathered = False
 
     def end_backward(self, include_root: bool) -> None:
@@ -219,7 +219,7 @@ class UnitRuntime:
         budget = self.prefetch_size
         while 0 <= position < len(self.forward_order):
             candidate = self.forward_order[position]
-            size = sum(engine.unit_numel(candidate) for engine in self.engines)
+            size = sum(storage.unit_numel(candidate) for storage in self.storages)
             if size > budget:
                 return
             if not self.states[candidate].gathered:
