@@ -15,7 +15,10 @@ discarded by ``opt_g.zero_grad()`` exactly as under DDP). The master tensors car
 :meth:`ShardedOptimizer.reduce` to :meth:`ShardedOptimizer.after_step` (views of the shard, or fp32 copies
 under mixed precision); the shard stays the one source of truth. Because Lightning calls ``zero_grad`` on a
 ``LightningOptimizer`` whose class is derived from the optimizer's class, the hook has to be on the class: the
-optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold).
+optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold). This is the only way
+found: torch's ``Optimizer`` has no ``zero_grad`` hook, and an instance attribute ``optimizer.zero_grad`` is not seen
+by Lightning's and Fabric's wrappers (``LightningOptimizer``, ``_FabricOptimizer``), which resolve ``zero_grad`` on
+their own class, made at wrap time from the optimizer's class, and call it with the wrapper as ``self``.
 
 Parameters held by several optimizers are owned by one storage (the first optimizer's) and borrowed by the others: see [Note: parameters
 shared by several optimizers] in ``sharing.py``.
@@ -23,6 +26,7 @@ shared by several optimizers] in ``sharing.py``.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -48,6 +52,13 @@ MakeStorage = Callable[[list[Tensor], list[int], bool], ShardedStorage]
 """Lays out and stores ``(params, param group of each, whole_params)`` (the engine's store makes it)."""
 
 
+class StepPhase(Enum):
+    """Where an optimizer is in its step (see [Note: the phases of one optimizer step])."""
+
+    ACCUMULATING = "accumulating"
+    REDUCED = "reduced"
+
+
 class ShardedOptimizer:
     """ZeRO on one user optimizer: its master slots (views of the store's master shards) and the step on them.
 
@@ -65,9 +76,6 @@ class ShardedOptimizer:
     ``ACCUMULATING`` and otherwise returns the overflow found then, so manual optimization may clip before
     ``optimizer.step()`` and the step does not reduce twice.
     """
-
-    ACCUMULATING = "accumulating"
-    REDUCED = "reduced"
 
     def __init__(self, optimizer: Optimizer, config: ZeroConfig, make_storage: MakeStorage,
                  lenders: Sequence[ShardedStorage] = (), module: Optional[torch.nn.Module] = None,
@@ -100,7 +108,7 @@ class ShardedOptimizer:
             self.slots.append(slot)
             self.slot_sources.append(source)
             self.masters.append(source.master_view(slot))
-        self.phase = self.ACCUMULATING
+        self.phase = StepPhase.ACCUMULATING
         self._reduced_at = -1  # the storage's clear count when it was reduced
         self._overflow = False
         self._install_into(optimizer)
@@ -127,7 +135,7 @@ class ShardedOptimizer:
         own storage and those it borrows from and give every master tensor its averaged gradient (in the master
         dtype); ``unscale`` (``16-mixed``) then unscales them and tells whether any rank overflowed, which is
         returned. Already ``REDUCED``: returns that overflow, reducing nothing."""
-        if self.phase == self.REDUCED and self._reduced_at == self.storage.clears:
+        if self.phase is StepPhase.REDUCED and self._reduced_at == self.storage.clears:
             return self._overflow
         for source in self.sources:  # the step may write a host master that is also the host parameter shard
             source.settle()
@@ -136,7 +144,7 @@ class ShardedOptimizer:
             grad = shards[id(source)][slot.start : slot.start + slot.length].view(slot.shape)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
         self._overflow = unscale(self.grads()) if unscale is not None else False
-        self.phase, self._reduced_at = self.REDUCED, self.storage.clears
+        self.phase, self._reduced_at = StepPhase.REDUCED, self.storage.clears
         return self._overflow
 
     def step(self, call: Callable[[], Any]) -> Any:
@@ -177,7 +185,7 @@ class ShardedOptimizer:
         gradients live until zero_grad]) and, if the optimizer stepped, bring the update to the working parameters
         of every storage it stepped on: stages 1 and 2 all-gather it into the full buffer, stage 3 casts it into
         the working shard."""
-        self.phase = self.ACCUMULATING
+        self.phase = StepPhase.ACCUMULATING
         for m in self.masters:
             m.grad = None
         if stepped:
@@ -187,7 +195,7 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         """Drop the gradients of every parameter of the optimizer: master grads, stage 1's full ``.grad`` and the
         reduced gradients, in its own storage and, for borrowed parameters, in their owners' (no communication)."""
-        self.phase = self.ACCUMULATING
+        self.phase = StepPhase.ACCUMULATING
         for m in self.masters:
             m.grad = None
         self.storage.clear_grads(None)
@@ -201,6 +209,6 @@ class ShardedOptimizer:
     def uninstall(self) -> None:
         """Drop the master gradients (the storage hands the parameters back; the optimizer state stays, so a
         checkpoint can still be saved after ``fit`` returns)."""
-        self.phase = self.ACCUMULATING
+        self.phase = StepPhase.ACCUMULATING
         for m in self.masters:
             m.grad = None

@@ -1,6 +1,6 @@
 """Which optimizers ZeRO can shard and how (flat slices or whole tensors), the subclass it swaps in for
 ``zero_grad`` (see [Note: gradients live until zero_grad] in ``optimizer.py``), and the checks and ordering of the
-parameters an engine lays out."""
+parameters a storage lays out."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def _gathered(engine: "ZeroEngine", unit: int) -> Iterator[None]:
     """``unit`` gathered inside (a collective); released after unless it was gathered before."""
     runtime = engine.runtime
     assert runtime is not None
-    before = runtime.states[unit].gathered
+    before = runtime.units[unit].gathered
     runtime.gather(unit)
     try:
         yield
