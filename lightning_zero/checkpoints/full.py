@@ -52,7 +52,8 @@ def optimizer_state(sharded: ShardedOptimizer) -> dict[str, Any]:
     assembled = _assemble(sharded.canonical, _collect(sharded))
     if assembled is None:
         return {}
-    return {"state": {i: entry for i, entry in sorted(assembled.items()) if entry}, "param_groups": param_groups(sharded)}
+    return {"state": {i: entry for i, entry in sorted(assembled.items()) if entry},
+            "param_groups": param_groups(sharded)}
 
 
 def load_optimizer_state(sharded: ShardedOptimizer, state_dict: dict[str, Any]) -> None:

@@ -20,8 +20,8 @@ found: torch's ``Optimizer`` has no ``zero_grad`` hook, and an instance attribut
 by Lightning's and Fabric's wrappers (``LightningOptimizer``, ``_FabricOptimizer``), which resolve ``zero_grad`` on
 their own class, made at wrap time from the optimizer's class, and call it with the wrapper as ``self``.
 
-Parameters held by several optimizers are owned by one storage (the first optimizer's) and borrowed by the others: see [Note: parameters
-shared by several optimizers] in ``sharing.py``.
+Parameters held by several optimizers are owned by one storage (the first optimizer's) and borrowed by the others:
+see [Note: parameters shared by several optimizers] in ``sharing.py``.
 """
 
 from __future__ import annotations

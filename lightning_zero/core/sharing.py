@@ -5,8 +5,9 @@ Under ``ddp`` two optimizers over the same parameter update the same tensor from
 own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``. ZeRO keeps exactly that:
 
 - The parameter has one *owner*: the storage of the first optimizer (in ``configure_optimizers`` order) that holds
-  it (see [Note: the store and the optimizers] in ``store.py``). The owner alone lays it out, holds its working storage (flat buffer, stage 3 unit buffers), its master
-  weight and its gradient reduction, so a backward reduces each gradient once, whatever the number of optimizers.
+  it (see [Note: the store and the optimizers] in ``store.py``). The owner alone lays it out, holds its working
+  storage (flat buffer, stage 3 unit buffers), its master weight and its gradient reduction, so a backward reduces
+  each gradient once, whatever the number of optimizers.
 - Every later optimizer that holds it *borrows* it: it steps on views of the owner's master pieces on
   this rank (:func:`borrowed_slots`), with its own optimizer state for them, and takes their gradients from the
   owner's gradient shard. Whichever optimizer steps, it updates the one master weight, and the owner's working

@@ -12,9 +12,10 @@ adapters over it; a plain PyTorch loop with ``torch.distributed`` initialized us
 
 [Note: the order of one optimizer step]
 For one optimizer, :meth:`ZeroEngine.step` runs:
-1. ``reduce`` (see [Note: the phases of one optimizer step] in ``optimizer.py``): what backward has not reduced yet is reduced (stage 1 reduce-scatters its full ``.grad`` now, stages
-   2 and 3 flushed at the end of each backward) and waited for; every master tensor gets its averaged gradient;
-   under ``16-mixed`` the gradients are unscaled and every rank agrees on overflow (one all-reduce of a flag);
+1. ``reduce`` (see [Note: the phases of one optimizer step] in ``optimizer.py``): what backward has not reduced yet
+   is reduced (stage 1 reduce-scatters its full ``.grad`` now, stages 2 and 3 flushed at the end of each backward)
+   and waited for; every master tensor gets its averaged gradient; under ``16-mixed`` the gradients are unscaled and
+   every rank agrees on overflow (one all-reduce of a flag);
 2. ``before_step`` (the Trainer's ``on_before_optimizer_step`` hooks and its clipping), then clipping by global norm
    or value over all shards;
 3. the user's ``optimizer.step()``, skipped on every rank or none when the loss scaler found an overflow;
@@ -150,7 +151,8 @@ class ZeroEngine:
             # evaluation: the store alone holds the weights, as one group of flat slices (see [Note: the store and
             # the optimizers] in store.py)
             trainable = [p for p in self.module.parameters() if p.requires_grad]
-            self.store.add(self._make_storage(trainable, [0] * len(trainable), bool(self.config.partition_whole_params)))
+            whole = bool(self.config.partition_whole_params)
+            self.store.add(self._make_storage(trainable, [0] * len(trainable), whole))
         shard_by_units(self.module, self.unit_plan, self.store.storages, self.device, recording)
         guard.name_parameters(self.module, {key: self.unit_plan.names[unit]
                                             for key, unit in self.store.param_units().items()})

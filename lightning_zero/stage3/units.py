@@ -1,7 +1,7 @@
 """Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after.
 
 [Note: gather, free, and autograd]
-Each unit's parameters are views of one flat buffer per optimizer; freeing resizes that buffer's *storage* to zero
+Each unit's parameters are views of one flat buffer per storage; freeing resizes that buffer's *storage* to zero
 and gathering resizes it back and all-gathers into it. The tensor objects never change, so the tensors autograd
 saved in forward (the weights, and views of them such as ``W.t()``) read the re-gathered values in backward. A hook
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
