@@ -184,3 +184,26 @@ def test_the_runtime_phase_follows_forward_backward_and_summoned():
     handle.remove()
     engine.step()
     engine.teardown()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_optimizers_set_up_after_evaluation_get_the_full_precision_masters(precision):
+    """The move from the evaluation storage carries the fp32 masters, not the 16-bit working copy (see [Note: the
+    move carries the master values] in ``partitioned.py``): the masters equal those of optimizers given at setup."""
+    def masters(late: bool) -> list[torch.Tensor]:
+        model = _model()
+        model.unused = nn.Parameter(torch.randn(3))  # trainable, in no optimizer: kept whole, in its own dtype
+        kwargs = dict(stage=3, precision=precision, persistence_threshold=0, unit_classes=[nn.Sequential])
+        params = [p for name, p in model.named_parameters() if name != "unused"]
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        engine = ZeroEngine(model, [] if late else [optimizer], **kwargs)
+        if late:
+            engine.add_optimizers([optimizer])
+        out = [engine.optimizers[0].storage.master_storage.clone(), model.unused.detach().clone()]
+        engine.teardown()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    at_setup, later = masters(late=False), masters(late=True)
+    assert later[0].dtype == torch.float32 and later[1].dtype == torch.float32
+    for a, b in zip(at_setup, later):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
