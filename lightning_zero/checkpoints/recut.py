@@ -1,0 +1,184 @@
+"""Universal checkpoints: a sharded checkpoint written at tensor-parallel size t, read at another size t'.
+
+[Note: re-cutting tensor-parallel slices on load]
+A tensor-parallel slice is stored as its slice of a stacked tensor ``(t, *local shape)``, flattened (see
+[Note: tensor-parallel slices in a checkpoint] in ``shards.py``), and the metadata names the dimension the slices
+join along and the blocks (``parts``) of the whole tensor. The stacked layout at t and the one at t' are two
+orderings of the same elements of the whole tensor, so an element's place in the saved flat tensor follows from its
+place here by arithmetic alone (:func:`stacked_to_whole`, :func:`whole_to_stacked`): whole index ``(a, f, b)``
+around the cut dimension, f in block ``q`` at offset ``w``, is on tensor rank ``w // (F / (parts t))``. A destination
+piece (this rank's range ``[start, start + n)`` of the stacked tensor at t') is therefore a sequence of runs that are
+contiguous in both layouts (for a cut along the first dimension without blocks, one run: the layouts agree), and
+each run is read by DCP straight into a view of the destination piece (:func:`to_saved_layout`). A rank reads only
+what it owns; no rank holds a whole tensor, and the data-parallel resharding works as before. A tensor written at
+t = 1 (no slice marker in the checkpoint) is the whole tensor, a cut with one slice; a run at t' = 1 reads the whole
+tensor the same way, with the dimension and blocks taken from the checkpoint's metadata. Column- and row-parallel
+layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
+which comes from the slice marker (``core/slices.py``) here and from the metadata of the checkpoint.
+
+What cannot be re-cut is refused before anything is read (:func:`cannot_recut`): a state of a sliced parameter that
+is not per element. Adafactor's factored statistics of a slice are its squared gradients' means over the slice's own
+rows (and columns): the factor along the cut dimension would join, but the other one is a mean over the rows of this
+slice only, and the means over the rows of another cut are not in the checkpoint (cutting finer loses them; merging
+slices would average them, exact in real arithmetic but not the statistics Adafactor keeps at t', whose relative
+step also reads the slice's own norm). Such a checkpoint resumes at its own t, or its weights load anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.checkpoints.errors import CheckpointError
+from lightning_zero.checkpoints.shards import Shard
+
+#: Elements translated at a time (the index arithmetic holds a few int64 tensors of this length).
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a whole tensor of ``whole`` shape is laid out when cut into ``size`` slices along ``dim`` (of ``parts``
+    blocks each cut, see ``TensorParallelSlice``) and stacked: ``size = 1`` is the whole tensor itself."""
+
+    whole: tuple[int, ...]
+    dim: int
+    parts: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.whole[self.dim] % (self.parts * self.size):
+            raise CheckpointError(f"A tensor of shape {self.whole} cannot be cut into {self.size} slices of "
+                                  f"{self.parts} blocks along dimension {self.dim}.")
+
+    @property
+    def stacked(self) -> tuple[int, ...]:
+        """The stacked shape ``(size, *slice shape)`` (for ``size = 1``: the whole shape, as stored at t = 1)."""
+        if self.size == 1:
+            return self.whole
+        local = list(self.whole)
+        local[self.dim] //= self.size
+        return (self.size, *local)
+
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """(elements before the cut dimension, its whole length, elements after it, one slice's share of a block)."""
+        a = math.prod(self.whole[: self.dim])
+        f = self.whole[self.dim]
+        b = math.prod(self.whole[self.dim + 1 :])
+        return a, f, b, f // (self.parts * self.size)
+
+
+def stacked_to_whole(index: Tensor, cut: Cut) -> Tensor:
+    """The flat indices in the whole tensor of the flat indices ``index`` of the stacked tensor of ``cut``."""
+    a_n, f_n, b_n, share = cut._sizes()
+    local = f_n // cut.size
+    per_slice = a_n * local * b_n
+    j, rest = index // per_slice, index % per_slice
+    a, l, b = rest // (local * b_n), (rest // b_n) % local, rest % b_n
+    f = (l // share) * (f_n // cut.parts) + j * share + l % share
+    return (a * f_n + f) * b_n + b
+
+
+def whole_to_stacked(index: Tensor, cut: Cut) -> Tensor:
+    """The flat indices in the stacked tensor of ``cut`` of the flat indices ``index`` of the whole tensor."""
+    a_n, f_n, b_n, share = cut._sizes()
+    local = f_n // cut.size
+    block = f_n // cut.parts
+    a, f, b = index // (f_n * b_n), (index // b_n) % f_n, index % b_n
+    q, w = f // block, f % block
+    j, l = w // share, q * share + w % share
+    return j * (a_n * local * b_n) + (a * local + l) * b_n + b
+
+
+def saved_cut(info: dict[str, Any], key: str) -> Optional[Cut]:
+    """The cut a checkpoint stored ``key`` with, ``None`` for a tensor stored as it is (replicated, or t = 1) or a
+    state that does not join (see [Note: re-cutting tensor-parallel slices on load])."""
+    joins = info.get("tensor_parallel", {}).get(key)
+    if joins is None:
+        return None
+    dim, parts = joins
+    shape = tuple(info["tensors"][key][0])
+    whole = list(shape[1:])
+    whole[dim] *= shape[0]
+    return Cut(tuple(whole), dim, parts, shape[0])
+
+
+def shard_cut(shard: Shard) -> Optional[Cut]:
+    """The cut of a destination :class:`Shard` (a slice's per-element tensor), ``None`` for any other."""
+    if shard.local_shape is None or shard.joins_along is None:
+        return None
+    return Cut(shard.full_shape, shard.joins_along, shard.parts, shard.shape[0])
+
+
+def whole_shape(info: dict[str, Any], key: str) -> tuple[int, ...]:
+    """The shape of the whole tensor ``key`` of a checkpoint (its stored shape unless it is stacked slices)."""
+    cut = saved_cut(info, key)
+    return cut.whole if cut is not None else tuple(info["tensors"][key][0])
+
+
+def _cuts(info: dict[str, Any], key: str, shard: Shard) -> Optional[tuple[Cut, Cut]]:
+    """(the saved cut, the cut here) of ``key`` when they differ, ``None`` when the saved pieces fit as they are."""
+    src, dst = saved_cut(info, key), shard_cut(shard)
+    if src is None and dst is None:
+        return None
+    if src is None:
+        assert dst is not None
+        if tuple(info["tensors"][key][0]) != dst.whole:
+            return None  # a shape mismatch, refused by the callers' checks
+        src = Cut(dst.whole, dst.dim, dst.parts, 1)
+    if dst is None:
+        if shard.shape != src.whole:
+            return None
+        dst = Cut(src.whole, src.dim, src.parts, 1)
+    if (src.whole, src.dim, src.parts) != (dst.whole, dst.dim, dst.parts):
+        raise CheckpointError(
+            f"{key} was saved cut along dimension {src.dim} in {src.parts} block(s), and this model cuts it along "
+            f"dimension {dst.dim} in {dst.parts} block(s): the layer is column-parallel on one side and "
+            "row-parallel on the other (or fuses other blocks). Resume with the model the checkpoint was trained with.")
+    return (src, dst) if src.size != dst.size else None
+
+
+def to_saved_layout(key: str, shard: Shard, info: dict[str, Any]) -> Shard:
+    """``shard`` (this rank's destination pieces of ``key``) as pieces of the tensor the checkpoint stored: itself
+    where the cuts agree, else views of its pieces at their places in the saved stacked tensor (see
+    [Note: re-cutting tensor-parallel slices on load]); reading into them writes ``shard``'s pieces."""
+    cuts = _cuts(info, key, shard)
+    if cuts is None:
+        return shard
+    src, dst = cuts
+    pieces: list[tuple[int, Tensor]] = []
+    for start, piece in shard.pieces:
+        for offset in range(0, piece.numel(), CHUNK):
+            n = min(CHUNK, piece.numel() - offset)
+            here = torch.arange(start + offset, start + offset + n, dtype=torch.int64)
+            there = whole_to_stacked(stacked_to_whole(here, dst), src)
+            breaks = (torch.nonzero(there[1:] - there[:-1] != 1).flatten() + 1).tolist()
+            for begin, end in zip([0, *breaks], [*breaks, n]):
+                pieces.append((int(there[begin]), piece[offset + begin : offset + end]))
+    return Shard(src.stacked, shard.dtype, pieces)
+
+
+def cannot_recut(info: dict[str, Any], canonical: Sequence[Sequence[Tensor]]) -> list[str]:
+    """The checkpoint's tensors that do not re-cut to this run's slices: states of sliced parameters that are not
+    per element, stacked at t > 1 (the metadata marks them) or whole at t = 1 where the parameter is a slice here
+    (``canonical``: each optimizer's parameters by canonical index; the optimizers' states are checked only when
+    they are given, so that the model alone loads from any checkpoint)."""
+    marked = info.get("tensor_parallel", {})
+    stuck = []
+    for k, params in enumerate(canonical):
+        prefix = f"optimizer/{k}/"
+        stuck += [key for key, joins in marked.items() if joins is None and key.startswith(prefix)]
+        for key, tensor in info["tensors"].items():
+            if not key.startswith(prefix) or key in marked or tensor is None or len(tensor[0]) == 0:
+                continue
+            index = int(key[len(prefix):].split("/", 1)[0])
+            if index >= len(params):
+                continue  # another model: refused by the optimizer's own checks
+            here = Shard.placed(params[index], params[index].dtype)[0]
+            if here.local_shape is not None and tuple(tensor[0]) != here.full_shape:
+                stuck.append(key)
+    return stuck
