@@ -159,8 +159,8 @@ def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, sourc
             f"{len(stuck)} optimizer state(s) of sliced parameters are not per element ({_some(stuck)}: Adafactor's "
             "factored statistics, for instance) and cannot be re-cut: a slice's statistics are means over its own "
             "rows or columns, and those of another cut are not in the checkpoint. Nothing was loaded. Resume with "
-            f"`tensor_parallel_size={saved}`, or load the weights only (`lightning-zero consolidate --weights-only`, "
-            "or `strict=False` loads of the model alone) and start the optimizer afresh.")
+            f"`tensor_parallel_size={saved}`, or consolidate its weights (`lightning-zero consolidate "
+            "--weights-only`) and load that file (each rank cuts its slices), starting the optimizer afresh.")
 
 
 # ---------------------------------------------------------------------- optimizers

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero import CheckpointError, ZeroEngine
-from lightning_zero.checkpoints.full import load_full_checkpoint
+from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.checkpoints.shards import model_shards, optimizer_shards, stack_slices, Shard
 from lightning_zero.engine import state as engine_state
 from lightning_zero.tensor_parallel import cut, make_device_mesh, tensor_parallel_slice
@@ -218,15 +218,20 @@ def adafactor_refusals(out: Path) -> dict[str, Any]:
     return {"refusals": found, "unchanged": unchanged, "weights_loaded": loaded}
 
 
+_RETIRED: list[Any] = []
+
+
 def in_group_of_two(out: Path, rank: int, run: Any) -> Any:
     """Run ``run()`` on ranks 0 and 1 in a job of their own (a process group of 2), then return to the 4 ranks."""
     dist.barrier()
+    _RETIRED.append(dist.group.WORLD)  # alive, so that no later group reuses its id (groups are cached by it)
     dist.destroy_process_group()
     result = None
     if rank < 2:
         dist.init_process_group("gloo", init_method=f"file://{out}/group_of_two", rank=rank, world_size=2)
         result = run()
         dist.barrier()
+        _RETIRED.append(dist.group.WORLD)
         dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{out}/group_of_four", rank=rank, world_size=4)
     return result
