@@ -309,9 +309,12 @@ def _ckpt_dir(ranks: list[dict]) -> Path:
 
 
 def test_refusals(ranks):
+    """Adafactor's checkpoint at t = 2 resumed at t = 1 is refused (its factored statistics do not re-cut; other
+    states do: tests/test_universal_checkpoints.py); ``parallelize_module``'s DTensors are refused."""
     for rank in ranks:
         assert rank["mismatch"].startswith("CheckpointError: The checkpoint") and \
-            "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"]
+            "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"] and \
+            "cannot be re-cut" in rank["mismatch"]
         assert "DTensor parameter" in rank["dtensor"] and "ColumnParallelLinear" in rank["dtensor"]
     assert "no parameter of TinyGPT is a tensor-parallel slice" in ranks[0]["unsliced_warning"]
     assert "tensor_parallel.parallelize(" in ranks[0]["dtensor"]
