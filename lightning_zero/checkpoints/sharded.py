@@ -228,30 +228,31 @@ def _shape_here(info: dict[str, Any], key: str, param: Tensor, shape: tuple[int,
 
 
 def check_optimizer_fits(saved: dict[str, Any], engine: ShardedOptimizer, source: str,
-                         wholes: Optional[list[tuple[int, ...]]] = None) -> None:
-    """Refuse an optimizer state saved for other param groups or parameters: the parameters' shapes, or with
-    ``wholes`` (the saved parameters' whole shapes, :func:`_saved_wholes`) those of the whole tensors their
-    tensor-parallel slices are cut from, which any tensor-parallel size shares."""
+                         wholes: Optional[list[Optional[tuple[int, ...]]]] = None) -> None:
+    """Refuse an optimizer state saved for other param groups or parameters: with ``wholes`` (the saved parameters'
+    whole shapes, :func:`_saved_wholes`) the shapes of the whole tensors their tensor-parallel slices are cut from,
+    which any tensor-parallel size shares; where a whole shape is unknown (``None``) the slices' own shapes."""
     if list(saved["group_sizes"]) != engine.group_sizes:
         raise CheckpointError(
             f"The checkpoint {source} has an optimizer with param groups of sizes {list(saved['group_sizes'])}, but "
             f"{saved['class']} here has {engine.group_sizes}. Resume with the same model and `configure_optimizers`."
         )
-    shapes = [_whole(p) if wholes is not None else tuple(p.shape) for p in engine.canonical]
-    bad = [f"parameter {i}: checkpoint {tuple(a)}, model {b}"
-           for i, (a, b) in enumerate(zip(wholes if wholes is not None else saved["params"], shapes)) if tuple(a) != b]
+    wholes = wholes if wholes is not None else [None] * len(saved["params"])
+    pairs = [(tuple(whole), _whole(p)) if whole is not None else (tuple(local), tuple(p.shape))
+             for whole, local, p in zip(wholes, saved["params"], engine.canonical)]
+    bad = [f"parameter {i}: checkpoint {a}, model {b}" for i, (a, b) in enumerate(pairs) if a != b]
     if bad:
         raise CheckpointError(f"The optimizer state in {source} is for parameters of other shapes ({_some(bad)}); "
                               "it comes from a different model.")
 
 
-def _saved_wholes(info: dict[str, Any], k: int) -> list[tuple[int, ...]]:
+def _saved_wholes(info: dict[str, Any], k: int) -> list[Optional[tuple[int, ...]]]:
     """Optimizer ``k``'s parameters' whole shapes as saved; a checkpoint that predates the record derives them from
-    the states' cuts (a parameter without a per-element state keeps its slice's shape)."""
+    the states' cuts (``None`` where no state tells: a slice without a per-element state, or a replicated tensor)."""
     saved = info["optimizers"][k]
     if "whole_params" in saved:
         return [tuple(s) for s in saved["whole_params"]]
-    wholes = [tuple(s) for s in saved["params"]]
+    wholes: list[Optional[tuple[int, ...]]] = [None] * len(saved["params"])
     for (index, _), (key, _) in optimizer_keys(info, k).items():
         cut = saved_cut(info, key)
         if cut is not None and index < len(wholes):
