@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_zero.checkpoints.recut import Cut, stacked_to_whole, to_saved_layout, whole_to_stacked
+from lightning_zero.checkpoints import recut
+from lightning_zero.checkpoints.recut import Cut, finish, stacked_to_whole, to_saved_layout, whole_to_stacked
 from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.tensor_parallel import cut
 from lightning_zero.testing.launch import launch
@@ -35,13 +36,17 @@ def test_the_index_arithmetic_is_the_stacked_cut(shape, dim, parts):
         assert torch.equal(whole_to_stacked(stacked_to_whole(index, layout), layout), index)
 
 
-@pytest.mark.parametrize("shape, dim, parts", LAYOUTS)
-def test_a_recut_read_fills_the_pieces_of_another_size(shape, dim, parts):
+@pytest.mark.parametrize("window", [1, 7, recut.WINDOW])
+@pytest.mark.parametrize("shape, dim, parts", [*LAYOUTS, ((36, 5), 0, 3), ((5, 36), 1, 1)])
+def test_a_recut_read_fills_the_pieces_of_another_size(shape, dim, parts, window, monkeypatch):
     """A destination at size t' with ZeRO-like pieces (odd ranges of this rank's stacked slice), rewritten into the
-    saved layout of size t, then filled the way DCP reads (each saved range copied into its view): every piece holds
-    its part of this rank's slice at t'."""
+    saved layout of size t, then filled the way DCP reads (each saved range copied into its piece), then the staging
+    windows copied into place: every piece holds its part of this rank's slice at t'. With windows of one run (read
+    straight into the destination), of a few elements, and of the default span; sizes that do not divide each other
+    (2 and 3) too."""
+    monkeypatch.setattr(recut, "WINDOW", window)
     whole = torch.randn(shape)
-    sizes = [s for s in (1, 2, 4) if shape[dim] % (parts * s) == 0]
+    sizes = [s for s in (1, 2, 3, 4) if shape[dim] % (parts * s) == 0]
     for saved in sizes:
         stored = torch.stack(cut(whole, saved, dim, parts)).reshape(-1) if saved > 1 else whole.reshape(-1)
         marks = {"tensor_parallel": {"w": (dim, parts)} if saved > 1 else {},
@@ -55,8 +60,10 @@ def test_a_recut_read_fills_the_pieces_of_another_size(shape, dim, parts):
                 dest = Shard((here, *local.shape) if here > 1 else tuple(shape), torch.float32, pieces,
                              local_shape=tuple(local.shape) if here > 1 else None,
                              joins_along=dim if here > 1 else None, parts=parts)
-                for start, view in to_saved_layout("w", dest, marks).pieces:
+                read, copies = to_saved_layout("w", dest, marks)
+                for start, view in read.pieces:
                     view.copy_(stored[start : start + view.numel()])
+                finish(copies)
                 assert torch.equal(torch.cat([p for _, p in pieces]), local.reshape(-1)), (saved, here, rank)
 
 

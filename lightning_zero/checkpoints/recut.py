@@ -9,8 +9,12 @@ place here by arithmetic alone (:func:`stacked_to_whole`, :func:`whole_to_stacke
 around the cut dimension, f in block ``q`` at offset ``w``, is on tensor rank ``w // (F / (parts t))``. A destination
 piece (this rank's range ``[start, start + n)`` of the stacked tensor at t') is therefore a sequence of runs that are
 contiguous in both layouts (for a cut along the first dimension without blocks, one run: the layouts agree), and
-each run is read by DCP straight into a view of the destination piece (:func:`to_saved_layout`). A rank reads only
-what it owns; no rank holds a whole tensor, and the data-parallel resharding works as before. A tensor written at
+the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader loads a whole saved chunk for every item it
+reads, so a row-parallel weight's thousands of short runs are not read one by one: consecutive runs are read as one
+window of the saved tensor (at most ``WINDOW`` elements) into a staging buffer, then copied into place
+(:func:`finish`); a window of a single run is read straight into the destination. A rank reads the windows over what
+it owns (at most about the slice of the coarser cut, per tensor); no rank holds a whole tensor, and the
+data-parallel resharding works as before. A tensor written at
 t = 1 (no slice marker in the checkpoint) is the whole tensor, a cut with one slice; a run at t' = 1 reads the whole
 tensor the same way, with the dimension and blocks taken from the checkpoint's metadata. Column- and row-parallel
 layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
@@ -36,8 +40,8 @@ from torch import Tensor
 from lightning_zero.checkpoints.errors import CheckpointError
 from lightning_zero.checkpoints.shards import Shard
 
-#: Elements translated at a time (the index arithmetic holds a few int64 tensors of this length).
-CHUNK = 1 << 20
+#: Granules mapped at a time (the index arithmetic holds a few int64 tensors of this length).
+CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -142,24 +146,92 @@ def _cuts(info: dict[str, Any], key: str, shard: Shard) -> Optional[tuple[Cut, C
     return (src, dst) if src.size != dst.size else None
 
 
-def to_saved_layout(key: str, shard: Shard, info: dict[str, Any]) -> Shard:
-    """``shard`` (this rank's destination pieces of ``key``) as pieces of the tensor the checkpoint stored: itself
-    where the cuts agree, else views of its pieces at their places in the saved stacked tensor (see
-    [Note: re-cutting tensor-parallel slices on load]); reading into them writes ``shard``'s pieces."""
+#: The most elements a staging window spans (see [Note: re-cutting tensor-parallel slices on load]).
+WINDOW = 1 << 24
+
+#: (a view of a staging window, the destination view it is copied into once read)
+Copy = tuple[Tensor, Tensor]
+
+
+def to_saved_layout(key: str, shard: Shard, info: dict[str, Any]) -> tuple[Shard, list[Copy]]:
+    """``shard`` (this rank's destination pieces of ``key``) as pieces of the tensor the checkpoint stored, and the
+    copies to make once they are read: ``shard`` itself where the cuts agree; else windows of the saved stacked
+    tensor over this rank's runs (see [Note: re-cutting tensor-parallel slices on load]), read into staging buffers
+    and copied into the destination pieces by :func:`finish` (a window of one run is the destination view itself)."""
     cuts = _cuts(info, key, shard)
     if cuts is None:
-        return shard
+        return shard, []
     src, dst = cuts
+    granule = _granule(src, dst)
     pieces: list[tuple[int, Tensor]] = []
+    copies: list[Copy] = []
     for start, piece in shard.pieces:
-        for offset in range(0, piece.numel(), CHUNK):
-            n = min(CHUNK, piece.numel() - offset)
-            here = torch.arange(start + offset, start + offset + n, dtype=torch.int64)
-            there = whole_to_stacked(stacked_to_whole(here, dst), src)
-            breaks = (torch.nonzero(there[1:] - there[:-1] != 1).flatten() + 1).tolist()
-            for begin, end in zip([0, *breaks], [*breaks, n]):
-                pieces.append((int(there[begin]), piece[offset + begin : offset + end]))
-    return Shard(src.stacked, shard.dtype, pieces)
+        for window in _windows(_runs(start, piece.numel(), granule, src, dst)):
+            if len(window) == 1:
+                offset, there, length = window[0]
+                pieces.append((there, piece[offset : offset + length]))
+                continue
+            low = window[0][1]
+            staging = torch.empty(window[-1][1] + window[-1][2] - low, dtype=shard.dtype)
+            pieces.append((low, staging))
+            copies += [(staging[there - low : there - low + length], piece[offset : offset + length])
+                       for offset, there, length in window]
+    return Shard(src.stacked, shard.dtype, pieces), copies
+
+
+def finish(copies: list[Copy]) -> None:
+    """Copy the read staging windows into the destination pieces (:func:`to_saved_layout`)."""
+    with torch.no_grad():
+        for staged, dest in copies:
+            dest.copy_(staged)
+
+
+def _windows(runs: list[list[int]]) -> list[list[list[int]]]:
+    """The runs grouped into windows of the saved tensor: consecutive runs in increasing saved order spanning at most
+    ``WINDOW`` elements. [Note: re-cutting tensor-parallel slices on load]: DCP loads a whole saved chunk for each
+    item it reads, so many small reads of one chunk would load it many times; one read per window loads it once."""
+    windows: list[list[list[int]]] = []
+    for run in runs:
+        last = windows[-1] if windows else None
+        if last is not None and run[1] >= last[-1][1] + last[-1][2] and run[1] + run[2] - last[0][1] <= WINDOW:
+            last.append(run)
+        else:
+            windows.append([run])
+    return windows
+
+
+def _granule(src: Cut, dst: Cut) -> int:
+    """Elements that are contiguous in both stacked layouts, aligned in both: a slice's share of a block along the
+    cut dimension times the elements after it is contiguous in the whole tensor and in the stacked one, at offsets
+    that are multiples of it; the largest length dividing both cuts' is a unit of both."""
+    _, _, after, share_src = src._sizes()
+    share_dst = dst._sizes()[3]
+    return after * math.gcd(share_src, share_dst)
+
+
+def _runs(start: int, n: int, granule: int, src: Cut, dst: Cut) -> list[list[int]]:
+    """``[offset in the piece, start in the saved stacked tensor, length]`` of the runs of the stacked range
+    ``[start, start + n)`` at ``dst`` that are contiguous at ``src``: the range cut at every multiple of ``granule``
+    (:func:`_granule`), each part mapped by its first element, neighbours that stay contiguous merged (``CHUNK``
+    parts at a time, so the index arithmetic holds a bounded number of indices)."""
+    end = start + n
+    first = (start // granule + 1) * granule
+    total = 1 + max(0, -(-(end - first) // granule))  # the part from start, then one per multiple of granule
+    runs: list[list[int]] = []
+    for low in range(0, total, CHUNK):
+        j = torch.arange(low, min(low + CHUNK, total), dtype=torch.int64)
+        here = torch.where(j == 0, start, first + (j - 1) * granule)
+        ends = torch.where(j + 1 < total, first + j * granule, end)
+        there = whole_to_stacked(stacked_to_whole(here, dst), src)
+        lengths = ends - here
+        breaks = (torch.nonzero(there[1:] != there[:-1] + lengths[:-1]).flatten() + 1).tolist()
+        for begin, stop in zip([0, *breaks], [*breaks, j.numel()]):
+            run = [int(here[begin]) - start, int(there[begin]), int(ends[stop - 1] - here[begin])]
+            if runs and runs[-1][1] + runs[-1][2] == run[1]:
+                runs[-1][2] += run[2]  # contiguous across two chunks
+            else:
+                runs.append(run)
+    return runs
 
 
 def cannot_recut(info: dict[str, Any], canonical: Sequence[Sequence[Tensor]]) -> list[str]:

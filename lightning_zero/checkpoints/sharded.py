@@ -18,7 +18,7 @@ from lightning_zero.core import collectives
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
 from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
-from lightning_zero.checkpoints.recut import cannot_recut, saved_cut, shard_cut, to_saved_layout, whole_shape
+from lightning_zero.checkpoints.recut import Copy, cannot_recut, finish, saved_cut, shard_cut, to_saved_layout, whole_shape
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object
 TensorInfo = Optional[tuple[tuple[int, ...], str]]
@@ -128,7 +128,9 @@ def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard]
         round_[stored] = shard
     reads = [{k: to_saved_layout(k, s, info) for k, s in r.items() if s.numel} for r in rounds]  # all before reading
     for read in reads:  # (empty tensors have nothing to read)
-        load_sharded(path, read, None, collective)
+        load_sharded(path, {k: shard for k, (shard, _) in read.items()}, None, collective)
+        for _, copies in read.values():
+            finish(copies)
 
 
 def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: bool, source: str) -> None:
@@ -197,6 +199,7 @@ def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[Sha
     for k, engine in enumerate(engines):
         check_optimizer_fits(info["optimizers"][k], engine, str(path), _saved_wholes(info, k))
     shards: dict[str, Shard] = {}
+    copies: dict[str, list[Copy]] = {}
     objects: dict[str, Any] = {}
     dests, object_keys = [], []
     for k, engine in enumerate(engines):
@@ -204,13 +207,16 @@ def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[Sha
         dest = optimizer_destination(engine, {i: (_shape_here(info, key, engine.canonical[i[0]], tuple(t[0])),
                                                   getattr(torch, t[1]))
                                               for i, (key, t) in saved.items() if not is_stored_as_object(t)})
-        shards.update({saved[i][0]: to_saved_layout(saved[i][0], s, info) for i, s in dest.shards.items()})
+        for i, shard in dest.shards.items():
+            shards[saved[i][0]], copies[saved[i][0]] = to_saved_layout(saved[i][0], shard, info)
         wanted = {engine.managed[p] for slot in engine.slots for p, *_ in slot.pieces}
         keys = {i: key for i, (key, t) in saved.items() if is_stored_as_object(t) and i[0] in wanted}
         objects.update({key: None for key in keys.values()})
         dests.append(dest)
         object_keys.append(keys)
     load_sharded(path, shards, objects, collective)
+    for staged in copies.values():
+        finish(staged)
     for k, (dest, keys) in enumerate(zip(dests, object_keys)):
         dest.values = {i: objects[key] for i, key in keys.items()}
         dest.install(states[k]["param_groups"])
