@@ -18,7 +18,15 @@ from lightning_zero.core import collectives
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
 from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
-from lightning_zero.checkpoints.recut import Copy, cannot_recut, finish, saved_cut, shard_cut, to_saved_layout, whole_shape
+from lightning_zero.checkpoints.recut import (
+    Copy,
+    cannot_recut,
+    finish,
+    saved_cut,
+    shard_cut,
+    to_saved_layout,
+    whole_shape,
+)
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object
 TensorInfo = Optional[tuple[tuple[int, ...], str]]
