@@ -11,10 +11,12 @@ piece (this rank's range ``[start, start + n)`` of the stacked tensor at t') is 
 contiguous in both layouts (for a cut along the first dimension without blocks, one run: the layouts agree), and
 the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader loads a whole saved chunk for every item it
 reads, so a row-parallel weight's thousands of short runs are not read one by one: consecutive runs are read as one
-window of the saved tensor (at most ``WINDOW`` elements) into a staging buffer, then copied into place
-(:func:`finish`); a window of a single run is read straight into the destination. A rank reads the windows over what
-it owns (at most about the slice of the coarser cut, per tensor); no rank holds a whole tensor, and the
-data-parallel resharding works as before. A tensor written at
+window of the saved tensor (the runs in saved order, at most ``WINDOW`` elements from the first run's start to the
+last one's end) into a staging buffer, then copied into place (:func:`finish`); a window of a single run is read
+straight into the destination. The staging a rank holds during a load spans the saved ranges over what it owns: about
+its own share where the new cut is coarser, at most the saved slices it draws from where it is finer (twice its
+share from t to 2t); no rank holds a whole tensor unless it owns it, and the data-parallel resharding works as
+before. A tensor written at
 t = 1 (no slice marker in the checkpoint) is the whole tensor, a cut with one slice; a run at t' = 1 reads the whole
 tensor the same way, with the dimension and blocks taken from the checkpoint's metadata. Column- and row-parallel
 layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
@@ -187,13 +189,13 @@ def finish(copies: list[Copy]) -> None:
 
 
 def _windows(runs: list[list[int]]) -> list[list[list[int]]]:
-    """The runs grouped into windows of the saved tensor: consecutive runs in increasing saved order spanning at most
+    """The runs grouped into windows of the saved tensor: in saved order, neighbours whose span stays within
     ``WINDOW`` elements. [Note: re-cutting tensor-parallel slices on load]: DCP loads a whole saved chunk for each
     item it reads, so many small reads of one chunk would load it many times; one read per window loads it once."""
     windows: list[list[list[int]]] = []
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r[1]):
         last = windows[-1] if windows else None
-        if last is not None and run[1] >= last[-1][1] + last[-1][2] and run[1] + run[2] - last[0][1] <= WINDOW:
+        if last is not None and run[1] + run[2] - last[0][1] <= WINDOW:
             last.append(run)
         else:
             windows.append([run])
