@@ -8,26 +8,30 @@ orderings of the same elements of the whole tensor, so an element's place in the
 place here by arithmetic alone (:func:`stacked_to_whole`, :func:`whole_to_stacked`): whole index ``(a, f, b)``
 around the cut dimension, f in block ``q`` at offset ``w``, is on tensor rank ``w // (F / (parts t))``. A destination
 piece (this rank's range ``[start, start + n)`` of the stacked tensor at t') is therefore a sequence of runs that are
-contiguous in both layouts (for a cut along the first dimension without blocks, one run: the layouts agree), and
-the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader loads a whole saved chunk for every item it
+contiguous in both layouts, each a whole number of granules (:func:`_granule`; for a cut along the first dimension
+without blocks, one run: the layouts agree), and the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader loads a whole saved chunk for every item it
 reads, so a row-parallel weight's thousands of short runs are not read one by one: consecutive runs are read as one
 window of the saved tensor (the runs in saved order, at most ``WINDOW`` elements from the first run's start to the
 last one's end) into a staging buffer, then copied into place (:func:`finish`); a window of a single run is read
 straight into the destination. The staging a rank holds during a load spans the saved ranges over what it owns: about
 its own share where the new cut is coarser, at most the saved slices it draws from where it is finer (twice its
 share from t to 2t); no rank holds a whole tensor unless it owns it, and the data-parallel resharding works as
-before. A tensor written at
-t = 1 (no slice marker in the checkpoint) is the whole tensor, a cut with one slice; a run at t' = 1 reads the whole
-tensor the same way, with the dimension and blocks taken from the checkpoint's metadata. Column- and row-parallel
+before. A tensor written at t = 1 (no slice marker in the checkpoint) is the whole tensor, a cut with one slice; a
+run at t' = 1 reads the whole tensor the same way, with the dimension and blocks taken from the checkpoint's
+metadata. Column- and row-parallel
 layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
 which comes from the slice marker (``core/slices.py``) here and from the metadata of the checkpoint.
 
 What cannot be re-cut is refused before anything is read (:func:`cannot_recut`): a state of a sliced parameter that
-is not per element. Adafactor's factored statistics of a slice are its squared gradients' means over the slice's own
-rows (and columns): the factor along the cut dimension would join, but the other one is a mean over the rows of this
-slice only, and the means over the rows of another cut are not in the checkpoint (cutting finer loses them; merging
-slices would average them, exact in real arithmetic but not the statistics Adafactor keeps at t', whose relative
-step also reads the slice's own norm). Such a checkpoint resumes at its own t, or its weights load anywhere.
+is not per element. Adafactor keeps, for a weight of shape (O, I), the running means of its squared gradient over
+each row (a factor of O entries) and over each column (I entries); a slice keeps them over its own rows and columns.
+For a column-parallel slice (rows cut) the row factor is per row and would join; the column factor is a mean over
+this slice's rows only (row-parallel: the same with rows and columns swapped). Cutting finer (t' > t, or sizes that
+do not divide each other) needs means over rows the checkpoint never averaged separately: not derivable, refused.
+Merging slices (t' dividing t) would be the average of the merged slices' means, exact in real arithmetic (equal row
+counts, a linear running mean) but not bitwise in fp32, and specific to each optimizer's meaning of its states: not
+done either, so every such state is refused at another t, with what to do (resume at the same t, or load the weights
+alone and start the optimizer afresh).
 """
 
 from __future__ import annotations
