@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from lightning_zero.checkpoints import recut
-from lightning_zero.checkpoints.recut import Cut, finish, stacked_to_whole, to_saved_layout, whole_to_stacked
+from lightning_zero import CheckpointError
+from lightning_zero.checkpoints.recut import (
+    Cut,
+    cannot_recut,
+    finish,
+    stacked_to_whole,
+    to_saved_layout,
+    whole_to_stacked,
+)
 from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.core.slices import TensorParallelSlice
 from lightning_zero.tensor_parallel import cut
 from lightning_zero.testing.launch import launch
 
@@ -101,3 +110,19 @@ def test_factored_states_are_refused_before_anything_is_loaded(ranks):
             assert "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in message
             assert "not per element" in message and "cannot be re-cut" in message and "--weights-only" in message
         assert found["unchanged"] and found["weights_loaded"]
+
+
+def test_what_cannot_be_recut_is_named_before_reading():
+    """A layer cut along another dimension than the checkpoint's (column- against row-parallel) is refused with the
+    key; a whole (t = 1) factored statistic of a parameter that is a slice here is named by ``cannot_recut``, a
+    per-element state of it and the statistics of a replicated parameter are not."""
+    saved = {"tensor_parallel": {"w": (0, 1)}, "tensors": {"w": ((2, 4, 8), "float32")}}
+    row = Shard((4, 8, 2), torch.float32, [(0, torch.zeros(16))], local_shape=(8, 2), joins_along=1)
+    with pytest.raises(CheckpointError, match="w was saved cut along dimension 0 .* along dimension 1"):
+        to_saved_layout("w", row, saved)
+    sliced, replicated = torch.nn.Parameter(torch.zeros(4, 8)), torch.nn.Parameter(torch.zeros(8, 8))
+    setattr(sliced, "_lightning_zero_tensor_parallel", TensorParallelSlice(0, 0, 2))  # slice 0 of (8, 8) along 0
+    whole = {"tensors": {"optimizer/0/0/row_var": ((8, 1), "float32"), "optimizer/0/0/exp_avg": ((8, 8), "float32"),
+                         "optimizer/0/1/col_var": ((1, 8), "float32"), "optimizer/0/0/step": ((), "float32")}}
+    assert cannot_recut(whole, [[sliced, replicated]]) == ["optimizer/0/0/row_var"]
+    assert cannot_recut(whole, []) == []  # the model alone: its weights always re-cut
