@@ -33,7 +33,7 @@ TensorInfo = Optional[tuple[tuple[int, ...], str]]
 
 
 # ---------------------------------------------------------------------- save
-def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer], info: dict[str, Any],
+def split_checkpoint(checkpoint: dict[str, Any], sharded_optimizers: list[ShardedOptimizer], info: dict[str, Any],
                      ) -> tuple[dict[str, Any], dict[str, Shard], dict[str, Any]]:
     """Cut Lightning's checkpoint dict into DCP objects, this rank's shards, and ``meta.pt`` (complete on rank 0).
 
@@ -57,10 +57,10 @@ def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer]
         for index, entry in state["state"].items():
             for name, value in entry.items():
                 _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors, slices)
-        engine = engines[k]
-        optimizers.append({"class": type(engine.optimizer).__qualname__,
-                           "params": [tuple(p.shape) for p in engine.canonical], "group_sizes": engine.group_sizes,
-                           "whole_params": [_whole(p) for p in engine.canonical]})
+        sharded = sharded_optimizers[k]
+        optimizers.append({"class": type(sharded.optimizer).__qualname__,
+                           "params": [tuple(p.shape) for p in sharded.canonical], "group_sizes": sharded.group_sizes,
+                           "whole_params": [_whole(p) for p in sharded.canonical]})
     every = collectives.gather_objects((tensors, slices))
     meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
@@ -154,14 +154,14 @@ def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: 
 
 
 def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, source: str,
-                          engines: Sequence[ShardedOptimizer] = ()) -> None:
+                          sharded_optimizers: Sequence[ShardedOptimizer] = ()) -> None:
     """Refuse a sharded checkpoint written with another tensor-parallel degree if a state in it cannot be re-cut to
-    this run's slices (see [Note: re-cutting tensor-parallel slices on load]); ``engines``: the run's optimizers,
+    this run's slices (see [Note: re-cutting tensor-parallel slices on load]); ``sharded_optimizers``: the run's,
     whose parameters tell which whole states of a t = 1 checkpoint are slices here. Nothing is read or changed."""
     saved = info.get("tensor_parallel_size", 1)
     if saved == tensor_parallel_size:
         return
-    stuck = cannot_recut(info, [engine.canonical for engine in engines])
+    stuck = cannot_recut(info, [sharded.canonical for sharded in sharded_optimizers])
     if stuck:
         raise CheckpointError(
             f"The checkpoint {source} was written with `tensor_parallel_size={saved}` and this run has "
@@ -190,34 +190,34 @@ def is_stored_as_object(tensor: TensorInfo) -> bool:
     return tensor is None or math.prod(tensor[0]) == 0
 
 
-def check_optimizer_count(saved: int, engines: list[ShardedOptimizer], source: str) -> None:
-    if saved != len(engines):
+def check_optimizer_count(saved: int, sharded_optimizers: list[ShardedOptimizer], source: str) -> None:
+    if saved != len(sharded_optimizers):
         raise CheckpointError(
             f"The checkpoint {source} holds {saved} optimizer states but `configure_optimizers` returned "
-            f"{len(engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
+            f"{len(sharded_optimizers)} optimizers. Resume with the same optimizers the checkpoint was trained with."
         )
 
 
-def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[ShardedOptimizer],
+def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizers: list[ShardedOptimizer],
                              collective: bool) -> None:
     """Read every optimizer's state from a checkpoint directory into the shards this rank owns."""
     info = meta[KEY]
     states = meta.get("optimizer_states", [])
-    check_optimizer_count(len(states), engines, str(path))
-    for k, engine in enumerate(engines):
-        check_optimizer_fits(info["optimizers"][k], engine, str(path), _saved_wholes(info, k))
+    check_optimizer_count(len(states), sharded_optimizers, str(path))
+    for k, sharded in enumerate(sharded_optimizers):
+        check_optimizer_fits(info["optimizers"][k], sharded, str(path), _saved_wholes(info, k))
     shards: dict[str, Shard] = {}
     copies: dict[str, list[Copy]] = {}
     objects: dict[str, Any] = {}
     dests, object_keys = [], []
-    for k, engine in enumerate(engines):
+    for k, sharded in enumerate(sharded_optimizers):
         saved = optimizer_keys(info, k)
-        dest = optimizer_destination(engine, {i: (_shape_here(info, key, engine.canonical[i[0]], tuple(t[0])),
+        dest = optimizer_destination(sharded, {i: (_shape_here(info, key, sharded.canonical[i[0]], tuple(t[0])),
                                                   getattr(torch, t[1]))
                                               for i, (key, t) in saved.items() if not is_stored_as_object(t)})
         for i, shard in dest.shards.items():
             shards[saved[i][0]], copies[saved[i][0]] = to_saved_layout(saved[i][0], shard, info)
-        wanted = {engine.managed[p] for slot in engine.slots for p, *_ in slot.pieces}
+        wanted = {sharded.managed[p] for slot in sharded.slots for p, *_ in slot.pieces}
         keys = {i: key for i, (key, t) in saved.items() if is_stored_as_object(t) and i[0] in wanted}
         objects.update({key: None for key in keys.values()})
         dests.append(dest)
@@ -241,19 +241,19 @@ def _shape_here(info: dict[str, Any], key: str, param: Tensor, shape: tuple[int,
     return shape
 
 
-def check_optimizer_fits(saved: dict[str, Any], engine: ShardedOptimizer, source: str,
+def check_optimizer_fits(saved: dict[str, Any], sharded: ShardedOptimizer, source: str,
                          wholes: Optional[list[Optional[tuple[int, ...]]]] = None) -> None:
     """Refuse an optimizer state saved for other param groups or parameters: with ``wholes`` (the saved parameters'
     whole shapes, :func:`_saved_wholes`) the shapes of the whole tensors their tensor-parallel slices are cut from,
     which any tensor-parallel size shares; where a whole shape is unknown (``None``) the slices' own shapes."""
-    if list(saved["group_sizes"]) != engine.group_sizes:
+    if list(saved["group_sizes"]) != sharded.group_sizes:
         raise CheckpointError(
             f"The checkpoint {source} has an optimizer with param groups of sizes {list(saved['group_sizes'])}, but "
-            f"{saved['class']} here has {engine.group_sizes}. Resume with the same model and `configure_optimizers`."
+            f"{saved['class']} here has {sharded.group_sizes}. Resume with the same model and `configure_optimizers`."
         )
     wholes = wholes if wholes is not None else [None] * len(saved["params"])
     pairs = [(tuple(whole), _whole(p)) if whole is not None else (tuple(local), tuple(p.shape))
-             for whole, local, p in zip(wholes, saved["params"], engine.canonical)]
+             for whole, local, p in zip(wholes, saved["params"], sharded.canonical)]
     bad = [f"parameter {i}: checkpoint {a}, model {b}" for i, (a, b) in enumerate(pairs) if a != b]
     if bad:
         raise CheckpointError(f"The optimizer state in {source} is for parameters of other shapes ({_some(bad)}); "

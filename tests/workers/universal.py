@@ -115,7 +115,7 @@ def _not_exact(engine: ZeroEngine, optimizer: torch.optim.Optimizer, path: Path)
     piece and every piece of Adam's per-element states, and the step counts."""
     full = load_full_checkpoint(path, verify=False)
     wrong = []
-    for key, shard in model_shards(engine.module, engine.optimizers, full_copies=True).items():
+    for key, shard in model_shards(engine.module, engine.store.storages, full_copies=True).items():
         wrong += [f"model/{key}" for start, piece in shard.pieces
                   if not _piece_equal(stack_slices(full["state_dict"][key], shard), start, piece)]
     saved = full["optimizer_states"][0]["state"]
