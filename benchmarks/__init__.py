@@ -9,6 +9,7 @@
     python -m benchmarks.activations            # activation checkpointing (ZeRO-R): bytes held, peak, step time
     python -m benchmarks.construction           # zero3's sharded construction: host memory and time per rank
     python -m benchmarks.checkpoint_io          # checkpoint save, resume, consolidate and inference-load costs
+    python -m benchmarks.recut                  # reading a tensor-parallel slice at another size (universal ckpts)
     python -m benchmarks.offload                # ZeRO-Offload: the CPU step, and training steps with offload
     python -m benchmarks.gpu_check              # every precision and stage on one CUDA device
 

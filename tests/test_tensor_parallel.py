@@ -244,14 +244,21 @@ def test_checkpoints_record_both_dimensions(ranks):
 
 def test_checkpoints_resume_at_another_data_parallel_size(ranks, hybrid_ranks, tmp_path):
     """The zero3 checkpoints of 2 data x 2 tensor and of 2 replicas x 2 shard x 2 tensor resume under zero2 at
-    1 data x 2 tensor (2 ranks): each rank reads its tensor slice whole, exactly the weights the runs ended with."""
+    1 data x 2 tensor (2 ranks): each rank reads its tensor slice whole, exactly the weights the runs ended with.
+    The first resumes at 2 data x 1 tensor too (the Trainer with ``tensor_parallel_size=1``): the slices re-cut to
+    whole tensors, exactly the consolidated file's (the chain against DDP: tests/test_universal_checkpoints.py)."""
     paths = [str(_ckpt_dir(ranks) / "zero3.ckpt"), str(_ckpt_dir(hybrid_ranks) / "hybrid3.ckpt")]
     resumed = launch("tensor_parallel.py", T, tmp_path, args=("resume", *paths), timeout=180)
+    whole = torch.load(_ckpt_dir(ranks) / "zero3_full.ckpt", weights_only=False)["state_dict"]
     for j, runs in enumerate(resumed):
         for run, written in zip(runs, (ranks[j], hybrid_ranks[j])):
             assert run["sampler"] == {"num_replicas": 1, "rank": 0}
             for name, value in written["zero3"]["params"].items():
                 assert torch.equal(run["start"][name], value), name
+        assert runs[2]["sampler"] == {"num_replicas": 2, "rank": j}
+        assert runs[2]["start"].keys() == ranks[j]["zero3"]["params"].keys()
+        for name, value in runs[2]["start"].items():
+            assert torch.equal(value, whole[name]), name
 
 
 # ---------------------------------------------------------------------- the second launch: hybrid sharding too
@@ -309,9 +316,12 @@ def _ckpt_dir(ranks: list[dict]) -> Path:
 
 
 def test_refusals(ranks):
+    """Adafactor's checkpoint at t = 2 resumed at t = 1 is refused (its factored statistics do not re-cut; other
+    states do: tests/test_universal_checkpoints.py); ``parallelize_module``'s DTensors are refused."""
     for rank in ranks:
         assert rank["mismatch"].startswith("CheckpointError: The checkpoint") and \
-            "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"]
+            "`tensor_parallel_size=2` and this run has `tensor_parallel_size=1`" in rank["mismatch"] and \
+            "cannot be re-cut" in rank["mismatch"]
         assert "DTensor parameter" in rank["dtensor"] and "ColumnParallelLinear" in rank["dtensor"]
     assert "no parameter of TinyGPT is a tensor-parallel slice" in ranks[0]["unsliced_warning"]
     assert "tensor_parallel.parallelize(" in ranks[0]["dtensor"]

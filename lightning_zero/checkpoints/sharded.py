@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -18,6 +18,15 @@ from lightning_zero.core import collectives
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
 from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
+from lightning_zero.checkpoints.recut import (
+    Copy,
+    cannot_recut,
+    finish,
+    saved_cut,
+    shard_cut,
+    to_saved_layout,
+    whole_shape,
+)
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object
 TensorInfo = Optional[tuple[tuple[int, ...], str]]
@@ -50,7 +59,8 @@ def split_checkpoint(checkpoint: dict[str, Any], sharded_optimizers: list[Sharde
                 _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors, slices)
         sharded = sharded_optimizers[k]
         optimizers.append({"class": type(sharded.optimizer).__qualname__,
-                           "params": [tuple(p.shape) for p in sharded.canonical], "group_sizes": sharded.group_sizes})
+                           "params": [tuple(p.shape) for p in sharded.canonical], "group_sizes": sharded.group_sizes,
+                           "whole_params": [_whole(p) for p in sharded.canonical]})
     every = collectives.gather_objects((tensors, slices))
     meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
@@ -60,6 +70,11 @@ def split_checkpoint(checkpoint: dict[str, Any], sharded_optimizers: list[Sharde
                  "tensors": {k: v for part, _ in (every or []) for k, v in part.items()},
                  "tensor_parallel": {k: v for _, part in (every or []) for k, v in part.items()}}
     return objects, shards, meta
+
+
+def _whole(param: Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor a parameter is a tensor-parallel slice of (its own shape if it is none)."""
+    return Shard.placed(param, param.dtype)[0].full_shape
 
 
 def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard], tensors: dict[str, TensorInfo],
@@ -104,10 +119,11 @@ def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], 
 
 def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool,
                         collective: bool) -> None:
-    """Read the model's tensors from a checkpoint directory into ``dest`` (``model_shards`` of the module)."""
+    """Read the model's tensors from a checkpoint directory into ``dest`` (``model_shards`` of the module); slices
+    saved at another tensor-parallel size are re-cut (see [Note: re-cutting tensor-parallel slices on load])."""
     info = meta[KEY]
-    saved = {k: tuple(info["tensors"][stored][0]) for k, stored in info["model"].items()}
-    check_model_keys(saved, dest, strict, str(path))
+    saved = {k: whole_shape(info, stored) for k, stored in info["model"].items()}
+    check_model_keys(saved, dest, strict, str(path), full=True)
     rounds: list[dict[str, Shard]] = [{}]
     for key, shard in dest.items():
         if key not in saved:
@@ -118,8 +134,11 @@ def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard]
             round_ = {}
             rounds.append(round_)
         round_[stored] = shard
-    for round_ in rounds:  # (empty tensors have nothing to read)
-        load_sharded(path, {k: s for k, s in round_.items() if s.numel}, None, collective)
+    reads = [{k: to_saved_layout(k, s, info) for k, s in r.items() if s.numel} for r in rounds]  # all before reading
+    for read in reads:  # (empty tensors have nothing to read)
+        load_sharded(path, {k: shard for k, (shard, _) in read.items()}, None, collective)
+        for _, copies in read.values():
+            finish(copies)
 
 
 def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: bool, source: str) -> None:
@@ -134,16 +153,24 @@ def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: 
                     piece.copy_(full[start : start + piece.numel()])
 
 
-def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, source: str) -> None:
-    """Refuse a sharded checkpoint written with another tensor-parallel degree (its slices are of other sizes)."""
+def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, source: str,
+                          sharded_optimizers: Sequence[ShardedOptimizer] = ()) -> None:
+    """Refuse a sharded checkpoint written with another tensor-parallel degree if a state in it cannot be re-cut to
+    this run's slices (see [Note: re-cutting tensor-parallel slices on load]); ``sharded_optimizers``: the run's,
+    whose parameters tell which whole states of a t = 1 checkpoint are slices here. Nothing is read or changed."""
     saved = info.get("tensor_parallel_size", 1)
-    if saved != tensor_parallel_size:
+    if saved == tensor_parallel_size:
+        return
+    stuck = cannot_recut(info, [sharded.canonical for sharded in sharded_optimizers])
+    if stuck:
         raise CheckpointError(
             f"The checkpoint {source} was written with `tensor_parallel_size={saved}` and this run has "
-            f"`tensor_parallel_size={tensor_parallel_size}`: its tensor-parallel slices are of other sizes. Resume "
-            f"with `tensor_parallel_size={saved}` (any number of data-parallel ranks and any stage work), or "
-            "consolidate it into one file (`lightning-zero consolidate`) and load that (weights and optimizer state "
-            "are sliced for this run).")
+            f"`tensor_parallel_size={tensor_parallel_size}`: its tensor-parallel slices are re-cut on load, but "
+            f"{len(stuck)} optimizer state(s) of sliced parameters are not per element ({_some(stuck)}: Adafactor's "
+            "factored statistics, for instance) and cannot be re-cut: a slice's statistics are means over its own "
+            "rows or columns, and those of another cut are not in the checkpoint. Nothing was loaded. Resume with "
+            f"`tensor_parallel_size={saved}`, or consolidate its weights (`lightning-zero consolidate "
+            "--weights-only`) and load that file (each rank cuts its slices), starting the optimizer afresh.")
 
 
 # ---------------------------------------------------------------------- optimizers
@@ -178,39 +205,73 @@ def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizer
     states = meta.get("optimizer_states", [])
     check_optimizer_count(len(states), sharded_optimizers, str(path))
     for k, sharded in enumerate(sharded_optimizers):
-        check_optimizer_fits(info["optimizers"][k], sharded, str(path))
+        check_optimizer_fits(info["optimizers"][k], sharded, str(path), _saved_wholes(info, k))
     shards: dict[str, Shard] = {}
+    copies: dict[str, list[Copy]] = {}
     objects: dict[str, Any] = {}
     dests, object_keys = [], []
     for k, sharded in enumerate(sharded_optimizers):
         saved = optimizer_keys(info, k)
-        dest = optimizer_destination(sharded, {i: (tuple(t[0]), getattr(torch, t[1])) for i, (_, t) in saved.items()
-                                              if not is_stored_as_object(t)})
-        shards.update({saved[i][0]: s for i, s in dest.shards.items()})
+        dest = optimizer_destination(sharded, {i: (_shape_here(info, key, sharded.canonical[i[0]], tuple(t[0])),
+                                                  getattr(torch, t[1]))
+                                              for i, (key, t) in saved.items() if not is_stored_as_object(t)})
+        for i, shard in dest.shards.items():
+            shards[saved[i][0]], copies[saved[i][0]] = to_saved_layout(saved[i][0], shard, info)
         wanted = {sharded.managed[p] for slot in sharded.slots for p, *_ in slot.pieces}
         keys = {i: key for i, (key, t) in saved.items() if is_stored_as_object(t) and i[0] in wanted}
         objects.update({key: None for key in keys.values()})
         dests.append(dest)
         object_keys.append(keys)
     load_sharded(path, shards, objects, collective)
+    for staged in copies.values():
+        finish(staged)
     for k, (dest, keys) in enumerate(zip(dests, object_keys)):
         dest.values = {i: objects[key] for i, key in keys.items()}
         dest.install(states[k]["param_groups"])
 
 
-def check_optimizer_fits(saved: dict[str, Any], sharded: ShardedOptimizer, source: str) -> None:
-    """Refuse an optimizer state saved for other param groups or parameters."""
+def _shape_here(info: dict[str, Any], key: str, param: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a saved optimizer tensor has in this run: a per-element state of a slice saved at another
+    tensor-parallel size takes this run's stacked shape (it is re-cut on load); anything else keeps its own."""
+    here = Shard.placed(param, param.dtype)[0]
+    cut, cut_here = saved_cut(info, key), shard_cut(here)
+    whole = cut.whole if cut is not None else shape
+    if (cut is not None or cut_here is not None) and whole == here.full_shape:
+        return here.shape
+    return shape
+
+
+def check_optimizer_fits(saved: dict[str, Any], sharded: ShardedOptimizer, source: str,
+                         wholes: Optional[list[Optional[tuple[int, ...]]]] = None) -> None:
+    """Refuse an optimizer state saved for other param groups or parameters: with ``wholes`` (the saved parameters'
+    whole shapes, :func:`_saved_wholes`) the shapes of the whole tensors their tensor-parallel slices are cut from,
+    which any tensor-parallel size shares; where a whole shape is unknown (``None``) the slices' own shapes."""
     if list(saved["group_sizes"]) != sharded.group_sizes:
         raise CheckpointError(
             f"The checkpoint {source} has an optimizer with param groups of sizes {list(saved['group_sizes'])}, but "
             f"{saved['class']} here has {sharded.group_sizes}. Resume with the same model and `configure_optimizers`."
         )
-    shapes = [tuple(p.shape) for p in sharded.canonical]
-    bad = [f"parameter {i}: checkpoint {tuple(a)}, model {b}" for i, (a, b) in enumerate(zip(saved["params"], shapes))
-           if tuple(a) != b]
+    wholes = wholes if wholes is not None else [None] * len(saved["params"])
+    pairs = [(tuple(whole), _whole(p)) if whole is not None else (tuple(local), tuple(p.shape))
+             for whole, local, p in zip(wholes, saved["params"], sharded.canonical)]
+    bad = [f"parameter {i}: checkpoint {a}, model {b}" for i, (a, b) in enumerate(pairs) if a != b]
     if bad:
         raise CheckpointError(f"The optimizer state in {source} is for parameters of other shapes ({_some(bad)}); "
                               "it comes from a different model.")
+
+
+def _saved_wholes(info: dict[str, Any], k: int) -> list[Optional[tuple[int, ...]]]:
+    """Optimizer ``k``'s parameters' whole shapes as saved; a checkpoint that predates the record derives them from
+    the states' cuts (``None`` where no state tells: a slice without a per-element state, or a replicated tensor)."""
+    saved = info["optimizers"][k]
+    if "whole_params" in saved:
+        return [tuple(s) for s in saved["whole_params"]]
+    wholes: list[Optional[tuple[int, ...]]] = [None] * len(saved["params"])
+    for (index, _), (key, _) in optimizer_keys(info, k).items():
+        cut = saved_cut(info, key)
+        if cut is not None and index < len(wholes):
+            wholes[index] = cut.whole
+    return wholes
 
 
 def _some(items: list[str], limit: int = 8) -> str:

@@ -18,7 +18,8 @@ Under tensor parallelism (t ranks per tensor group) a parameter marked as a slic
 of local shape L is stored as slice j (this rank's tensor rank) of a tensor of shape ``(t, *L)``: its flattened
 elements ``[j * numel(L), (j + 1) * numel(L))``, in which the ZeRO pieces of the data dimension fall as usual. So the
 checkpoint records both dimensions: the data dimension reshards freely (any number of data-parallel ranks, any
-stage), and the metadata names the dimension each stacked tensor joins along (``tensor_parallel``), so that
+stage), the tensor dimension is re-cut on load (see [Note: re-cutting tensor-parallel slices on load] in
+``recut.py``), and the metadata names the dimension each stacked tensor joins along (``tensor_parallel``), so that
 ``consolidate`` makes the full tensors (``tensor_parallel.join`` of the t slices along it) and a full file loads into a
 tensor-parallel model (each rank its slice). A state of a sliced parameter that is not per element (Adafactor's
 factored statistics) is stacked the same way but does not join (its dimension is recorded as ``None``). Replicated

@@ -136,7 +136,8 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
         storage.settle()
     dest = model_shards(engine.module, engine.store.storages, full_copies=True)
     if is_directory(checkpoint):
-        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"])
+        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],
+                              engine.optimizers if checkpoint.get("optimizer_states") else ())
         load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True)
     else:
         state_dict = checkpoint["state_dict"] if "state_dict" in checkpoint else checkpoint
@@ -153,7 +154,8 @@ def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None
     if not states:
         return
     if is_directory(checkpoint):
-        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"])
+        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],
+                              engine.optimizers)
         load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), engine.optimizers, collective=True)
         return
     check_optimizer_count(len(states), engine.optimizers, "file")
