@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.core import collectives
 from lightning_zero.core.groups import ShardGroups
-from lightning_zero.core import offload
+from lightning_zero.core import disk, offload
 from lightning_zero.core.buckets import GradientReducer
 from lightning_zero.core.compiled import eager_hook
 from lightning_zero.config import ZeroConfig
@@ -126,6 +126,9 @@ class ShardedOptimizer:
         self.master_storage: Optional[Tensor] = None
         """The master shard (``None`` where the working shard doubles as the master: stages 1 and 2, one dtype)."""
         self._make_storage(working_dtype, master_dtype, moved, config)
+        self.windowed: Optional[disk.WindowedStep] = disk.WindowedStep(optimizer, config.offload_path) \
+            if config.offload_optimizer == disk.DISK else None
+        """With ``offload_optimizer="disk"``: the step window by window (see [Note: the step one window at a time])."""
         self.slot_sources: list[ShardedOptimizer] = [self] * len(self.slots)
         """The engine whose shard each slot's ``start`` refers to (``self``, or the owner of borrowed parameters)."""
         for source, slot in borrowed_slots(self.members, members.owned, group_of, self.sources[1:]):
@@ -207,6 +210,7 @@ class ShardedOptimizer:
                     values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
                     at = bucket.shard_offset + pc.chunk_offset
                     shard[at : at + pc.length].copy_(values)
+                disk.evict([shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]])
 
     def _install_into(self, optimizer: Optimizer) -> None:
         for g, group in enumerate(optimizer.param_groups):
@@ -272,6 +276,9 @@ class ShardedOptimizer:
     def step(self, call: Callable[[], Any]) -> Any:
         """Run the user's ``optimizer.step`` (``call``): for elementwise optimizers in pieces of at most one bucket's
         elements, so that its temporaries stay that small (see [Note: the step in constant-size pieces])."""
+        if self.windowed is not None:
+            limit = None if self.layout.whole_params else self.bucket_elements
+            return self.windowed.run(call, limit, self._piece_stepped())
         if self.layout.whole_params:
             return call()
         return step_in_pieces(self.optimizer, self.bucket_elements, call, self._piece_stepped())
