@@ -98,13 +98,13 @@ def zeros(numel: int, dtype: torch.dtype, path: Optional[str]) -> Tensor:
         fault_point("offload.create")
         fd, name = tempfile.mkstemp(prefix=f"lightning-zero-{os.getpid()}-", suffix=".bin", dir=where)
     except OSError as error:
-        raise _error(error, f"make a file in {where!r}", nbytes) from error
+        raise _error(error, f"make a file in {where!r}") from error
     try:
         os.unlink(name)
         os.posix_fallocate(fd, 0, nbytes)
         mapping = mmap.mmap(fd, nbytes)  # MAP_SHARED: writes go to the file (through the page cache)
     except OSError as error:
-        raise _error(error, f"reserve {nbytes} bytes in {where!r}", nbytes) from error
+        raise _error(error, f"reserve {nbytes} bytes in {where!r}") from error
     finally:
         os.close(fd)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
@@ -115,11 +115,12 @@ def zeros(numel: int, dtype: torch.dtype, path: Optional[str]) -> Tensor:
     return tensor
 
 
-def _error(error: OSError, what: str, nbytes: int) -> DiskOffloadError:
+def _error(error: OSError, what: str, consequence: str = "") -> DiskOffloadError:
+    """A :class:`DiskOffloadError` saying what failed where, why, and what to do."""
     hint = ("The disk is full: free space there or choose a directory with more room"
             if error.errno == errno.ENOSPC else "Choose a writable local directory")
-    return DiskOffloadError(error.errno, f"Offload to disk could not {what} ({os.strerror(error.errno or 0)}; "
-                                         f"{error}). {hint} with `offload_path=...`, or offload to host memory with "
+    return DiskOffloadError(error.errno, f"Offload to disk could not {what} ({os.strerror(error.errno or 0)}).{consequence}"
+                                         f" {hint} with `offload_path=...`, or offload to host memory with "
                                          "`offload_optimizer=True` / `offload_params=True`.")
 
 
@@ -179,8 +180,8 @@ def evict(tensors: Iterable[Tensor], written: bool = False) -> None:
             try:
                 fault_point("offload.write")
             except OSError as error:
-                raise _error(error, f"write the optimizer's window back to {where!r} (this step is incomplete: "
-                                    "resume from the last checkpoint)", end - start) from error
+                raise _error(error, f"write the optimizer's window back to {where!r}",
+                             " This step is incomplete: resume from the last checkpoint.") from error
             COUNTERS.written += end - start
         mapping.madvise(mmap.MADV_DONTNEED, offset, length)
 
