@@ -131,6 +131,7 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
             "params": zero["size"]["params"], "threads": zero["threads"],
             "cpu_seconds": [r.get("cpu_seconds") for r in ranks],
+            "disk_io": [r.get("disk_io") for r in ranks],
             **{k: top[k] for k in ("phases", "levels") if k in top}}
 
 

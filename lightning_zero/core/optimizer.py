@@ -283,6 +283,10 @@ class ShardedOptimizer:
             return call()
         return step_in_pieces(self.optimizer, self.bucket_elements, call, self._piece_stepped())
 
+    def step_once(self, call: Callable[[], Any]) -> Any:
+        """Run the user's ``optimizer.step`` (``call``) as one call (:attr:`steps_once`), as one window on disk."""
+        return self.windowed.run(call, None) if self.windowed is not None else call()
+
     def _piece_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
         """What to do with the master tensors of each piece once it is stepped (stages 1 and 2 start their refresh);
         ``None``: nothing before :meth:`after_step`."""
