@@ -158,3 +158,18 @@ def test_a_killed_process_leaves_no_file_behind(tmp_path):
         child.kill()  # SIGKILL: no handler, no atexit
         child.wait(timeout=30)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_estimate_knows_disk_offload(capsys):
+    from lightning_zero.core.memory import expected_disk_bytes
+    from lightning_zero.cli import main as cli
+
+    psi, n = 150_000_000, 2
+    # fp32, both on disk: nothing on the device, the gradient shard on the host, master and Adam states in files
+    assert expected_disk_bytes(psi, n, 3, "32-true", offload_params=True) == (0.0, 4 * psi / n, 12 * psi / n)
+    # bf16-mixed: the 16-bit working shard is a file of its own next to the fp32 master's
+    assert expected_disk_bytes(psi, n, 3, "bf16-mixed", offload_params=True) == (0.0, 4 * psi / n, 14 * psi / n)
+    assert expected_disk_bytes(psi, n, 1, "32-true") == (8 * psi, 4 * psi / n, 12 * psi / n)
+    cli(["estimate", "--params", str(psi), "-n", str(n)])
+    out = capsys.readouterr().out
+    assert "With `offload_optimizer='disk'`" in out and "0 B + 286.1 MiB (300.0 MB) host + 858.3 MiB (900.0 MB) disk" in out
