@@ -46,7 +46,7 @@ import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -152,37 +152,37 @@ def _pages(start: int, end: int) -> tuple[int, int]:
     return first, -(-end // PAGE) * PAGE - first
 
 
-def read(tensors: Iterable[Tensor]) -> None:
-    """Bring the pages of the disk-tier ``tensors`` into this process (the *read* of a window)."""
+def _mapped(tensors: Iterable[Tensor]) -> Iterator[tuple[Tensor, mmap.mmap, int, int, str]]:
+    """``(tensor, mapping, offset, length, directory)`` for each disk-tier tensor of ``tensors``: its whole pages
+    in the mapping (the others are skipped); ``length`` is rounded up to pages, ``tensor`` gives the exact bytes."""
     for tensor in tensors:
         found = _mapping_of(tensor)
-        if found is None:
-            continue
-        mapping, start, end, _ = found
-        offset, length = _pages(start, end)
+        if found is not None:
+            mapping, start, end, where = found
+            yield (tensor, mapping, *_pages(start, end), where)
+
+
+def read(tensors: Iterable[Tensor]) -> None:
+    """Bring the pages of the disk-tier ``tensors`` into this process (the *read* of a window)."""
+    for tensor, mapping, offset, length, _ in _mapped(tensors):
         mapping.madvise(mmap.MADV_WILLNEED, offset, length)
         step = max(1, PAGE // tensor.element_size())
         with torch.no_grad():
             tensor.reshape(-1)[::step].sum()  # one element per page: every page faulted in
-        COUNTERS.read += end - start
+        COUNTERS.read += tensor.numel() * tensor.element_size()
 
 
 def evict(tensors: Iterable[Tensor], written: bool = False) -> None:
     """Evict the pages of the disk-tier ``tensors`` from this process; ``written``: they were updated (the *write* of
     a window, counted, where a failing file system is reported as :class:`DiskOffloadError`)."""
-    for tensor in tensors:
-        found = _mapping_of(tensor)
-        if found is None:
-            continue
-        mapping, start, end, where = found
-        offset, length = _pages(start, end)
+    for tensor, mapping, offset, length, where in _mapped(tensors):
         if written:
             try:
                 fault_point("offload.write")
             except OSError as error:
                 raise _error(error, f"write the optimizer's window back to {where!r}",
                              " This step is incomplete: resume from the last checkpoint.") from error
-            COUNTERS.written += end - start
+            COUNTERS.written += tensor.numel() * tensor.element_size()
         mapping.madvise(mmap.MADV_DONTNEED, offset, length)
 
 

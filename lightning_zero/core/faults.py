@@ -11,7 +11,8 @@ written, before ``meta.pt``), ``save.full`` (a full checkpoint's file written, b
 ``collective.reduce_scatter`` (before a gradient bucket's reduce-scatter), ``materialize.unit`` (before a stage-3
 unit is built), ``evaluation.step`` (at a validation/test/predict step), ``save.prepare`` (rank 0 about to clear
 stale staging directories and make a sharded checkpoint's staging directory), ``save.shard`` (inside DCP's write,
-as each piece of a shard is written).
+as each piece of a shard is written), ``offload.create`` (a file of the disk tier about to be made) and
+``offload.write`` (a window of the disk tier written back, see ``disk.py``).
 
 Instead of a signal, ``error=<errno name>`` raises that ``OSError`` at the point, as the file system would (e.g.
 ``point=save.written,error=ENOSPC,rank=1``: a full disk on rank 1; ``point=save.prepare,error=EACCES``: a read-only
