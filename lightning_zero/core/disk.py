@@ -130,7 +130,7 @@ def _mapping_of(tensor: Tensor) -> Optional[tuple[mmap.mmap, int, int, str]]:
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return None
     address = tensor.data_ptr()
-    for base, (size, ref, where) in _MAPPINGS.items():
+    for base, (size, ref, where) in tuple(_MAPPINGS.items()):  # a copy: another thread may add or drop one
         if base <= address < base + size:
             mapping = ref()
             if mapping is None:
@@ -164,7 +164,12 @@ def _mapped(tensors: Iterable[Tensor]) -> Iterator[tuple[Tensor, mmap.mmap, int,
 
 def read(tensors: Iterable[Tensor]) -> None:
     """Bring the pages of the disk-tier ``tensors`` into this process (the *read* of a window)."""
-    for tensor, mapping, offset, length, _ in _mapped(tensors):
+    _touch(list(_mapped(tensors)))
+
+
+def _touch(mapped: list[tuple[Tensor, mmap.mmap, int, int, str]]) -> None:
+    """Fault in the pages of :func:`_mapped`'s ranges (on the reading thread: the ranges were found on the caller's)."""
+    for tensor, mapping, offset, length, _ in mapped:
         mapping.madvise(mmap.MADV_WILLNEED, offset, length)
         step = max(1, PAGE // tensor.element_size())
         with torch.no_grad():
@@ -239,8 +244,8 @@ class WindowedStep:
             else:
                 self._reading.pop(index).result()
             if index + 1 < len(pieces):
-                tensors = self.window(pieces[index + 1])
-                self._reading[index + 1] = _pool().submit(read, tensors)
+                mapped = list(_mapped(self.window(pieces[index + 1])))  # looked up here, touched there
+                self._reading[index + 1] = _pool().submit(_touch, mapped)
 
         try:
             return step_in_pieces(self.optimizer, limit, call, lambda piece: self._finish(piece, after_piece), before)
