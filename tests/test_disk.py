@@ -191,3 +191,45 @@ def test_fit_summary_shows_device_host_and_file_bytes(caplog, tmp_path):
                      f"0 B on the device + {human_bytes(psi * 4)} in host memory + {human_bytes(psi * 12)} in files "
                      f"under {tmp_path} (offload_optimizer, offload_params) per rank (DDP: {psi * 16 / 1024:.1f} KiB, "
                      "0% of it)"]
+
+
+def test_the_engine_steps_window_by_window_reading_ahead_and_evicting(tmp_path, monkeypatch):
+    """``ZeroEngine`` (what Fabric and the Trainer drive) with ``offload_optimizer="disk"``: each piece is read before
+    it steps, the next one's read is started before it steps, each window is written back after; the weights are
+    those of one plain AdamW step, and the master and the states are file mappings."""
+    from torch import nn
+
+    from lightning_zero import ZeroEngine
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+    model, optimizer = build()
+    engine = ZeroEngine(model, [optimizer], stage=2, offload_optimizer="disk", offload_path=str(tmp_path),
+                        reduce_bucket_size=2_000)
+    events = []
+    for name in ("read", "evict", "_touch"):
+        original = getattr(disk, name)
+        monkeypatch.setattr(disk, name, lambda *a, _f=original, _n=name, **k: events.append(_n) or _f(*a, **k))
+    step = type(optimizer).step
+    monkeypatch.setattr(type(optimizer), "step", lambda self, *a, **k: events.append("step") or step(self, *a, **k))
+    reference, ref_optimizer = build()
+    for _ in range(2):
+        x = torch.randn(8, 64)
+        model(x).square().mean().backward()
+        engine.finish_backward()
+        engine.step()
+        reference(x).square().mean().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    sharded = engine.optimizers[0]
+    pieces = events.count("step") // 2
+    assert pieces > 2 and events.count("read") >= 2  # the first window of each step, read before it steps
+    assert events.count("_touch") >= 2 * (pieces - 1)  # every later window read ahead (on the pool's thread)
+    assert events[events.index("step") - 1] in ("_touch", "read") and events[-1] == "evict"
+    states = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    assert states and all(disk.on_disk(v) for v in states) and disk.on_disk(sharded.master_storage)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
