@@ -53,6 +53,9 @@ SIZES = {
     "medium": GPTSize(width=512, depth=6),
     "large": GPTSize(width=768, depth=12),
     "states": GPTSize(width=512, depth=8, vocab=512, seq=32, batch=2),  # 25.3M; activations negligible (issue 12)
+    # GPU sizes (issue 27): GPT-2-medium-shaped 336M and a 1B model, at sequence 1024
+    "gpt336m": GPTSize(width=1024, depth=24, vocab=32768, seq=1024, batch=8),
+    "gpt1b": GPTSize(width=2048, depth=18, vocab=32768, seq=1024, batch=4),
 }
 
 
@@ -73,15 +76,24 @@ def make_optimizer(params: Any, lr: float = 3e-4, fused: bool = False) -> torch.
 
 class BenchGPT(GPT):
     """The project's GPT at one of :data:`SIZES`, on :func:`token_data`, with :func:`make_optimizer`; built in
-    ``configure_model`` unless ``meta_init`` is false."""
+    ``configure_model`` unless ``meta_init`` is false; ``compile_blocks`` compiles each block there
+    (``torch.compile``, inductor), as a LightningModule does."""
 
-    def __init__(self, size: GPTSize, samples: int, fused: bool = False, meta_init: bool = True) -> None:
+    def __init__(self, size: GPTSize, samples: int, fused: bool = False, meta_init: bool = True,
+                 compile_blocks: bool = False) -> None:
         super().__init__(n_layer=size.depth, n_head=size.heads, n_embd=size.width, context=size.seq, dropout=0.0,
                          vocab_size=size.vocab, meta_init=meta_init, gpt2_init=False)
+        self.compile_blocks = compile_blocks
         self.size = size
         self.samples = samples
         self.fused = fused
         self.last_loss = float("nan")
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.compile_blocks:
+            for i, block in enumerate(self.blocks):
+                self.blocks[i] = torch.compile(block)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -96,13 +108,17 @@ class BenchGPT(GPT):
 
 
 class FSDP2GPT(BenchGPT):
-    """The same module for Lightning's ``ModelParallelStrategy``: ``fully_shard`` each block, then the root."""
+    """The same module for Lightning's ``ModelParallelStrategy``: ``fully_shard`` each block, then the root (blocks
+    compiled after sharding, as FSDP2 recommends)."""
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        super().configure_model()
+        GPT.configure_model(self)
         mesh = self.device_mesh["data_parallel"]
         for block in self.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)
+        if self.compile_blocks:
+            for i, block in enumerate(self.blocks):
+                self.blocks[i] = torch.compile(block)

@@ -213,6 +213,8 @@ class StepTimer:
         elapsed = time.perf_counter() - self._t0
         cpu = time.process_time() - self._cpu0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._faults0
+        self.last = elapsed
+        """The step just timed, warm-up or not."""
         if self._step >= self.warmup:
             self.traffic.append(traffic_stop())
             self.times.append(elapsed)

@@ -48,10 +48,15 @@ class Probe(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.timer.start()
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.timer.stop()
         if self.profiler is not None:
             self.profiler.step()
+        # in the rank's log as it goes, so a launch that dies in teardown still shows its steps (the launcher prints
+        # the log's tail then)
+        print(f"[probe] step {trainer.global_step}: {self.timer.last * 1e3:.0f} ms, device peak "
+              f"{probes.peak_memory(pl_module.device) / 2**30:.1f} GiB, host peak "
+              f"{probes.peak_memory(torch.device('cpu')) / 2**30:.1f} GiB", flush=True)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.measure_at and not self.states:
@@ -128,7 +133,8 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     accelerator = "gpu" if cfg.get("gpu") else "cpu"
     device = torch.device("cuda", 0) if cfg.get("gpu") else torch.device("cpu")
     samples = size.batch * world_size * cfg["steps"]
-    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples, fused=cfg.get("fused", False))
+    model = (FSDP2GPT if name == "fsdp2" else BenchGPT)(size, samples, fused=cfg.get("fused", False),
+                                                         compile_blocks=cfg.get("compile", False))
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
     phases = PhaseProbe(baseline) if cfg.get("phases") and not cfg.get("gpu") else None
@@ -147,8 +153,8 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
         _write_profile(profiler, cfg, out)
     extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak}
     return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
-            "cpu_seconds": cpu_seconds, "disk_io": {"read": disk.COUNTERS.read, "written": disk.COUNTERS.written},
-            **extra}
+            "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")),
+            "disk_io": {"read": disk.COUNTERS.read, "written": disk.COUNTERS.written}, **extra}
 
 
 def _profiler(cfg: dict[str, Any], out: Path) -> Any:

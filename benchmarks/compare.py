@@ -131,6 +131,7 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "comm_bytes": zero["traffic"]["bytes"], "comm_calls": zero["traffic"]["calls"], "loss": zero["loss"],
             "params": zero["size"]["params"], "threads": zero["threads"],
             "cpu_seconds": [r.get("cpu_seconds") for r in ranks],
+            "host_peak": max(r.get("host_peak", 0) for r in ranks),
             "disk_io": [r.get("disk_io") for r in ranks],
             **{k: top[k] for k in ("phases", "levels") if k in top}}
 
@@ -151,7 +152,8 @@ def compare(args: argparse.Namespace, sizes: dict[str, GPTSize]) -> list[dict[st
                     name, options, env = parse_variant(strategy)
                     cfg = {"strategy": name, "size": size.__dict__, "steps": args.steps, "warmup": args.warmup,
                            "bucket": args.bucket, "gpu": args.gpu, "precision": args.precision,
-                           "profile": args.profile, "options": options, "clip": args.clip}
+                           "profile": args.profile, "options": options, "clip": args.clip,
+                           "fused": args.fused, "compile": args.compile}
                     t0 = time.perf_counter()
                     with environment(env):
                         rec = run_config(cfg, world_size, args.timeout, keep)
@@ -237,6 +239,8 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--clip", type=float, help="gradient_clip_val of the Trainer (norm clipping; default: none)")
     parser.add_argument("--gpu", action="store_true", help="one CUDA device per rank (nccl)")
+    parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) (default: foreach)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block in configure_model")
     parser.add_argument("--profile", action="store_true", help="write rank 0's torch.profiler tables")
     parser.add_argument("--fit-budget", type=parse_bytes, help="bisection mode: bytes per rank, e.g. 2GiB")
     parser.add_argument("--fit-depth", type=int, default=4)

@@ -224,12 +224,12 @@ def test_the_engine_steps_window_by_window_reading_ahead_and_evicting(tmp_path, 
         reference(x).square().mean().backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-    sharded = engine.optimizers[0]
+    storage = engine.optimizers[0].storage
     pieces = events.count("step") // 2
     assert pieces > 2 and events.count("read") >= 2  # the first window of each step, read before it steps
     assert events.count("_touch") >= 2 * (pieces - 1)  # every later window read ahead (on the pool's thread)
     assert events[events.index("step") - 1] in ("_touch", "read") and events[-1] == "evict"
     states = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
-    assert states and all(disk.on_disk(v) for v in states) and disk.on_disk(sharded.master_storage)
+    assert states and all(disk.on_disk(v) for v in states) and disk.on_disk(storage.master_storage)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)

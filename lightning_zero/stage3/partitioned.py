@@ -1,5 +1,5 @@
-"""Stage 3: the optimizer's parameters are partitioned too; each rank keeps a working shard and gathers units around
-their use (see [Note: two storages, one step] in ``optimizer.py`` and [Note: stage 3 storage] in ``params.py``)."""
+"""Stage 3: the parameters are partitioned too; each rank keeps a working shard and gathers units around their use
+(see [Note: two storages, one step] in ``store.py`` and [Note: stage 3 storage] in ``params.py``)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from torch import Tensor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core import collectives, offload
 from lightning_zero.core.layout import MasterSlot
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ShardedStorage
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
 
 
-class PartitionedOptimizer(ShardedOptimizer):
+class PartitionedStorage(ShardedStorage):
     """Stage 3: a master shard, a working shard (the same tensor where dtype and place agree) and unit buffers."""
 
     by_units: ClassVar[bool] = True
@@ -33,7 +33,7 @@ class PartitionedOptimizer(ShardedOptimizer):
                                                                               params_moved, config.offload_path)
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
-        """The working shard and the per-unit gather buffers; the engine fills them unit by unit."""
+        """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -48,7 +48,7 @@ class PartitionedOptimizer(ShardedOptimizer):
         """Bytes of unit buffers gathered right now."""
         return self.sharded.gathered_bytes
 
-    def _master_view(self, slot: MasterSlot) -> Tensor:
+    def master_view(self, slot: MasterSlot) -> Tensor:
         assert self.master_storage is not None
         return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
 
@@ -63,7 +63,7 @@ class PartitionedOptimizer(ShardedOptimizer):
 
     # ------------------------------------------------------------------ units
     def has_unit(self, unit: int) -> bool:
-        """Whether this optimizer holds parameters of ``unit``."""
+        """Whether this storage holds parameters of ``unit``."""
         return unit in self.sharded.buffers
 
     def fill_unit(self, unit: int) -> None:
@@ -76,6 +76,26 @@ class PartitionedOptimizer(ShardedOptimizer):
             self._copy_pieces(buckets, self.sharded.working_shard)
         self.sharded.attach_views(unit)
         self.sharded.release(unit)
+
+    def gather_master_unit(self, unit: int) -> Tensor:
+        """``unit``'s master values, all-gathered whole into a new tensor on the device (a collective; every rank
+        calls it for the same units). Used by :func:`move_units`, which must carry the master precision."""
+        assert self.master_storage is not None
+        self.settle()  # a host master may be the host parameter shard an upload still reads
+        start, end = self.layout.unit_range(unit)
+        full = torch.empty(end - start, dtype=self.master_storage.dtype, device=self.device)
+        works = []
+        for bucket in self.layout.unit_buckets(unit):
+            b0, b1 = self.layout.bucket_range(bucket)
+            c0, _ = self.layout.chunk_range(bucket, self.rank)
+            chunk = full[c0 - start : c0 - start + bucket.chunk_size]
+            with torch.no_grad():  # this rank's chunk in its place (an upload from a host master), then in place
+                chunk.copy_(self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size])
+            works.append(collectives.all_gather(full[b0 - start : b1 - start], chunk, group=self.group,
+                                                async_op=True, allow_all_reduce=False))
+        for work in works:
+            collectives.wait(work, "gather a stage 3 unit's master values")
+        return full
 
     def gather_unit(self, unit: int) -> list[Any]:
         """All-gather ``unit`` (asynchronous work handles)."""
@@ -99,20 +119,33 @@ class PartitionedOptimizer(ShardedOptimizer):
         guard.restore(self.params)  # they hold storage of their own now
 
 
-def move_units(holder: PartitionedOptimizer, engines: list[PartitionedOptimizer], unit_names: list[str]) -> None:
-    """Move stage 3's weights from the evaluation ``holder`` into the shards of ``engines`` one unit at a time
-    (gathered from the holder, filled into the new shards, freed), so no rank holds more than one unit in full.
-    Trainable parameters that no new optimizer holds are kept whole, as setup keeps them."""
-    managed = {id(p) for engine in engines for p in engine.params}
+def move_units(source: PartitionedStorage, targets: list[PartitionedStorage], unit_names: list[str]) -> None:
+    """Move stage 3's weights from the evaluation storage ``source`` into the ``targets`` laid out for the optimizers,
+    one unit at a time (see [Note: the store and the optimizers] in ``store.py``). Trainable parameters that no target
+    holds are kept whole, as setup keeps them.
+
+    [Note: the move carries the master values]
+    Each unit's *master* values are gathered (not its working ones), the unit's parameters view them while the targets
+    copy their pieces into their master and working shards, and the gathered tensor is freed: the targets' masters get
+    exactly the values setup would have given them (under mixed precision the fp32 weights, not the 16-bit working
+    copy), and no rank holds more than one unit in full (in the master dtype).
+    """
+    managed = {id(p) for target in targets for p in target.params}
     for unit in [*range(1, len(unit_names)), 0]:  # the root last, as at setup
-        for work in holder.gather_unit(unit):
-            collectives.wait(work, f"move stage 3 unit '{unit_names[unit]}' to the optimizers")
-        whole = [p for p, p_unit in zip(holder.params, holder.param_units) if p_unit == unit and id(p) not in managed]
+        if not source.has_unit(unit):
+            continue
+        full = source.gather_master_unit(unit)
+        start, _ = source.layout.unit_range(unit)
+        params = [(j, p) for j, p in enumerate(source.params) if source.param_units[j] == unit]
+        for j, p in params:
+            offset = source.layout.offsets[j] - start
+            p.data = full[offset : offset + p.numel()].view(p.shape)
+        guard.restore([p for _, p in params])  # readable while the targets copy them
         with torch.no_grad():
-            for p in whole:
-                p.data = p.detach().clone()
-        for engine in engines:
-            if engine.has_unit(unit):
-                engine.fill_unit(unit)
-        holder.release_unit(unit)
-        guard.restore(whole)  # they hold values of their own, not a view of the holder's buffer
+            for _, p in params:
+                if id(p) not in managed:
+                    p.data = p.detach().clone()  # kept whole: values of its own, not a view of ``full``
+        for target in targets:
+            if target.has_unit(unit):
+                target.fill_unit(unit)
+        del full

@@ -2,7 +2,7 @@
 ranks and replicated across the two pairs, on the same seed and data; then checkpoints crossing layouts.
 
 Saves per run the losses, the final weights, the collective payload per batch by scope (see [Note: hybrid sharding
-and its traffic] in ``groups.py``) and T, the padded flat size of the engines (Ψ rounded up per bucket). The
+and its traffic] in ``groups.py``) and T, the padded flat size of the storages (Ψ rounded up per bucket). The
 checkpoint chain: the zero3 k=2 checkpoint resumes a plain zero1 run (k=4) for one step, whose checkpoint resumes a
 zero2 k=2 run for one more; ddp resumes its own checkpoints the same way.
 """
@@ -70,9 +70,9 @@ def fit(name: str, k: Optional[int], steps: int, ckpt: Path, resume: Optional[Pa
                         enable_progress_bar=False, enable_model_summary=False, **FIT)
     trainer.fit(model, ckpt_path=resume)
     trainer.save_checkpoint(ckpt)
-    engines = getattr(trainer.strategy, "engines", [])
+    storages = getattr(trainer.strategy, "storages", [])
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
-            "padded": sum(e.layout.total for e in engines), "shard": sum(e.layout.shard_size for e in engines),
+            "padded": sum(e.layout.total for e in storages), "shard": sum(e.layout.shard_size for e in storages),
             "ckpt": str(ckpt)}
 
 
