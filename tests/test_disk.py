@@ -175,24 +175,6 @@ def test_estimate_knows_disk_offload(capsys):
     assert "With `offload_optimizer='disk'`" in out and "0 B + 286.1 MiB (300.0 MB) host + 858.3 MiB (900.0 MB) disk" in out
 
 
-def test_fit_summary_shows_device_host_and_file_bytes(caplog, tmp_path):
-    import logging
-
-    from lightning_zero.core.memory import human_bytes
-
-    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match=r"fused=True"):
-        L.Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer="disk", offload_params="disk",
-                                        offload_path=str(tmp_path)), accelerator="cpu", devices=1, max_steps=1,
-                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False).fit(TinyLM(scheduler=False))
-    psi = sum(p.numel() for p in TinyLM().parameters())
-    lines = [r.getMessage() for r in caplog.records if "ZeRO stage" in r.getMessage()]
-    assert lines == [f"ZeRO stage 3 on 1 rank, precision 32-true: {psi:,} trainable parameters; model states "
-                     f"0 B on the device + {human_bytes(psi * 4)} in host memory + {human_bytes(psi * 12)} in files "
-                     f"under {tmp_path} (offload_optimizer, offload_params) per rank (DDP: {psi * 16 / 1024:.1f} KiB, "
-                     "0% of it)"]
-
-
 def test_the_engine_steps_window_by_window_reading_ahead_and_evicting(tmp_path, monkeypatch):
     """``ZeroEngine`` (what Fabric and the Trainer drive) with ``offload_optimizer="disk"``: each piece is read before
     it steps, the next one's read is started before it steps, each window is written back after; the weights are

@@ -303,6 +303,8 @@ def test_estimate_shows_device_and_host_bytes(capsys):
     ({"offload_optimizer": True}, 4, 16, "25%"),  # the gradient shard is on the host only
     ({"offload_params": True}, 16, 4, "100%"),  # fp32: the device keeps the master for its own step
     ({"offload_optimizer": True, "offload_params": True}, 0, 16, "0%"),  # the host shard is the host master
+    # on disk: the gradient shard on the host, the master (= the parameter shard) and Adam's states in files
+    ({"offload_optimizer": "disk", "offload_params": "disk"}, 0, 4, "0%"),
 ])
 def test_fit_summary_shows_device_and_host_bytes(caplog, options, device, host, share):
     import logging
@@ -314,8 +316,9 @@ def test_fit_summary_shows_device_and_host_bytes(caplog, options, device, host, 
                   enable_model_summary=False).fit(TinyLM(scheduler=False))
     psi = sum(p.numel() for p in TinyLM().parameters())
     lines = [r.getMessage() for r in caplog.records if "ZeRO stage" in r.getMessage()]
+    files = f"+ {human_bytes(psi * 12)} in files under the temporary directory " if "disk" in options.values() else ""
     assert lines == [f"ZeRO stage 3 on 1 rank, precision 32-true: {psi:,} trainable parameters; model states "
-                     f"{human_bytes(psi * device)} on the device + {human_bytes(psi * host)} in host memory "
+                     f"{human_bytes(psi * device)} on the device + {human_bytes(psi * host)} in host memory {files}"
                      f"({', '.join(options)}) per rank (DDP: {psi * 16 / 1024:.1f} KiB, {share} of it)"]
 
 
