@@ -11,6 +11,7 @@
     python -m benchmarks.checkpoint_io          # checkpoint save, resume, consolidate and inference-load costs
     python -m benchmarks.recut                  # reading a tensor-parallel slice at another size (universal ckpts)
     python -m benchmarks.offload                # ZeRO-Offload: the CPU step, and training steps with offload
+    python -m benchmarks.disk                   # disk offload (ZeRO-Infinity): peak RSS, step time, window bytes
     python -m benchmarks.gpu_check              # every precision and stage on one CUDA device
 
 Private modules: ``_model`` (the GPT sizes, data and LightningModules, around examples/gpt.py's ``GPT``),

@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import _peers as peers  # noqa: E402
 from benchmarks._model import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
+from lightning_zero.core import disk  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -152,7 +153,8 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
         _write_profile(profiler, cfg, out)
     extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak}
     return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
-            "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")), **extra}
+            "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")),
+            "disk_io": {"read": disk.COUNTERS.read, "written": disk.COUNTERS.written}, **extra}
 
 
 def _profiler(cfg: dict[str, Any], out: Path) -> Any:

@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     whole = torch.randn(args.size, args.size)
-    print(f"| layout | t -> t' | windows | map ms | read ms | MiB read into |\n|---|---|---|---|---|---|")
+    print("| layout | t -> t' | windows | map ms | read ms | MiB read into |\n|---|---|---|---|---|---|")
     for dim, name in ((0, "column-parallel"), (1, "row-parallel")):
         root = Path(tempfile.mkdtemp(prefix="recut_"))
         try:

@@ -102,12 +102,19 @@ class ZeroConfig:
     """Pa: global ranks (or lists of them, or a callable returning a process group) holding identical activations."""
     contiguous_checkpoints: bool = False
     """MD: copy the checkpointed block inputs into one preallocated buffer, sized after the first step."""
-    offload_optimizer: bool = False
+    offload_optimizer: Union[bool, Literal["disk"]] = False
     """ZeRO-Offload: the master shard, the optimizer states and the optimizer step live in (pinned) host memory; the
-    device keeps the working parameters and gradients (see [Note: what lives where ...] in ``offload.py``)."""
-    offload_params: bool = False
+    device keeps the working parameters and gradients (see [Note: what lives where ...] in ``offload.py``).
+    ``"disk"`` (ZeRO-Infinity): the master shard and the optimizer states live in files under ``offload_path`` and the
+    step runs one bucket-sized window at a time (see [Note: what lives on disk] in ``disk.py``)."""
+    offload_params: Union[bool, Literal["disk"]] = False
     """Stage 3 only: each rank's working parameter shard lives in (pinned) host memory and units are uploaded as they
-    are gathered (see [Note: offloaded parameter shards] in ``params.py``)."""
+    are gathered (see [Note: offloaded parameter shards] in ``params.py``); ``"disk"``: in a file under
+    ``offload_path``, read unit by unit as the units are gathered."""
+    offload_path: Optional[str] = None
+    """With ``offload_optimizer="disk"`` or ``offload_params="disk"``: a local directory for this rank's files (made
+    if missing; the files have no name, so nothing is left there on any exit: see [Note: the files have no name] in
+    ``disk.py``). ``None``: the system's temporary directory."""
     shard_group_size: Optional[int] = None
     """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
     [Note: hybrid sharding and its traffic] in ``groups.py``). ``None``: the devices of one node when
@@ -138,9 +145,9 @@ class ZeroConfig:
                              "own tensor-parallel slices. With `tensor_parallel_size > 1` save sharded checkpoints "
                              "(the default) and make one full file afterwards with `lightning-zero consolidate`, which "
                              "joins the slices.")
-        for name in ("overlap_comm", "offload_optimizer", "offload_params"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
+        self._check_offload()
         if self.partition_whole_params not in (None, True, False):
             raise TypeError(f"`partition_whole_params` must be None, True or False, got {self.partition_whole_params!r}.")
         names = self.elementwise_optimizers
@@ -168,10 +175,36 @@ class ZeroConfig:
         if self.offload_params and self.stage != 3:
             # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
             # device, which is what the user set it to avoid
-            raise ValueError(f"`offload_params=True` offloads stage 3's parameter shards, but stage {self.stage} keeps "
+            raise ValueError(f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} keeps "
                              "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
                              "`offload_optimizer=True` alone to offload the optimizer at this stage.")
         self._warn_ignored()
+
+    def _check_offload(self) -> None:
+        """Check ``offload_optimizer``, ``offload_params`` and ``offload_path`` (a path that cannot hold files fails
+        here, in the launching process, where that can be told without writing)."""
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and value != "disk":
+                raise TypeError(f"`{name}` must be a bool (True: host memory) or 'disk' (files under `offload_path`), "
+                                f"got {value!r}.")
+        path = self.offload_path
+        if path is None:
+            return
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"`offload_path` must be a directory path, got {path!r}.")
+        object.__setattr__(self, "offload_path", os.fspath(path))
+        if "disk" not in (self.offload_optimizer, self.offload_params):
+            raise ValueError(f"`offload_path={path!r}` is where `offload_optimizer='disk'` or `offload_params='disk'` "
+                             "put their files, and neither is set. Set one of them to 'disk', or leave `offload_path` "
+                             "out.")
+        existing = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+            raise ValueError(f"`offload_path={path!r}` cannot hold the offloaded files: {existing!r} {what}. Choose a "
+                             "writable local directory (one per rank, or shared: the file names do not collide).")
 
     def bucket_elements(self, numel: int) -> int:
         """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""

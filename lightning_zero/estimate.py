@@ -21,6 +21,7 @@ from lightning_zero.checkpoints import pretrained
 from lightning_zero.stages import all_policies
 from lightning_zero.core.memory import (  # noqa: F401  (human_bytes: the CLI's import)
     BYTES_PER_PARAM,
+    expected_disk_bytes,
     expected_model_state_bytes,
     expected_offload_bytes,
     human_bytes,
@@ -101,6 +102,13 @@ def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple
     """``{precision: {column: (device bytes, host bytes) per rank}}`` with ``offload_optimizer=True``, and for
     ``"zero3+params"`` also ``offload_params=True`` (columns: :data:`OFFLOADED`)."""
     return {precision: {name: expected_offload_bytes(num_params, world_size, stage, precision, offload_params=params)
+                        for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
+
+
+def disk_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """``{precision: {column: (device, host, disk) bytes per rank}}`` with ``offload_optimizer="disk"``, and for
+    ``"zero3+params"`` also ``offload_params="disk"`` (columns: :data:`OFFLOADED`)."""
+    return {precision: {name: expected_disk_bytes(num_params, world_size, stage, precision, offload_params=params)
                         for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
 
 
@@ -199,6 +207,13 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
     for precision, cells in offload_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(f"{both_units(d)} + {both_units(h)} host"
                                                       for d, h in cells.values()) + " |")
+    lines += ["", "With `offload_optimizer='disk'`: device + host + disk bytes per rank (master weights and optimizer "
+              "states in files under `offload_path`, only the step's windows resident; the gradient shard on the "
+              "host; `zero3+params`: also `offload_params='disk'`):", "",
+              "| precision | " + " | ".join(offloaded) + " |", "|---|" + "---|" * len(offloaded)]
+    for precision, triples in disk_table(num_params, world_size).items():
+        lines.append(f"| {precision} | " + " | ".join(f"{both_units(d)} + {both_units(h)} host + {both_units(f)} disk"
+                                                      for d, h, f in triples.values()) + " |")
     if memory_bytes is not None:
         lines += ["", f"Largest model whose model states fit in {both_units(memory_bytes)} per rank:", "",
                   "| precision | " + " | ".join(STRATEGIES) + " | " + " | ".join(f"{n}+offload" for n in offloaded)

@@ -26,6 +26,8 @@ from tests.models import TinyLM
 
 STAGES = ["zero1+offload", "zero2+offload", "zero3+offload"]
 PARAMS = ["zero3+params", "zero3+offload+params"]  # offload_params without and with offload_optimizer
+#: The same on disk ("+disk": offload_optimizer="disk", "+pdisk": offload_params="disk"; see core/disk.py).
+DISK = ["zero1+disk", "zero2+disk", "zero3+disk", "zero3+pdisk", "zero3+disk+pdisk"]
 RTOL = 1e-5  # fp32: only the reduction order differs from DDP (see test_parity.py)
 
 
@@ -38,7 +40,9 @@ def results(tmp_path_factory) -> list[dict]:
                                                   for stage in STAGES]
                          + [("shared_adafactor", stage) for stage in STAGES[1:]]
                          + [(scenario, p) for scenario in ("adamw", "gan_manual") for p in PARAMS]
-                         + [("shared_adafactor", PARAMS[1])])
+                         + [("shared_adafactor", PARAMS[1])]
+                         + [(scenario, d) for scenario in ("adamw", "gan_manual") for d in DISK]
+                         + [("shared_adafactor", d) for d in ("zero2+disk", "zero3+disk+pdisk")])
 def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
     # adamw: two param groups, a frozen norm, an LR schedule, accumulation over 2 micro-batches, norm clipping;
     # gan_manual: manual optimization with two optimizers (Adam, SGD) and `clip_gradients`; shared_adafactor: three
@@ -50,19 +54,20 @@ def test_fp32_offloaded_matches_ddp_step_for_step(results, scenario, stage):
         assert torch.equal(value, results[0][scenario][stage]["params"][name]), f"{name} differs between ranks"
 
 
-@pytest.mark.parametrize("stage", STAGES + PARAMS)
+@pytest.mark.parametrize("stage", STAGES + PARAMS + DISK)
 def test_validation_during_and_after_fit_matches_ddp(results, stage):
     # adamw validates every 4 batches during fit, then `trainer.validate` sets the (sharded) model up again
     for rank in results:
         assert rank["adamw"][stage]["val_loss"] == pytest.approx(rank["adamw"]["ddp"]["val_loss"], rel=RTOL)
 
 
-@pytest.mark.parametrize("stage", STAGES + PARAMS[1:])
+@pytest.mark.parametrize("stage", STAGES + PARAMS[1:] + [d for d in DISK if "+disk" in d])
 @pytest.mark.parametrize("scenario", ["adamw", "bf16_mixed"])
 def test_host_buffers_are_separate_and_carry_the_gradients(results, scenario, stage):
     # Checked before each optimizer step on every rank: the master shard and the optimizer states are CPU tensors
     # that share no storage with the working parameters, the flat buffer or the device gradient shard; the
-    # masters' gradients are views of the host gradient buffer, which holds the device shard's values.
+    # masters' gradients are views of the host gradient buffer, which holds the device shard's values; with
+    # offload_optimizer="disk" the master and the states are file mappings (and only then).
     for rank in results:
         seen = rank[scenario][stage]["probe"]
         assert len(seen) == 6 if scenario == "adamw" else len(seen) == 4
@@ -115,6 +120,21 @@ def test_bf16_mixed_offloaded_close_to_ddp_amp(results):
         assert_params_close(runs["zero3+offload+params"]["params"], runs["zero3+offload"]["params"], 0.0)
 
 
+#: Each disk run and the host-memory run with the same placement otherwise.
+DISK_TWINS = {"zero1+disk": "zero1+offload", "zero2+disk": "zero2+offload", "zero3+disk": "zero3+offload",
+              "zero3+pdisk": "zero3+params", "zero3+disk+pdisk": "zero3+offload+params"}
+
+
+@pytest.mark.parametrize("scenario", ["adamw", "gan_manual", "bf16_mixed"])
+@pytest.mark.parametrize("stage", DISK)
+def test_disk_runs_are_bitwise_the_host_offloaded_runs(results, scenario, stage):
+    # where the states live changes no arithmetic: the windows step the same tensors in the same pieces
+    for rank in results:
+        runs = rank[scenario]
+        assert runs[stage]["losses"] == runs[DISK_TWINS[stage]]["losses"]
+        assert_params_close(runs[stage]["params"], runs[DISK_TWINS[stage]]["params"], 0.0)
+
+
 def test_fp16_loss_scaling_skips_the_overflowed_step_on_every_rank(results):
     scalers = [rank["fp16_overflow"]["zero2+offload"]["scaler"] for rank in results]
     assert all(s["skipped_steps"] == 1 and s["scale"] == 1024.0 and s["good_steps"] == 3 for s in scalers), scalers
@@ -135,6 +155,17 @@ def test_checkpoint_round_trip_offloaded_params_plain_offloaded_params(results):
     for rank in results:
         run = rank["round_trip"]["zero"]
         assert_losses_close(run["resumed_params"], run["straight"], RTOL)
+
+
+@pytest.mark.parametrize("legs", ["resumed_disk", "resumed_plain_disk"])
+def test_checkpoint_round_trip_between_disk_host_and_plain(results, legs):
+    # resumed_disk: zero3 with both on disk saves a sharded directory, zero2 offloaded to the host resumes and saves
+    # one full file, zero1 on disk resumes from that; resumed_plain_disk: zero3 in memory saves a full file, zero2 on
+    # disk resumes and saves a sharded directory, zero3 with both offloaded to the host resumes: the same losses as
+    # three epochs in one run
+    for rank in results:
+        run = rank["round_trip"]["zero"]
+        assert_losses_close(run[legs], run["straight"], RTOL)
 
 
 # ---------------------------------------------------------------------- one process
@@ -272,6 +303,8 @@ def test_estimate_shows_device_and_host_bytes(capsys):
     ({"offload_optimizer": True}, 4, 16, "25%"),  # the gradient shard is on the host only
     ({"offload_params": True}, 16, 4, "100%"),  # fp32: the device keeps the master for its own step
     ({"offload_optimizer": True, "offload_params": True}, 0, 16, "0%"),  # the host shard is the host master
+    # on disk: the gradient shard on the host, the master (= the parameter shard) and Adam's states in files
+    ({"offload_optimizer": "disk", "offload_params": "disk"}, 0, 4, "0%"),
 ])
 def test_fit_summary_shows_device_and_host_bytes(caplog, options, device, host, share):
     import logging
@@ -283,8 +316,9 @@ def test_fit_summary_shows_device_and_host_bytes(caplog, options, device, host, 
                   enable_model_summary=False).fit(TinyLM(scheduler=False))
     psi = sum(p.numel() for p in TinyLM().parameters())
     lines = [r.getMessage() for r in caplog.records if "ZeRO stage" in r.getMessage()]
+    files = f"+ {human_bytes(psi * 12)} in files under the temporary directory " if "disk" in options.values() else ""
     assert lines == [f"ZeRO stage 3 on 1 rank, precision 32-true: {psi:,} trainable parameters; model states "
-                     f"{human_bytes(psi * device)} on the device + {human_bytes(psi * host)} in host memory "
+                     f"{human_bytes(psi * device)} on the device + {human_bytes(psi * host)} in host memory {files}"
                      f"({', '.join(options)}) per rank (DDP: {psi * 16 / 1024:.1f} KiB, {share} of it)"]
 
 

@@ -26,14 +26,14 @@ BROKEN = ("Traceback", "Aborted", "core dumped", "Fatal Python error", "terminat
 
 
 def run_with_fault(tmp_path: Path, fault: str, stage: int = 3, state_dict_type: str = "sharded",
-                   max_steps: int = 12) -> tuple[int, str, float]:
+                   max_steps: int = 12, extra: tuple[str, ...] = ()) -> tuple[int, str, float]:
     """Run tests/workers/interrupt.py with ``LIGHTNING_ZERO_FAULT=fault``; returns (exit code, log, seconds from
     the signal to the exit)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LIGHTNING_ZERO_FAULT=fault)
     log = tmp_path / "run.log"
     cmd = [sys.executable, str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), str(stage),
-           state_dict_type, str(max_steps)]
+           state_dict_type, str(max_steps), *extra]
     code = run_in_own_session(cmd, env, tmp_path, log, TIMEOUT)
     ended = time.time()
     text = log.read_text()
@@ -82,6 +82,18 @@ def test_sigterm_inside_a_gradient_collective(tmp_path):
         tmp_path, "point=collective.reduce_scatter,signal=SIGTERM,rank=0,target=group,occurrence=5", stage=2)
     assert_clean_stop(code, text, seconds, "SIGTERM")
     assert set(checkpoints(tmp_path).values()) <= {2, 4}
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_inside_a_disk_offloaded_step_stops_cleanly_and_leaves_no_file(tmp_path, signal_name):
+    """Stage 3 with the optimizer and the parameters on disk: the signal lands as a window is written back (within
+    the first steps); the step completes, every rank stops, the checkpoints are intact and the offload directory is
+    empty (the files have no name: see [Note: the files have no name] in disk.py)."""
+    code, text, seconds = run_with_fault(
+        tmp_path, f"point=offload.write,signal={signal_name},rank=0,target=group,occurrence=40", extra=("disk",))
+    assert_clean_stop(code, text, seconds, signal_name)
+    assert set(checkpoints(tmp_path).values()) <= {2, 4}
+    assert (tmp_path / "offload").is_dir() and list((tmp_path / "offload").iterdir()) == []
 
 
 def test_sigint_during_stage3_construction(tmp_path):

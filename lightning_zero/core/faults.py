@@ -15,7 +15,8 @@ checkpoint's file written, before its rename), ``collective.reduce_scatter`` (be
 reduce-scatter, in the reducer; no collective carries a fault point), ``materialize.unit`` (before a stage-3 unit
 is built), ``evaluation.step`` (at a validation/test/predict step), ``save.prepare`` (rank 0 about to clear stale
 staging directories and make a sharded checkpoint's staging directory), ``save.shard`` (inside DCP's write, as each
-piece of a shard is written).
+piece of a shard is written), ``offload.create`` (a file of the disk tier about to be made) and
+``offload.write`` (a window of the disk tier written back, see ``disk.py``).
 
 Instead of a signal, ``error=<errno name>`` raises that ``OSError`` at the point, as the file system would (e.g.
 ``point=save.written,error=ENOSPC,rank=1``: a full disk on rank 1; ``point=save.prepare,error=EACCES``: a read-only
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 #: Every fault point the package marks (see [Note: fault points]).
 POINTS = ("save.written", "save.full", "collective.reduce_scatter", "materialize.unit", "evaluation.step",
-          "save.prepare", "save.shard")
+          "save.prepare", "save.shard", "offload.create", "offload.write")
 
 VARIABLE = "LIGHTNING_ZERO_FAULT"
 

@@ -34,7 +34,7 @@ class FlatStorage(ShardedStorage):
         aliased = working_dtype == master_dtype and not offload_optimizer
         if not aliased:
             self.master_storage = offload.allocate_master(self.layout.shard_size, master_dtype, self.device,
-                                                          offload_optimizer)
+                                                          offload_optimizer, config.offload_path)
         self._fill_from_params()
 
     def _fill_from_params(self) -> None:

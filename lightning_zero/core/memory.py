@@ -160,6 +160,29 @@ def expected_offload_bytes(num_params: int, world_size: int, stage: int, precisi
     return device, host
 
 
+def expected_disk_bytes(num_params: int, world_size: int, stage: int, precision: str,
+                        offload_params: bool = False) -> tuple[float, float, float]:
+    """``(device, host, disk)`` bytes of model states per rank with ``offload_optimizer="disk"`` and, with
+    ``offload_params``, ``offload_params="disk"`` (Adam; see [Note: what lives on disk] in ``disk.py``).
+
+    The master shard and Adam's states (``/N``) move from the host of :func:`expected_offload_bytes` to the files;
+    the gradient shard stays on the host; ``offload_params`` puts the working shard in a file too, where it is the
+    master file itself when it has the master's dtype (no extra bytes). Files hold what a rank's memory does not:
+    only the windows in flight are resident (constant in the model size).
+    """
+    device, host = expected_offload_bytes(num_params, world_size, stage, precision, True, offload_params)
+    psi, n = float(num_params), float(world_size)
+    param_b, _, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
+    master_b = MASTER_BYTES.get(precision, 4)
+    states_b = opt_b if precision in ALIASED_MASTERS else opt_b - master_b
+    disk = (states_b + master_b) * psi / n
+    host -= disk
+    if offload_params and precision not in ALIASED_MASTERS:  # a working shard of its own: moved from the host
+        host -= param_b * psi / n
+        disk += param_b * psi / n
+    return device, host, disk
+
+
 def human_bytes(n: float) -> str:
     """``n`` bytes in B, KiB, MiB, GiB or TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -36,16 +36,19 @@ does not depend on where they live, so an offloaded run resumes a non-offloaded 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.core import disk
 from lightning_zero.core.layout import Bucket
 from lightning_zero.core.optimizer_support import optimizer_name, user_class
 
 HOST = torch.device("cpu")
+#: Elements per piece of a copy to or from a disk-tier shard (see [Note: the step one window at a time] in disk.py).
+DISK_COPY_ELEMENTS = 4_000_000
 #: torch optimizers with fused CPU kernels: their CPU step reaches the memory bandwidth, the default loop does not.
 FUSED_ON_CPU = ("torch.optim.Adam", "torch.optim.AdamW")
 
@@ -62,14 +65,22 @@ def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 def copy_to_device(target: Tensor, source: Tensor) -> None:
     """``target.copy_(source)``, asynchronous when ``source`` is pinned host memory and ``target`` is on a CUDA device
-    (see [Note: the uploads of the update do not block])."""
+    (see [Note: the uploads of the update do not block]); window by window where a side is on disk (``disk.py``)."""
+    disk.copy_windowed(target, source, DISK_COPY_ELEMENTS, _copy)
+
+
+def _copy(target: Tensor, source: Tensor) -> None:
     with torch.no_grad():
         target.copy_(source, non_blocking=target.device.type == "cuda" and source.is_pinned())
 
 
-def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offload: bool) -> Tensor:
+def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offload: Union[bool, str],
+                    path: Optional[str] = None) -> Tensor:
     """A shard (the master, or stage 3's working shard with ``offload_params``): on the host (see [Note: what lives
-    where ...]) with ``offload``, else on ``device``."""
+    where ...]) with ``offload=True``, in a file under ``path`` with ``offload="disk"`` (see [Note: what lives on
+    disk] in ``disk.py``), else on ``device``."""
+    if offload == disk.DISK:
+        return disk.zeros(numel, dtype, path)
     if offload:
         return host_zeros(numel, dtype, device)
     return torch.zeros(numel, dtype=dtype, device=device)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.core import offload
+from lightning_zero.core import disk, offload
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.layout import FlatLayout, MasterSlot
 from lightning_zero.core.optimizer_support import (
@@ -108,6 +108,9 @@ class ShardedOptimizer:
             self.slots.append(slot)
             self.slot_sources.append(source)
             self.masters.append(source.master_view(slot))
+        self.windowed: Optional[disk.WindowedStep] = disk.WindowedStep(optimizer, config.offload_path) \
+            if config.offload_optimizer == disk.DISK else None
+        """With ``offload_optimizer="disk"``: the step window by window (see [Note: the step one window at a time])."""
         self.phase = StepPhase.ACCUMULATING
         self._reduced_at = -1  # the storage's clear count when it was reduced
         self._overflow = False
@@ -150,11 +153,18 @@ class ShardedOptimizer:
     def step(self, call: Callable[[], Any]) -> Any:
         """Run the user's ``optimizer.step`` (``call``): for elementwise optimizers in pieces of at most one bucket's
         elements, so that its temporaries stay that small (see [Note: the step in constant-size pieces])."""
-        if self.layout.whole_params:
-            return call()
         # see [Note: the refresh follows the step piece by piece] in flat.py
         stepped = self.storage.refresh_as_stepped() if len(self.sources) == 1 else None
+        if self.windowed is not None:
+            limit = None if self.layout.whole_params else self.storage.bucket_elements
+            return self.windowed.run(call, limit, stepped)
+        if self.layout.whole_params:
+            return call()
         return step_in_pieces(self.optimizer, self.storage.bucket_elements, call, stepped)
+
+    def step_once(self, call: Callable[[], Any]) -> Any:
+        """Run the user's ``optimizer.step`` (``call``) as one call (:attr:`steps_once`), as one window on disk."""
+        return self.windowed.run(call, None) if self.windowed is not None else call()
 
     @property
     def steps_once(self) -> bool:

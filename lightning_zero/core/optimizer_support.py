@@ -104,9 +104,11 @@ def steps_in_pieces(optimizer: Optimizer, limit: int) -> bool:
 
 
 def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any],
-                   after_piece: Optional[Callable[[list[Any]], None]] = None) -> Any:
+                   after_piece: Optional[Callable[[list[Any]], None]] = None,
+                   before_piece: Optional[Callable[[list[list[Any]], int], None]] = None) -> Any:
     """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements;
-    ``after_piece`` gets the tensors of each piece once it is stepped (only when there are several pieces).
+    ``after_piece`` gets the tensors of each piece once it is stepped, ``before_piece`` the tensors of every piece
+    and the index of the one about to be stepped (both only when there are several pieces).
 
     [Note: the step in constant-size pieces]
     An optimizer allocates temporaries as large as what one ``step`` call covers (``foreach`` AdamW: one per master
@@ -135,12 +137,15 @@ def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any],
         return step()
     output = None
     try:
-        for piece in pieces:
+        tensors = [[tensor for params in piece for tensor in params] for piece in pieces]
+        for index, piece in enumerate(pieces):
+            if before_piece is not None:
+                before_piece(tensors, index)
             for group, params in zip(groups, piece):
                 group["params"] = params
             output = step()
             if after_piece is not None:
-                after_piece([tensor for params in piece for tensor in params])
+                after_piece(tensors[index])
     finally:
         for group, params in zip(groups, saved):
             group["params"] = params

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core import collectives, offload
+from lightning_zero.core import collectives, disk, offload
 from lightning_zero.core.buckets import GradientReducer
 from lightning_zero.core.compiled import eager_hook
 from lightning_zero.core.groups import ShardGroups
@@ -177,6 +177,7 @@ class ShardedStorage:
                     values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
                     at = bucket.shard_offset + pc.chunk_offset
                     shard[at : at + pc.length].copy_(values)
+                disk.evict([shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]])
 
     # ------------------------------------------------------------------ gradients
     def finish_backward(self) -> None:

@@ -382,7 +382,7 @@ class ZeroEngine:
             self._before_step(sharded, *clip)
             return losses[-1]
 
-        output = sharded.optimizer.step(closure=wrapped, **step_kwargs)
+        output = sharded.step_once(lambda: sharded.optimizer.step(closure=wrapped, **step_kwargs))
         return losses[-1] if output is None and losses else output
 
     def zero_grad(self, optimizer: Optional[Optimizer] = None) -> None:

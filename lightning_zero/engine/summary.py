@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_zero.core import collectives
-from lightning_zero.core.memory import expected_model_state_bytes, expected_offload_bytes, human_bytes
+from lightning_zero.core.memory import (expected_disk_bytes, expected_model_state_bytes, expected_offload_bytes,
+                                        human_bytes)
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -30,6 +31,10 @@ def model_state_summary(engine: "ZeroEngine") -> str:
     if moved:  # see [Note: what lives where with offload_optimizer=True] in offload.py
         zero, host = expected_offload_bytes(psi, k, config.stage, mode, config.offload_optimizer, config.offload_params)
         where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
+        if config.offload_optimizer == "disk":  # see [Note: what lives on disk] in disk.py
+            zero, host, files = expected_disk_bytes(psi, k, config.stage, mode, config.offload_params == "disk")
+            where = (f" on the device + {human_bytes(host)} in host memory + {human_bytes(files)} in files under "
+                     f"{config.offload_path or 'the temporary directory'} ({', '.join(moved)})")
     hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
     ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
     own = "" if t == 1 else " (this rank's tensor-parallel slices)"

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_zero.core import collectives
 from lightning_zero.core.layout import FlatLayout
-from lightning_zero.core.offload import pins
+from lightning_zero.core.offload import copy_to_device, pins
 from lightning_zero.stage3 import guard
 
 
@@ -95,8 +95,7 @@ class ShardedParams:
     def _upload(self, source: Tensor, buffer: Tensor, at: int) -> Tensor:
         """Copy a host chunk to ``buffer[at:]`` on the device; returns the device chunk."""
         chunk = buffer[at : at + source.numel()]
-        with torch.no_grad():
-            chunk.copy_(source, non_blocking=self.asynchronous)
+        copy_to_device(chunk, source)  # asynchronous from pinned memory; a disk shard's pages evicted after
         self._uploads_pending = self._uploads_pending or self.asynchronous
         self.uploaded_bytes += chunk.numel() * chunk.element_size()
         return chunk

@@ -25,11 +25,12 @@ class PartitionedStorage(ShardedStorage):
                       config: ZeroConfig) -> None:
         params_moved = config.offload_params  # see [Note: offloaded parameter shards] in params.py
         size = self.layout.shard_size
-        self.master_storage = offload.allocate_master(size, master_dtype, self.device, offload_optimizer)
+        self.master_storage = offload.allocate_master(size, master_dtype, self.device, offload_optimizer,
+                                                      config.offload_path)
         # the working shard doubles as the master where both have one dtype and live on the same side
         aliased = working_dtype == master_dtype and offload_optimizer == params_moved
         working = self.master_storage if aliased else offload.allocate_master(size, working_dtype, self.device,
-                                                                              params_moved)
+                                                                              params_moved, config.offload_path)
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""

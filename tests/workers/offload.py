@@ -15,6 +15,7 @@ import torch
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy, measure_model_states
+from lightning_zero.core import disk
 from tests.models import OverflowOnRank1, SharedOptimizers, TinyGAN, TinyLM
 
 warnings.filterwarnings("ignore")
@@ -24,12 +25,15 @@ STAGES = (1, 2, 3)
 
 def strategy(name: str, model_numel: int, **options: Any) -> Any:
     """``"ddp"``, or ``"zero<stage>"`` with ``"+offload"`` (the optimizer) and/or ``"+params"`` (stage 3's parameter
-    shards): about 8 buckets, so parameters span buckets."""
+    shards) in host memory, ``"+disk"`` / ``"+pdisk"`` the same on disk: about 8 buckets, so parameters span
+    buckets."""
     if name == "ddp":
         return "ddp_find_unused_parameters_true"
     stage = int(name[4])
     extra: dict[str, Any] = {"persistence_threshold": 0} if stage == 3 else {}  # tiny blocks stay real units
-    return ZeroStrategy(stage=stage, offload_optimizer="+offload" in name, offload_params="+params" in name,
+    optimizer = "disk" if "+disk" in name else "+offload" in name  # "+disk": offload_optimizer="disk"
+    params = "disk" if "+pdisk" in name else "+params" in name  # "+pdisk": offload_params="disk"
+    return ZeroStrategy(stage=stage, offload_optimizer=optimizer, offload_params=params,
                         reduce_bucket_size=max(200, model_numel // 8), **extra, **options)
 
 
@@ -51,7 +55,8 @@ class HostBufferProbe(L.Callback):
                                            if id(p) not in managed)  # kept whole on the device
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
-        engine = getattr(optimizer, "_optimizer", optimizer)._zero_sharded.storage
+        sharded_optimizer = getattr(optimizer, "_optimizer", optimizer)._zero_sharded
+        engine = sharded_optimizer.storage
         if engine.host_grads is None:
             return  # offload_params alone: ParamShardProbe checks it
         working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
@@ -76,6 +81,9 @@ class HostBufferProbe(L.Callback):
             and engine.host_grads.buffer.device.type == "cpu" and bool(engine.host_grads.buffer.abs().sum() > 0),
             "states_separate": all(s.untyped_storage().data_ptr() not in working and s.device.type == "cpu"
                                    for s in states),
+            # offload_optimizer="disk": the master and every state (after the first step) are file mappings
+            "on_disk_as_configured": (sharded_optimizer.windowed is not None) == (disk.on_disk(master) and all(
+                disk.on_disk(s) for s in states) and (bool(states) or trainer.global_step == 0)),
         })
 
 
@@ -163,10 +171,16 @@ def round_trip(out: Path) -> dict[str, Any]:
     resumed = resume([("zero2+offload", 1, "full"), ("zero3", 2, "sharded"), ("zero1+offload", 3, "sharded")], "leg")
     params = resume([("zero3+params", 1, "sharded"), ("zero2", 2, "full"), ("zero3+offload+params", 3, "sharded")],
                     "params")
+    # disk -> host -> disk and plain -> disk -> host: every move between the three places
+    to_disk = resume([("zero3+disk+pdisk", 1, "sharded"), ("zero2+offload", 2, "full"), ("zero1+disk", 3, "sharded")],
+                     "disk")
+    from_plain = resume([("zero3", 1, "full"), ("zero2+disk", 2, "sharded"), ("zero3+offload+params", 3, "sharded")],
+                        "plain")
     L.seed_everything(0, verbose=False)
     straight = TinyLM()
     trainer("zero2", 3).fit(straight)
-    return {"resumed": resumed, "resumed_params": params, "straight": straight.losses}
+    return {"resumed": resumed, "resumed_params": params, "resumed_disk": to_disk, "resumed_plain_disk": from_plain,
+            "straight": straight.losses}
 
 
 def scenarios(out: Path) -> dict[str, dict[str, Any]]:
@@ -174,16 +188,19 @@ def scenarios(out: Path) -> dict[str, dict[str, Any]]:
     fit = dict(max_steps=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
     offloaded = [f"zero{s}+offload" for s in STAGES]
     params = ["zero3+params", "zero3+offload+params"]  # offload_params without and with offload_optimizer
+    on_disk = [f"zero{s}+disk" for s in STAGES] + ["zero3+pdisk", "zero3+disk+pdisk"]
     fp16 = lambda: ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))  # noqa: E731
     return {
         "adamw": {n: (lambda n=n: run(n, TinyLM(frozen=True), probe=n != "ddp", validate=True, limit_val_batches=2,
-                                      val_check_interval=4, **fit)) for n in ["ddp", *offloaded, *params]},
-        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6)) for n in ["ddp", *offloaded, *params]},
+                                      val_check_interval=4, **fit)) for n in ["ddp", *offloaded, *params, *on_disk]},
+        "gan_manual": {n: (lambda n=n: run(n, TinyGAN(), max_steps=6))
+                       for n in ["ddp", *offloaded, *params, *on_disk]},
         # three optimizers sharing parameters, Adafactor (whole tensors) among them, closures, clipping
         "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
-                             for n in ["ddp", "zero2+offload", "zero3+offload", "zero3+offload+params"]},
+                             for n in ["ddp", "zero2+offload", "zero3+offload", "zero3+offload+params",
+                                       "zero2+disk", "zero3+disk+pdisk"]},
         "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False), precision="bf16-mixed", probe=n != "ddp",
-                                            max_steps=4)) for n in ["ddp", *offloaded, *params]},
+                                            max_steps=4)) for n in ["ddp", *offloaded, *params, *on_disk]},
         "fp16_overflow": {"zero2+offload": lambda: run("zero2+offload", OverflowOnRank1(scheduler=False),
                                                        precision=fp16(), max_steps=6)},
         "round_trip": {"zero": lambda: round_trip(out)},
