@@ -36,11 +36,8 @@ def fault(monkeypatch):
 
     def set_fault(spec: str) -> None:
         monkeypatch.setenv("LIGHTNING_ZERO_FAULT", spec)
-        monkeypatch.setattr(faults, "_FAULT", None)
-        monkeypatch.setattr(faults, "_REACHED", {})
 
     yield set_fault
-    faults._FAULT, faults._REACHED = None, {}
 
 
 def test_a_disk_tensor_is_a_nameless_file_whose_pages_leave_the_process_and_keep_their_values(tmp_path):
@@ -117,14 +114,14 @@ def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())} if path.is_dir() else {path.name: path.read_bytes()}
 
 
-def test_a_full_disk_mid_step_is_a_clear_error_and_the_last_checkpoint_is_intact(tmp_path, fault):
+def test_a_full_disk_mid_step_is_a_clear_error_and_the_last_checkpoint_is_intact(tmp_path, fault, monkeypatch):
     ckpt = tmp_path / "last.ckpt"
     fault("point=offload.write,error=ENOSPC,occurrence=1000000000")  # only counts the window writes
     L.seed_everything(0)
     probe = _trainer(tmp_path, max_steps=2, callbacks=[SaveAt(ckpt, 2)])
     probe.fit(TinyLM())
     saved = _files(ckpt)
-    per_step = faults._REACHED["offload.write"] // 2
+    per_step = faults._ARMED.reached // 2  # the armed point's count since the variable was set
     assert per_step >= 2  # several windows per step
     # the same run again, with the file system failing the first window's write of the third step (after the save)
     fault(f"point=offload.write,error=ENOSPC,occurrence={2 * per_step + 1}")
@@ -137,7 +134,7 @@ def test_a_full_disk_mid_step_is_a_clear_error_and_the_last_checkpoint_is_intact
     assert failing.global_step == 2
     assert _files(ckpt) == saved  # the checkpoint written before is untouched
     assert list((tmp_path / "off").iterdir()) == []
-    fault("point=none")
+    monkeypatch.delenv("LIGHTNING_ZERO_FAULT")  # disarmed from the next point on
     resumed = _trainer(tmp_path, max_steps=3)
     resumed.fit(TinyLM(), ckpt_path=ckpt)  # and it resumes
     assert resumed.global_step == 3
