@@ -54,7 +54,7 @@ class Probe(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        engines = strategy.engines
+        engines = strategy.storages
         plan = strategy.engine.unit_plan
         unit_bytes: dict[int, int] = {}
         for p in {id(p): p for e in engines for p in e.params}.values():

@@ -214,7 +214,7 @@ def test_device_model_states_do_not_grow_with_the_model_when_both_are_offloaded(
                 loss = model(torch.randn(4, 32)).float().pow(2).mean()
             engine.backward(loss)
         states = measure_model_states(model, [optimizer])
-        assert engine.optimizers[0].reducer.grad_shard is None
+        assert engine.optimizers[0].storage.reducer.grad_shard is None
         seen.append((states.device_model_states, states.comm_buffers, states.host))
         engine.step()
         engine.teardown()

@@ -1,7 +1,7 @@
-"""Unit tests of parameters shared by several optimizers (``core/sharing.py``): which members an engine owns and
+"""Unit tests of parameters shared by several optimizers (``core/sharing.py``): which members an optimizer owns and
 borrows (:func:`split_members`), and the master tensors it borrows from their owners (:func:`borrowed_slots`).
 
-The owners are stand-ins with only what the two functions read of a ``ShardedOptimizer``: its parameters, its layout
+The owners are stand-ins with only what the two functions read of a ``ShardedStorage``: its parameters, its layout
 and its own master slots; what is expected is computed from the flat layout's definition (offsets, bucket starts and
 chunk sizes), not from the slots the functions read.
 """
@@ -22,7 +22,7 @@ from lightning_zero.core.sharing import borrowed_slots, split_members
 
 @dataclass
 class Owner:
-    """What :func:`split_members` and :func:`borrowed_slots` read of the engine owning ``params`` on ``rank``."""
+    """What :func:`split_members` and :func:`borrowed_slots` read of the storage owning ``params`` on ``rank``."""
 
     params: list[Tensor]
     layout: FlatLayout

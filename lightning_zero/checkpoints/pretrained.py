@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ShardedStorage
 from lightning_zero.checkpoints.pretrained_files import WeightFiles
 from lightning_zero.checkpoints.shards import Shard, model_shards
 
@@ -45,10 +45,10 @@ class LoadResult(NamedTuple):
 
 
 class ShardOwner(Protocol):
-    """What holds a model's shards after setup (a :class:`~lightning_zero.engine.engine.ZeroEngine`): the shards of its
-    optimizers and the stage 3 unit runtime."""
+    """What holds a model's shards after setup (a :class:`~lightning_zero.engine.engine.ZeroEngine`): its parameter
+    store and the stage 3 unit runtime."""
 
-    optimizers: list[ShardedOptimizer]
+    store: Any
     runtime: Any
 
 
@@ -92,7 +92,7 @@ def load_pretrained(module: nn.Module, source: Union[str, os.PathLike], *, prefi
     found = _owner_of(module)
     if found is not None:
         root, name, owner = found
-        fill_shards(root, owner.optimizers, owner.runtime, [(name, plan)])
+        fill_shards(root, owner.store.storages, owner.runtime, [(name, plan)])
     elif _deferring:  # inside zero3's `configure_model` (recorded on the meta device): setup fills it
         module.__dict__.setdefault(_PENDING, []).append(plan)
     elif _on_meta(module):
@@ -195,17 +195,17 @@ def _copy_plain(module: nn.Module, plan: _Plan) -> None:
                 tensor.copy_(whole.view(tensor.shape))
 
 
-def fill_shards(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: Any,
+def fill_shards(root: nn.Module, storages: Sequence[ShardedStorage], runtime: Any,
                 loads: Sequence[tuple[str, _Plan]]) -> None:
     """Write checked loads into this rank's shards of ``root``; ``loads`` holds (module name in ``root``, plan).
 
     Each rank reads only the ranges it keeps (see [Note: three moments to load pretrained weights]), then the
-    engines' working parameters and the gathered units are refreshed from the masters.
+    storages' working parameters and the gathered units are refreshed from the masters.
     """
     gc.collect()  # construction can leave whole units in reference cycles: free them before reading more
-    for engine in engines:  # a host master may be the host parameter shard an upload still reads (params.py)
-        engine.settle()
-    dest = model_shards(root, list(engines), full_copies=True)
+    for storage in storages:  # a host master may be the host parameter shard an upload still reads (params.py)
+        storage.settle()
+    dest = model_shards(root, list(storages), full_copies=True)
     done: set[int] = set()
     with torch.no_grad():
         for name, plan in loads:
@@ -214,8 +214,8 @@ def fill_shards(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: A
                 if id(shard) not in done:
                     done.add(id(shard))
                     _fill(plan.files, file_name, shard)
-    for engine in engines:
-        engine.refresh_working()
+    for storage in storages:
+        storage.refresh_working()
     if runtime is not None:
         runtime.refresh()
 
@@ -230,7 +230,7 @@ def _fill(files: WeightFiles, name: str, shard: Shard) -> None:
         files.copy_range(name, start, piece)
 
 
-def fill_pending(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: Any) -> None:
+def fill_pending(root: nn.Module, storages: Sequence[ShardedStorage], runtime: Any) -> None:
     """At zero3 setup, after the sharded construction: fill what :func:`load_pretrained` recorded in
     ``configure_model`` (on ``root`` or any submodule), then forget it."""
     loads = []
@@ -238,7 +238,7 @@ def fill_pending(root: nn.Module, engines: Sequence[ShardedOptimizer], runtime: 
         for plan in module.__dict__.pop(_PENDING, []):
             loads.append((name, plan))
     if loads:
-        fill_shards(root, engines, runtime, loads)
+        fill_shards(root, storages, runtime, loads)
 
 
 # ---------------------------------------------------------------------- which strategy holds a module's shards

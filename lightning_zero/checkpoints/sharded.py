@@ -24,7 +24,7 @@ TensorInfo = Optional[tuple[tuple[int, ...], str]]
 
 
 # ---------------------------------------------------------------------- save
-def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer], info: dict[str, Any],
+def split_checkpoint(checkpoint: dict[str, Any], sharded_optimizers: list[ShardedOptimizer], info: dict[str, Any],
                      ) -> tuple[dict[str, Any], dict[str, Shard], dict[str, Any]]:
     """Cut Lightning's checkpoint dict into DCP objects, this rank's shards, and ``meta.pt`` (complete on rank 0).
 
@@ -48,9 +48,9 @@ def split_checkpoint(checkpoint: dict[str, Any], engines: list[ShardedOptimizer]
         for index, entry in state["state"].items():
             for name, value in entry.items():
                 _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors, slices)
-        engine = engines[k]
-        optimizers.append({"class": type(engine.optimizer).__qualname__,
-                           "params": [tuple(p.shape) for p in engine.canonical], "group_sizes": engine.group_sizes})
+        sharded = sharded_optimizers[k]
+        optimizers.append({"class": type(sharded.optimizer).__qualname__,
+                           "params": [tuple(p.shape) for p in sharded.canonical], "group_sizes": sharded.group_sizes})
     every = collectives.gather_objects((tensors, slices))
     meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
@@ -163,31 +163,31 @@ def is_stored_as_object(tensor: TensorInfo) -> bool:
     return tensor is None or math.prod(tensor[0]) == 0
 
 
-def check_optimizer_count(saved: int, engines: list[ShardedOptimizer], source: str) -> None:
-    if saved != len(engines):
+def check_optimizer_count(saved: int, sharded_optimizers: list[ShardedOptimizer], source: str) -> None:
+    if saved != len(sharded_optimizers):
         raise CheckpointError(
             f"The checkpoint {source} holds {saved} optimizer states but `configure_optimizers` returned "
-            f"{len(engines)} optimizers. Resume with the same optimizers the checkpoint was trained with."
+            f"{len(sharded_optimizers)} optimizers. Resume with the same optimizers the checkpoint was trained with."
         )
 
 
-def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[ShardedOptimizer],
+def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizers: list[ShardedOptimizer],
                              collective: bool) -> None:
     """Read every optimizer's state from a checkpoint directory into the shards this rank owns."""
     info = meta[KEY]
     states = meta.get("optimizer_states", [])
-    check_optimizer_count(len(states), engines, str(path))
-    for k, engine in enumerate(engines):
-        check_optimizer_fits(info["optimizers"][k], engine, str(path))
+    check_optimizer_count(len(states), sharded_optimizers, str(path))
+    for k, sharded in enumerate(sharded_optimizers):
+        check_optimizer_fits(info["optimizers"][k], sharded, str(path))
     shards: dict[str, Shard] = {}
     objects: dict[str, Any] = {}
     dests, object_keys = [], []
-    for k, engine in enumerate(engines):
+    for k, sharded in enumerate(sharded_optimizers):
         saved = optimizer_keys(info, k)
-        dest = optimizer_destination(engine, {i: (tuple(t[0]), getattr(torch, t[1])) for i, (_, t) in saved.items()
+        dest = optimizer_destination(sharded, {i: (tuple(t[0]), getattr(torch, t[1])) for i, (_, t) in saved.items()
                                               if not is_stored_as_object(t)})
         shards.update({saved[i][0]: s for i, s in dest.shards.items()})
-        wanted = {engine.managed[p] for slot in engine.slots for p, *_ in slot.pieces}
+        wanted = {sharded.managed[p] for slot in sharded.slots for p, *_ in slot.pieces}
         keys = {i: key for i, (key, t) in saved.items() if is_stored_as_object(t) and i[0] in wanted}
         objects.update({key: None for key in keys.values()})
         dests.append(dest)
@@ -198,14 +198,14 @@ def load_optimizers_from_dir(path: Path, meta: dict[str, Any], engines: list[Sha
         dest.install(states[k]["param_groups"])
 
 
-def check_optimizer_fits(saved: dict[str, Any], engine: ShardedOptimizer, source: str) -> None:
+def check_optimizer_fits(saved: dict[str, Any], sharded: ShardedOptimizer, source: str) -> None:
     """Refuse an optimizer state saved for other param groups or parameters."""
-    if list(saved["group_sizes"]) != engine.group_sizes:
+    if list(saved["group_sizes"]) != sharded.group_sizes:
         raise CheckpointError(
             f"The checkpoint {source} has an optimizer with param groups of sizes {list(saved['group_sizes'])}, but "
-            f"{saved['class']} here has {engine.group_sizes}. Resume with the same model and `configure_optimizers`."
+            f"{saved['class']} here has {sharded.group_sizes}. Resume with the same model and `configure_optimizers`."
         )
-    shapes = [tuple(p.shape) for p in engine.canonical]
+    shapes = [tuple(p.shape) for p in sharded.canonical]
     bad = [f"parameter {i}: checkpoint {tuple(a)}, model {b}" for i, (a, b) in enumerate(zip(saved["params"], shapes))
            if tuple(a) != b]
     if bad:

@@ -2,7 +2,7 @@
 
 [Note: every tensor is flat in a sharded checkpoint]
 A sharded checkpoint stores each tensor flattened to one dimension, in *pieces*: ranges ``[start, start + n)`` of
-the flattened tensor, each written by the rank that owns it. A parameter managed by an engine is written by the
+the flattened tensor, each written by the rank that owns it. A parameter managed by a storage is written by the
 ranks that hold its master pieces (a parameter may span buckets, so one rank can hold several pieces of it); a
 tensor every rank holds in full (buffers, frozen parameters) is written once, by rank 0, as one piece. Because
 every tensor is a union of 1-D ranges, loading is the same whatever the writer's world size or stage: a rank asks
@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.core.layout import MasterSlot
 from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ShardedStorage
 from lightning_zero.tensor_parallel import cut, tensor_parallel_slice
 
 
@@ -97,7 +98,7 @@ class Shard:
         return shard
 
 
-def model_shards(module: torch.nn.Module, engines: list[ShardedOptimizer], full_copies: bool) -> dict[str, Shard]:
+def model_shards(module: torch.nn.Module, storages: Sequence[ShardedStorage], full_copies: bool) -> dict[str, Shard]:
     """Every entry of ``module.state_dict()`` as this rank's :class:`Shard` (see [Note: every tensor is flat ...]).
 
     Managed parameters give the pieces of their master weights (full precision); every other tensor is one whole
@@ -107,13 +108,13 @@ def model_shards(module: torch.nn.Module, engines: list[ShardedOptimizer], full_
     """
     managed: dict[int, Shard] = {}
     base: dict[int, int] = {}
-    for engine in engines:
-        for j, p in enumerate(engine.params):
-            managed[id(p)], base[id(p)] = Shard.placed(p, engine.masters[0].dtype if engine.masters else p.dtype)
-        for slot, master in engine.own_masters():  # a parameter held by several optimizers: its owner's pieces
+    for storage in storages:
+        for j, p in enumerate(storage.params):
+            managed[id(p)], base[id(p)] = Shard.placed(p, storage.masters[0].dtype if storage.masters else p.dtype)
+        for slot, master in storage.own_masters():  # a parameter held by several optimizers: its owner's pieces
             flat = master.detach().reshape(-1)
             for p, p_start, length, offset in slot.pieces:
-                param = engine.params[p]
+                param = storage.params[p]
                 managed[id(param)].pieces.append((base[id(param)] + p_start, flat[offset : offset + length]))
     out: dict[str, Shard] = {}
     seen: dict[int, Shard] = {}
@@ -136,18 +137,18 @@ def stack_slices(tensor: Tensor, shard: Shard) -> Tensor:
     return torch.stack(cut(tensor, shard.shape[0], shard.joins_along, shard.parts))
 
 
-def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:
+def optimizer_shards(sharded: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     """This rank's pieces of the optimizer state, ``{canonical index: {state key: Shard or value}}``.
 
     Values that are not per-element are kept only by the owner of the parameter's first element.
     """
     out: dict[int, dict[str, Any]] = {}
     bases: dict[tuple[int, str], int] = {}
-    for slot, master in zip(engine.slots, engine.masters):
-        for key, value in engine.optimizer.state.get(master, {}).items():
+    for slot, master in zip(sharded.slots, sharded.masters):
+        for key, value in sharded.optimizer.state.get(master, {}).items():
             for p, p_start, length, offset in slot.pieces:
-                param = engine.members[p]
-                entry = out.setdefault(engine.managed[p], {})
+                param = sharded.members[p]
+                entry = out.setdefault(sharded.managed[p], {})
                 if is_per_element(value, slot, param):
                     if key not in entry:
                         entry[key], bases[(p, key)] = Shard.placed(param, value.dtype)
@@ -158,10 +159,10 @@ def optimizer_shards(engine: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     return out
 
 
-def param_groups(engine: ShardedOptimizer) -> list[dict[str, Any]]:
+def param_groups(sharded: ShardedOptimizer) -> list[dict[str, Any]]:
     """The param groups' hyperparameters with canonical parameter indices (as ``Optimizer.state_dict()`` has them)."""
     groups, start = [], 0
-    for group, size in zip(engine.optimizer.param_groups, engine.group_sizes):
+    for group, size in zip(sharded.optimizer.param_groups, sharded.group_sizes):
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + size))})
         start += size
     return groups
@@ -172,7 +173,7 @@ def param_groups(engine: ShardedOptimizer) -> list[dict[str, Any]]:
 class OptimizerDestination:
     """Where a loaded optimizer state lands: :class:`Shard` destinations to read, then :meth:`install`."""
 
-    engine: ShardedOptimizer
+    sharded: ShardedOptimizer
     shards: dict[tuple[int, str], Shard] = field(default_factory=dict)
     """``(canonical index, state key)`` to the destination of a tensor value."""
     values: dict[tuple[int, str], Any] = field(default_factory=dict)
@@ -188,19 +189,19 @@ class OptimizerDestination:
         A slot's per-element states come from its pieces; its other values (``step``, a factored statistic) from
         the first parameter in it.
         """
-        engine = self.engine
+        sharded = self.sharded
         whole: dict[int, dict[str, Any]] = {canon: dict(states) for canon, states in self.whole.items()}
         for (canon, key), value in self.values.items():
             whole.setdefault(canon, {}).setdefault(key, value)
         internal: dict[str, Any] = {"state": {}, "param_groups": []}
-        slot_index = {id(m): s for s, m in enumerate(engine.masters)}
+        slot_index = {id(m): s for s, m in enumerate(sharded.masters)}
         index = 0
-        for g, group in enumerate(engine.optimizer.param_groups):
+        for g, group in enumerate(sharded.optimizer.param_groups):
             ids = []
             for master in group["params"]:
                 s = slot_index[id(master)]
                 entry: dict[str, Any] = dict(self.slot_states[s])
-                first = engine.managed[engine.slots[s].pieces[0][0]] if engine.slots[s].pieces else None
+                first = sharded.managed[sharded.slots[s].pieces[0][0]] if sharded.slots[s].pieces else None
                 for key, value in whole.get(first, {}).items():
                     entry.setdefault(key, _whole_value(value))
                 if entry:
@@ -208,7 +209,7 @@ class OptimizerDestination:
                 ids.append(index)
                 index += 1
             internal["param_groups"].append({**{k: v for k, v in groups[g].items() if k != "params"}, "params": ids})
-        engine.optimizer.load_state_dict(internal)
+        sharded.optimizer.load_state_dict(internal)
 
 
 def _whole_value(value: Any) -> Any:
@@ -218,17 +219,17 @@ def _whole_value(value: Any) -> Any:
     return value.pieces[0][1].view(shape).clone() if value.pieces else torch.zeros(shape, dtype=value.dtype)
 
 
-def optimizer_destination(engine: ShardedOptimizer, saved: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]],
+def optimizer_destination(sharded: ShardedOptimizer, saved: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]],
                           ) -> OptimizerDestination:
     """Destinations for the saved optimizer tensors this rank needs: ``saved`` maps ``(canonical index, key)`` to the
     saved shape and dtype. Per-element states are read into slot-shaped tensors, the rest whole."""
     by_param: dict[int, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
     for (i, key), (shape, dtype) in saved.items():
         by_param.setdefault(i, []).append((key, tuple(shape), dtype))
-    dest = OptimizerDestination(engine, slot_states=[{} for _ in engine.slots])
-    for s, slot in enumerate(engine.slots):
+    dest = OptimizerDestination(sharded, slot_states=[{} for _ in sharded.slots])
+    for s, slot in enumerate(sharded.slots):
         for p, p_start, length, offset in slot.pieces:
-            canon, param = engine.managed[p], engine.members[p]
+            canon, param = sharded.managed[p], sharded.members[p]
             placed, base = Shard.placed(param, param.dtype)
             for key, shape, dtype in by_param.get(canon, []):
                 if shape == placed.shape and len(shape) > 0:

@@ -195,22 +195,22 @@ def clip_grad_value(grads: list[Tensor], clip_val: float) -> None:
         g.clamp_(-clip_val, clip_val)
 
 
-def parameter_grad_norms(engines: Sequence[Any], names: dict[int, str], norm_type: float, group: Any,
+def parameter_grad_norms(optimizers: Sequence[Any], names: dict[int, str], norm_type: float, group: Any,
                          device: torch.device) -> dict[str, Tensor]:
-    """Lightning's ``grad_norm`` for the owned parameters of ``engines`` (``ShardedOptimizer`` objects, prepared):
+    """Lightning's ``grad_norm`` for the owned parameters of ``optimizers`` (``ShardedOptimizer`` objects, reduced):
     each parameter's ``norm_type``-norm from this rank's pieces of the master gradients, completed by one
     all-reduce of a number per parameter over the shard group, then their total. ``names``: ``id(param)`` to name."""
-    params = [p for engine in engines for p in engine.params if id(p) in names]
+    params = [p for sharded in optimizers for p in sharded.params if id(p) in names]
     index = {id(p): i for i, p in enumerate(params)}
     inf = norm_type == float("inf")
     local = torch.zeros(len(params), dtype=torch.float64, device=device)
-    for engine in engines:
-        for slot, master in engine.own_masters():
+    for sharded in optimizers:
+        for slot, master in sharded.own_masters():
             if master.grad is None:
                 continue
             flat = master.grad.detach().reshape(-1)
             for p, _, length, offset in slot.pieces:
-                at = index.get(id(engine.members[p]))
+                at = index.get(id(sharded.members[p]))
                 if at is None or not length:
                     continue
                 piece = flat[offset : offset + length].double().abs()

@@ -196,7 +196,7 @@ class GradientReducer:
 
     def clear(self) -> None:
         """Forget accumulated gradients without communicating and free the shard (see [Note: the gradient shard is
-        freed at zero_grad] in ``optimizer.py``)."""
+        freed at zero_grad] in ``store.py``)."""
         self.wait()
         self._free.extend(self._open.values())
         self._open.clear()

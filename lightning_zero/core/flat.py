@@ -1,5 +1,5 @@
 """Stages 1 and 2: every rank keeps the full working parameters in one flat buffer (see [Note: two storages, one
-step] in ``optimizer.py``).
+step] in ``store.py``).
 
 [Note: working parameters are views of one flat buffer]
 The managed parameters become views of one flat buffer in the working dtype (16-bit under mixed precision), in the
@@ -20,10 +20,10 @@ from torch import Tensor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core import collectives, offload
 from lightning_zero.core.layout import Bucket, MasterSlot
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ShardedStorage
 
 
-class FlatShardedOptimizer(ShardedOptimizer):
+class FlatStorage(ShardedStorage):
     """Stages 1 and 2: a full flat working buffer, the master shard, an all-gather after each step."""
 
     def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
@@ -47,7 +47,7 @@ class FlatShardedOptimizer(ShardedOptimizer):
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
 
-    def _master_view(self, slot: MasterSlot) -> Tensor:
+    def master_view(self, slot: MasterSlot) -> Tensor:
         if self.master_storage is not None:
             return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
         start = self._flat_offset(slot.start)
@@ -78,7 +78,7 @@ class FlatShardedOptimizer(ShardedOptimizer):
             b0, b1 = self.layout.bucket_range(bucket)
             return collectives.all_gather(self.flat[b0:b1], self.flat[c0:c1], group=self.group, async_op=True)
 
-    def _piece_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
+    def refresh_as_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
         """[Note: the refresh follows the step piece by piece]
         When the step runs in pieces (see [Note: the step in constant-size pieces] in ``optimizer_support.py``),
         each piece's buckets are uploaded and all-gathered as soon as the piece is stepped, so the all-gathers run
@@ -86,9 +86,10 @@ class FlatShardedOptimizer(ShardedOptimizer):
         Pieces are runs of whole master tensors, one per bucket chunk, of the same sizes on every rank, so every rank
         starts the same all-gathers in the same order ([Note: lockstep] in ``buckets.py``); :meth:`refresh_working`
         then waits for them and starts the rest in the layout's order. A piece's all-gather writes only its buckets'
-        ranges of the flat buffer, which no later piece reads or writes. Only for an engine that lends and borrows
-        nothing (one source): a borrowed tensor's bucket is its owner's, refreshed by the owner after the step."""
-        if len(self.sources) > 1 or self.layout.whole_params:
+        ranges of the flat buffer, which no later piece reads or writes. Only for an optimizer that lends and borrows
+        nothing (its storage is its only source, checked by the optimizer): a borrowed tensor's bucket is its
+        owner's, refreshed by the owner after the step."""
+        if self.layout.whole_params:
             return None
         by_offset = {b.shard_offset: b for b in self.layout.buckets if b.chunk_size}
         bucket_of = {id(m): by_offset[s.start] for m, s in zip(self.masters, self.slots)}

@@ -271,7 +271,7 @@ class MasterSlot:
 
     group: int
     start: int
-    """Offset in the shard (of the engine owning the parameters: see ``ShardedOptimizer.slot_sources``)."""
+    """Offset in the shard (of the storage owning the parameters: see ``ShardedOptimizer.slot_sources``)."""
     length: int
     shape: tuple[int, ...]
     pieces: tuple[tuple[int, int, int, int], ...]

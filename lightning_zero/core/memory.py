@@ -85,22 +85,23 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     Works for any strategy: pass ``trainer.optimizers``; optimizers set up by ZeRO also report their shards.
     """
     optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
-    engines: list[ShardedOptimizer] = [e for e in (getattr(o, "_zero_engine", None) for o in optimizers) if e]
+    sharded: list[ShardedOptimizer] = [s for s in (getattr(o, "_zero_sharded", None) for o in optimizers) if s]
+    storages = [s.storage for s in sharded]
     counter = _Counter()
-    master = counter.bytes(e.master_storage for e in engines)
-    params = counter.bytes([p for p in module.parameters()] + [e.working_shard for e in engines])
-    host_grads = [e.host_grads.buffer for e in engines if e.host_grads is not None]
-    grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in engines]
-                          + [m.grad for e in engines for m in e.masters] + host_grads)
+    master = counter.bytes(e.master_storage for e in storages)
+    params = counter.bytes([p for p in module.parameters()] + [e.working_shard for e in storages])
+    host_grads = [e.host_grads.buffer for e in storages if e.host_grads is not None]
+    grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in storages]
+                          + [m.grad for s in sharded for m in s.masters] + host_grads)
     states = counter.bytes(
         v for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)
     )
     buffers = counter.bytes(module.buffers())
-    comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in engines)  # freed before a step
-    offloaded = [e for e in engines if e.host_grads is not None]
-    host_shards = [e.working_shard for e in engines if e.params_offloaded]
-    host = _Counter().bytes([e.master_storage for e in offloaded] + host_grads + host_shards + [
-        v for e in offloaded for st in e.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)])
+    comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in storages)  # freed before a step
+    offloaded = [s for s in sharded if s.storage.host_grads is not None]
+    host_shards = [e.working_shard for e in storages if e.params_offloaded]
+    host = _Counter().bytes([s.storage.master_storage for s in offloaded] + host_grads + host_shards + [
+        v for s in offloaded for st in s.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)])
     return ModelStateBytes(params, grads, master, states, buffers, comm, host)
 
 

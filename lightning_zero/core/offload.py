@@ -76,7 +76,7 @@ def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offloa
 
 
 class HostGrads:
-    """This engine's reduced gradient shard, in host memory and the master dtype: the reducer's
+    """A storage's reduced gradient shard, in host memory and the master dtype: the reducer's
     :class:`~lightning_zero.core.buckets.GradSink` (step 1 of [Note: what lives where ...]).
 
     [Note: the gradient shard goes to the host bucket by bucket]

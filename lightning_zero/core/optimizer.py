@@ -12,32 +12,31 @@ As under DDP, the reduced gradients stay (in the gradient shard) until ``zero_gr
 on the same backward, and a backward without ``zero_grad`` accumulates into them. ``zero_grad()`` clears them, which
 matters with several optimizers (a GAN's generator gradients produced by the discriminator's backward must be
 discarded by ``opt_g.zero_grad()`` exactly as under DDP). The master tensors carry a ``.grad`` only from
-:meth:`ShardedOptimizer.prepare_step` to :meth:`ShardedOptimizer.after_step` (views of the shard, or fp32 copies
+:meth:`ShardedOptimizer.reduce` to :meth:`ShardedOptimizer.after_step` (views of the shard, or fp32 copies
 under mixed precision); the shard stays the one source of truth. Because Lightning calls ``zero_grad`` on a
 ``LightningOptimizer`` whose class is derived from the optimizer's class, the hook has to be on the class: the
-optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold).
+optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold). This is the only way
+found: torch's ``Optimizer`` has no ``zero_grad`` hook, and an instance attribute ``optimizer.zero_grad`` is not seen
+by Lightning's and Fabric's wrappers (``LightningOptimizer``, ``_FabricOptimizer``), which resolve ``zero_grad`` on
+their own class, made at wrap time from the optimizer's class, and call it with the wrapper as ``self``.
 
-Parameters held by several optimizers are owned by one engine and borrowed by the others: see [Note: parameters
-shared by several optimizers] in ``sharing.py``.
+Parameters held by several optimizers are owned by one storage (the first optimizer's) and borrowed by the others:
+see [Note: parameters shared by several optimizers] in ``sharing.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from enum import Enum
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.core import collectives
-from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core import offload
-from lightning_zero.core.buckets import GradientReducer
-from lightning_zero.core.compiled import eager_hook
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
+from lightning_zero.core.layout import FlatLayout, MasterSlot
 from lightning_zero.core.optimizer_support import (
-    backward_order,
     check_optimizer,
     check_params,
     is_elementwise,
@@ -46,200 +45,98 @@ from lightning_zero.core.optimizer_support import (
     zero_subclass,
 )
 from lightning_zero.core.sharing import borrowed_slots, split_members
-from lightning_zero.stages import StagePolicy
+from lightning_zero.core.store import ShardedStorage
 from lightning_zero.core.slices import tensor_parallel_slice
+
+MakeStorage = Callable[[list[Tensor], list[int], bool], ShardedStorage]
+"""Lays out and stores ``(params, param group of each, whole_params)`` (the engine's store makes it)."""
+
+
+class StepPhase(Enum):
+    """Where an optimizer is in its step (see [Note: the phases of one optimizer step])."""
+
+    ACCUMULATING = "accumulating"
+    REDUCED = "reduced"
 
 
 class ShardedOptimizer:
-    """Installs ZeRO on one user optimizer: layout, master shard, gradient reducer, and the step on the shard.
+    """ZeRO on one user optimizer: its master slots (views of the store's master shards) and the step on them.
 
-    [Note: two storages, one step]
-    What differs between the stages is where the working parameters live, so that is what the two subclasses hold:
-    :class:`~lightning_zero.core.flat.FlatShardedOptimizer` (stages 1 and 2: one full flat working buffer on every
-    rank, refreshed by an all-gather after the step) and :class:`~lightning_zero.stage3.partitioned.PartitionedOptimizer`
-    (stage 3: a working shard, units gathered around their use). Everything else, the layout, the reduction of
-    gradients, the master tensors the user's optimizer steps on, ``zero_grad`` and borrowing, is this class's.
+    The parameters it is the first to hold are laid out in a storage of their own, made by ``make_storage`` and kept
+    in the engine's store (see [Note: the store and the optimizers] in ``store.py``); those a storage in ``lenders``
+    already holds (an earlier optimizer's) are borrowed from it, not laid out again (see [Note: parameters shared by
+    several optimizers] in ``sharing.py``). ``whole_params`` overrides whether the optimizer gets whole tensors
+    (default: unless it is elementwise).
 
-    ``owners`` are the engines of earlier optimizers: parameters one of them already holds are borrowed from it,
-    not laid out again (see [Note: parameters shared by several optimizers] in ``sharing.py``). ``whole_params``
-    overrides whether the optimizer gets whole tensors (default: unless it is elementwise). ``groups`` are the
-    process groups it shards over and replicates across (default: shard over the world; see [Note: hybrid sharding
-    and its traffic] in ``groups.py``).
+    [Note: the phases of one optimizer step]
+    An optimizer is ``ACCUMULATING`` (backward adds gradients into the storages) until :meth:`reduce` finishes the
+    reduction and gives every master its averaged gradient: it is then ``REDUCED`` until :meth:`after_step` (or a
+    ``zero_grad`` that clears its storage's gradients) takes it back to ``ACCUMULATING``. Everything that needs the
+    reduced gradients (clipping, gradient norms, the step) asks for :meth:`reduce`; it reduces only from
+    ``ACCUMULATING`` and otherwise returns the overflow found then, so manual optimization may clip before
+    ``optimizer.step()`` and the step does not reduce twice.
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        policy: StagePolicy,
-        config: ZeroConfig,
-        working_dtype: torch.dtype,
-        master_dtype: torch.dtype,
-        device: torch.device,
-        module: Optional[torch.nn.Module] = None,
-        unit_of: Optional[Callable[[Tensor], int]] = None,
-        groups: Optional[ShardGroups] = None,
-        unit_names: Sequence[str] = (),
-        owners: Sequence["ShardedOptimizer"] = (),
-        whole_params: Optional[bool] = None,
-    ) -> None:
+    def __init__(self, optimizer: Optimizer, config: ZeroConfig, make_storage: MakeStorage,
+                 lenders: Sequence[ShardedStorage] = (), module: Optional[torch.nn.Module] = None,
+                 whole_params: Optional[bool] = None) -> None:
         check_optimizer(optimizer)
         if config.offload_optimizer:
             offload.check_steps_on_host(optimizer)
         self.optimizer = optimizer
-        self.policy = policy
-        self.groups = groups if groups is not None else ShardGroups()
-        self.group = group = self.groups.shard
-        self.rank, self.world_size = collectives.rank(group), collectives.world_size(group)
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
         check_params(self.canonical, optimizer)
-        members = split_members(self.canonical, owners)
+        members = split_members(self.canonical, lenders)
         self.managed = members.managed
         """Canonical index (in the user's param groups) of each member: owned parameters first, then borrowed."""
         self.members = [self.canonical[i] for i in self.managed]
-        """The trainable parameters of the optimizer: ``params``, then those borrowed from earlier engines."""
-        self.params = self.members[: members.owned]
-        """The parameters this engine owns: laid out, stored and reduced here."""
-        self.sources: list[ShardedOptimizer] = [self, *members.owners]
-        """This engine and the engines it borrows from, whose gradients its step needs (the same on every rank)."""
-        self._borrowed = members.borrowed
+        """The trainable parameters of the optimizer: those of its own storage, then the borrowed ones."""
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
-        self.param_units = [unit_of(p) if unit_of is not None else 0 for p in self.params]
-        self.bucket_elements = config.bucket_elements(sum(p.numel() for p in self.params))
-        self.layout: FlatLayout = plan_layout(
-            [p.numel() for p in self.params],
-            [group_of[id(p)] for p in self.params],
-            self.world_size,
-            self.bucket_elements,
-            whole_params=not is_elementwise(optimizer, config) if whole_params is None else whole_params,
-            ready_order=backward_order(self.params, module),
-            units=self.param_units if self.by_units else None,
-        )
-        self._flat_order = sorted(range(len(self.params)), key=lambda j: self.layout.offsets[j])
-        self.slots = plan_master_slots(self.layout, self.rank, [tuple(p.shape) for p in self.params])
-        self.device = device
-        moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
-        self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(
-            self.layout.shard_size, master_dtype, device, max((b.chunk_size for b in self.layout.buckets), default=0),
-            config.bucket_buffers) if moved else None
-        """With ``offload_optimizer``, the gradient shard itself (the reducer keeps none on the device)."""
-        self.master_storage: Optional[Tensor] = None
-        """The master shard (``None`` where the working shard doubles as the master: stages 1 and 2, one dtype)."""
-        self._make_storage(working_dtype, master_dtype, moved, config)
-        self.slot_sources: list[ShardedOptimizer] = [self] * len(self.slots)
-        """The engine whose shard each slot's ``start`` refers to (``self``, or the owner of borrowed parameters)."""
+        owned = self.members[: members.owned]
+        whole = not is_elementwise(optimizer, config) if whole_params is None else whole_params
+        self.storage: ShardedStorage = make_storage(owned, [group_of[id(p)] for p in owned], whole)
+        """The storage of the parameters this optimizer owns (laid out for it)."""
+        self.sources: list[ShardedStorage] = [self.storage, *members.owners]
+        """Its own storage and the storages it borrows from, whose gradients its step needs (the same on every rank)."""
+        self._borrowed = members.borrowed
+        self.slots: list[MasterSlot] = list(self.storage.slots)
+        self.slot_sources: list[ShardedStorage] = [self.storage] * len(self.slots)
+        """The storage whose shard each slot's ``start`` refers to (its own, or the owner of borrowed parameters)."""
+        self.masters: list[Tensor] = list(self.storage.masters)
         for source, slot in borrowed_slots(self.members, members.owned, group_of, self.sources[1:]):
             self.slots.append(slot)
             self.slot_sources.append(source)
-        self.masters = [source._master_view(s) for source, s in zip(self.slot_sources, self.slots)]
-        self.reducer = GradientReducer(
-            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
-            unit_names if self.by_units else (), sink=self.host_grads,
-        )
-        self._hooks: list[Any] = []
-        self._prepared = False
+            self.masters.append(source.master_view(slot))
+        self.phase = StepPhase.ACCUMULATING
+        self._reduced_at = -1  # the storage's clear count when it was reduced
         self._overflow = False
-        self.uninstalled = False
         self._install_into(optimizer)
-        if policy.grad_hooks_at_setup:
-            self.install_grad_hooks()
-
-    by_units: ClassVar[bool] = False
-    """Whether the layout follows stage 3's units (each bucket within one unit)."""
-
-    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
-                      config: ZeroConfig) -> None:
-        """Make the working storage and ``master_storage`` (see [Note: two storages, one step])."""
-        raise NotImplementedError
-
-    def _master_view(self, slot: MasterSlot) -> Tensor:
-        """The master tensor of ``slot``: a view of this engine's master shard (or of the working buffer)."""
-        raise NotImplementedError
-
-    def refresh_working(self) -> None:
-        """Bring the master shard's values to the working parameters (after a step, or a checkpoint load)."""
-        raise NotImplementedError
-
-    def gather_full_master(self) -> Tensor:
-        """Every rank gets the full flat buffer in the master dtype (a collective; used to hand fp32 weights back)."""
-        assert self.master_storage is not None
-        full = torch.zeros(self.layout.total, dtype=self.master_storage.dtype, device=self.device)
-        for bucket in self.layout.buckets:
-            b0, b1 = self.layout.bucket_range(bucket)
-            c0, _ = self.layout.chunk_range(bucket, self.rank)
-            chunk = self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
-            full[c0 : c0 + bucket.chunk_size].copy_(chunk)
-            collectives.all_gather(full[b0:b1], full[c0 : c0 + bucket.chunk_size], group=self.group)
-        return full
-
-    def _hand_back(self, gather: bool) -> None:
-        """At uninstall: give the parameters full storage again (``gather``), or leave none dangling."""
-        raise NotImplementedError
-
-    def settle(self) -> None:
-        """Wait for copies still reading host memory that a step or load is about to write (stage 3 offload)."""
 
     @property
-    def working_shard(self) -> Optional[Tensor]:
-        """Stage 3's persistent working shard (``None`` for the flat buffer of stages 1 and 2)."""
-        return None
+    def params(self) -> list[Tensor]:
+        """The parameters this optimizer owns (its storage's)."""
+        return self.storage.params
 
     @property
-    def params_offloaded(self) -> bool:
-        """Whether the working shard lives in host memory (``offload_params``)."""
-        return False
-
-    def install_grad_hooks(self) -> None:
-        """Stages 2 and 3: hand each gradient to the reducer as soon as it is accumulated, then drop ``.grad``.
-
-        Stage 3 calls this once the parameters are materialized (materialization swaps tensors, hooks and all).
-        """
-        what = "the gradient hook of stages 2 and 3"
-        self._hooks = [p.register_post_accumulate_grad_hook(eager_hook(self._make_hook(j), what))
-                       for j, p in enumerate(self.params)]
-
-    # ------------------------------------------------------------------ setup
-    def _copy_pieces(self, buckets: list[Bucket], shard: Tensor) -> None:
-        """Write this rank's pieces of the (full) parameters in ``buckets`` into a shard-shaped tensor."""
-        with torch.no_grad():
-            for bucket in buckets:
-                for pc in self.layout.pieces(bucket, self.rank):
-                    values = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.length]
-                    at = bucket.shard_offset + pc.chunk_offset
-                    shard[at : at + pc.length].copy_(values)
+    def layout(self) -> FlatLayout:
+        """The layout of its own storage (the borrowed masters follow their owners', cut the same way)."""
+        return self.storage.layout
 
     def _install_into(self, optimizer: Optimizer) -> None:
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [m for m, s in zip(self.masters, self.slots) if s.group == g]
         optimizer.__class__ = zero_subclass(type(optimizer))
-        optimizer._zero_engine = self  # type: ignore[attr-defined]
-
-    def _make_hook(self, index: int) -> Any:
-        def hook(param: Tensor) -> None:
-            if param.grad is not None:
-                self.reducer.add_grad(index, param.grad)
-                param.grad = None
-
-        return hook
+        optimizer._zero_sharded = self  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ step
-    def finish_backward(self) -> None:
-        """End of one backward pass: stage 2 launches the partly filled buckets and waits for all of them."""
-        if self.policy.reduces_in_backward and not self.uninstalled:
-            self.reducer.flush(force=True)
-            self.reducer.wait()
-
-    def prepare_step(self, unscale: Optional[Callable[[list[Tensor]], bool]] = None) -> bool:
-        """Reduce what is left (here and in the engines lending parameters) and give every master tensor its averaged
-        gradient (in the master dtype); ``unscale`` (``16-mixed``) then unscales them and tells whether any rank
-        overflowed, which is returned.
-
-        Idempotent until the step: manual optimization may clip (which needs the reduced gradients) before
-        ``optimizer.step()`` prepares again.
-        """
-        if self._prepared:
+    def reduce(self, unscale: Optional[Callable[[list[Tensor]], bool]] = None) -> bool:
+        """``ACCUMULATING`` to ``REDUCED`` (see [Note: the phases of one optimizer step]): reduce what is left in its
+        own storage and those it borrows from and give every master tensor its averaged gradient (in the master
+        dtype); ``unscale`` (``16-mixed``) then unscales them and tells whether any rank overflowed, which is
+        returned. Already ``REDUCED``: returns that overflow, reducing nothing."""
+        if self.phase is StepPhase.REDUCED and self._reduced_at == self.storage.clears:
             return self._overflow
-        self._prepared = True
         for source in self.sources:  # the step may write a host master that is also the host parameter shard
             source.settle()
         shards = {id(source): source.reduce_grads() for source in self.sources}
@@ -247,48 +144,26 @@ class ShardedOptimizer:
             grad = shards[id(source)][slot.start : slot.start + slot.length].view(slot.shape)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
         self._overflow = unscale(self.grads()) if unscale is not None else False
+        self.phase, self._reduced_at = StepPhase.REDUCED, self.storage.clears
         return self._overflow
-
-    def reduce_grads(self) -> Tensor:
-        """Reduce the owned parameters' gradients not reduced yet (a collective); returns this rank's gradient shard,
-        which keeps the sum until :meth:`zero_grad` (with ``offload_optimizer`` it lives in host memory, see
-        ``offload.py``)."""
-        if not self.policy.reduces_in_backward:
-            for j in self._flat_order:
-                p = self.params[j]
-                if p.grad is not None:
-                    self.reducer.add_grad(j, p.grad)
-                    p.grad = None
-        # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
-        shard = self.reducer.finalize(force=not self.policy.reduces_in_backward)
-        self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
-        return shard
-
-    def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
-        """The slots in this engine's own shard (its owned parameters) with their master tensors."""
-        return [(slot, master) for slot, master, source in zip(self.slots, self.masters, self.slot_sources)
-                if source is self]
 
     def step(self, call: Callable[[], Any]) -> Any:
         """Run the user's ``optimizer.step`` (``call``): for elementwise optimizers in pieces of at most one bucket's
         elements, so that its temporaries stay that small (see [Note: the step in constant-size pieces])."""
         if self.layout.whole_params:
             return call()
-        return step_in_pieces(self.optimizer, self.bucket_elements, call, self._piece_stepped())
-
-    def _piece_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
-        """What to do with the master tensors of each piece once it is stepped (stages 1 and 2 start their refresh);
-        ``None``: nothing before :meth:`after_step`."""
-        return None
+        # see [Note: the refresh follows the step piece by piece] in flat.py
+        stepped = self.storage.refresh_as_stepped() if len(self.sources) == 1 else None
+        return step_in_pieces(self.optimizer, self.storage.bucket_elements, call, stepped)
 
     @property
     def steps_once(self) -> bool:
         """Whether :meth:`step` makes one ``optimizer.step`` call (not pieces: see [Note: the step in constant-size
         pieces] in ``optimizer_support.py``)."""
-        return self.layout.whole_params or not steps_in_pieces(self.optimizer, self.bucket_elements)
+        return self.layout.whole_params or not steps_in_pieces(self.optimizer, self.storage.bucket_elements)
 
     def grads(self) -> list[Tensor]:
-        """The master gradients of this rank (valid between :meth:`prepare_step` and :meth:`after_step`)."""
+        """The master gradients of this rank (valid while ``REDUCED``)."""
         return [m.grad for m in self.masters if m.grad is not None]
 
     def grads_by_kind(self) -> tuple[list[Tensor], list[Tensor]]:
@@ -306,10 +181,11 @@ class ShardedOptimizer:
         return sliced, replicated
 
     def after_step(self, stepped: bool) -> None:
-        """Drop the master gradients (the shard keeps the reduced sum, see [Note: gradients live until zero_grad])
-        and, if the optimizer stepped, bring the update to the working parameters of every engine it stepped on:
-        stages 1 and 2 all-gather it into the full buffer, stage 3 casts it into the working shard."""
-        self._prepared = False
+        """``REDUCED`` to ``ACCUMULATING``: drop the master gradients (the shard keeps the reduced sum, see [Note:
+        gradients live until zero_grad]) and, if the optimizer stepped, bring the update to the working parameters
+        of every storage it stepped on: stages 1 and 2 all-gather it into the full buffer, stage 3 casts it into
+        the working shard."""
+        self.phase = StepPhase.ACCUMULATING
         for m in self.masters:
             m.grad = None
         if stepped:
@@ -318,59 +194,21 @@ class ShardedOptimizer:
 
     def zero_grad(self) -> None:
         """Drop the gradients of every parameter of the optimizer: master grads, stage 1's full ``.grad`` and the
-        reduced gradients, here and, for borrowed parameters, in their owners' shards (no communication)."""
+        reduced gradients, in its own storage and, for borrowed parameters, in their owners' (no communication)."""
+        self.phase = StepPhase.ACCUMULATING
         for m in self.masters:
             m.grad = None
-        self.clear_grads(None)
+        self.storage.clear_grads(None)
         for source in self.sources[1:]:
             source.clear_grads(self._borrowed[id(source)])
 
-    def clear_grads(self, indices: Optional[Sequence[int]]) -> None:
-        """Drop the gradients of the owned parameters ``params[j]`` for ``j`` in ``indices`` (``None``: all)."""
-        self._prepared = False
-        for _, m in self.own_masters():
+    def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
+        """The slots in its own storage's shard with their master tensors."""
+        return self.storage.own_masters()
+
+    def uninstall(self) -> None:
+        """Drop the master gradients (the storage hands the parameters back; the optimizer state stays, so a
+        checkpoint can still be saved after ``fit`` returns)."""
+        self.phase = StepPhase.ACCUMULATING
+        for m in self.masters:
             m.grad = None
-        if indices is None or len(set(indices)) == len(self.params):
-            for p in self.params:
-                p.grad = None
-            # [Note: the gradient shard is freed at zero_grad] as ``set_to_none`` frees ``.grad``: Lightning calls
-            # zero_grad between forward and backward, so a kept shard (4Ψ/N bytes in fp32) would sit on top of the
-            # activations at the start of backward, the peak of a step; it is made again by the first reduction.
-            self.reducer.clear()
-            return
-        for j in indices:
-            self.params[j].grad = None
-        self.reducer.clear_params(indices)
-
-    def remove_hooks(self) -> None:
-        """Remove the gradient hooks (the shards stay as they are)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    # ------------------------------------------------------------------ teardown
-    def uninstall(self, gather: bool = True) -> None:
-        """Remove the hooks and, with ``gather`` (a collective), give the parameters their full fp32 storage back.
-
-        The master shard and the optimizer state stay, so a checkpoint can still be saved after ``fit`` returns.
-        Without ``gather`` (after an exception, see [Note: teardown after an exception]) nothing waits on or talks to
-        the other ranks.
-        """
-        if self.uninstalled:
-            return
-        self.uninstalled = True
-        self.remove_hooks()
-        if gather:
-            for m in self.masters:
-                m.grad = None
-            self.clear_grads(None)
-            self.reducer.release_buffers()
-        self._hand_back(gather)
-
-    def _full_values_back(self) -> None:
-        """Make every parameter a view of the full master buffer (the gathered fp32 values)."""
-        if any(p.is_meta for p in self.params):
-            return  # setup failed before the parameters were materialized: nothing to hand back
-        full = self.gather_full_master()
-        for p, offset in zip(self.params, self.layout.offsets):
-            p.data = full[offset : offset + p.numel()].view(p.shape)

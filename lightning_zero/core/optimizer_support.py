@@ -1,6 +1,6 @@
 """Which optimizers ZeRO can shard and how (flat slices or whole tensors), the subclass it swaps in for
 ``zero_grad`` (see [Note: gradients live until zero_grad] in ``optimizer.py``), and the checks and ordering of the
-parameters an engine lays out."""
+parameters a storage lays out."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class _ZeroGradHook:
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - documented on torch.optim.Optimizer
         super().zero_grad(set_to_none)  # type: ignore[misc]
-        self._zero_engine.zero_grad()  # type: ignore[attr-defined]
+        self._zero_sharded.zero_grad()  # type: ignore[attr-defined]
 
 
 def zero_subclass(cls: type) -> type:

@@ -1,13 +1,14 @@
-"""Parameters held by several optimizers: one engine owns each parameter, the others borrow its master pieces.
+"""Parameters held by several optimizers: one storage owns each parameter, the others borrow its master pieces.
 
 [Note: parameters shared by several optimizers]
 Under ``ddp`` two optimizers over the same parameter update the same tensor from the same ``.grad``, each with its
 own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``. ZeRO keeps exactly that:
 
-- The parameter has one *owner*: the engine of the first optimizer (in ``configure_optimizers`` order) that holds
-  it. The owner alone lays it out, holds its working storage (flat buffer, stage 3 unit buffers), its master
-  weight and its gradient reduction, so a backward reduces each gradient once, whatever the number of optimizers.
-- Every later optimizer that holds it *borrows* it: its engine steps on views of the owner's master pieces on
+- The parameter has one *owner*: the storage of the first optimizer (in ``configure_optimizers`` order) that holds
+  it (see [Note: the store and the optimizers] in ``store.py``). The owner alone lays it out, holds its working
+  storage (flat buffer, stage 3 unit buffers), its master weight and its gradient reduction, so a backward reduces
+  each gradient once, whatever the number of optimizers.
+- Every later optimizer that holds it *borrows* it: it steps on views of the owner's master pieces on
   this rank (:func:`borrowed_slots`), with its own optimizer state for them, and takes their gradients from the
   owner's gradient shard. Whichever optimizer steps, it updates the one master weight, and the owner's working
   parameters are refreshed from it afterwards: the next step of any optimizer starts from the value the last one
@@ -35,14 +36,13 @@ from lightning_zero.core.optimizer_support import check_optimizer, is_elementwis
 
 
 class Lender(Protocol):
-    """What borrowing reads of an engine that owns parameters (a
-    :class:`~lightning_zero.core.optimizer.ShardedOptimizer`, which imports this module)."""
+    """What borrowing reads of a storage that owns parameters (a :class:`~lightning_zero.core.store.ShardedStorage`)."""
 
     params: list[Tensor]
     layout: FlatLayout
 
     def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
-        """The slots in the engine's own shard with their master tensors."""
+        """The slots in the storage's own shard with their master tensors."""
 
 
 def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConfig) -> list[bool]:
@@ -71,32 +71,32 @@ def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConf
 
 @dataclass
 class Members:
-    """How an engine splits its optimizer's trainable parameters between its own and borrowed ones."""
+    """How an optimizer's trainable parameters split between those of its own storage and borrowed ones."""
 
     managed: list[int]
     """Canonical index (in the optimizer's param groups) of each member: the owned ones first, then the borrowed."""
     owned: int
-    """How many members the engine owns."""
+    """How many members its own storage holds."""
     owners: list["Lender"]
-    """The engines it borrows from, in order of first use (the same on every rank)."""
+    """The storages it borrows from, in order of first use (the same on every rank)."""
     borrowed: dict[int, list[int]]
     """``id(owner)`` to the indices in ``owner.params`` of the parameters borrowed from it."""
 
 
 def split_members(canonical: Sequence[Tensor], owners: Sequence["Lender"]) -> Members:
-    """Split the trainable parameters of ``canonical`` into those no engine in ``owners`` holds yet and the rest."""
-    owned_by = {id(p): (engine, j) for engine in owners for j, p in enumerate(engine.params)}
+    """Split the trainable parameters of ``canonical`` into those no storage in ``owners`` holds yet and the rest."""
+    owned_by = {id(p): (owner, j) for owner in owners for j, p in enumerate(owner.params)}
     trainable = [i for i, p in enumerate(canonical) if p.requires_grad]
     own = [i for i in trainable if id(canonical[i]) not in owned_by]
     taken = [owned_by[id(canonical[i])] for i in trainable if id(canonical[i]) in owned_by]
-    lenders = list({id(engine): engine for engine, _ in taken}.values())
-    borrowed = {id(engine): [j for e, j in taken if e is engine] for engine in lenders}
+    lenders = list({id(owner): owner for owner, _ in taken}.values())
+    borrowed = {id(owner): [j for o, j in taken if o is owner] for owner in lenders}
     return Members(own + [i for i in trainable if id(canonical[i]) in owned_by], len(own), lenders, borrowed)
 
 
 def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int],
                    owners: Sequence["Lender"]) -> list[tuple["Lender", MasterSlot]]:
-    """The master tensors a borrowing engine steps on for ``members[first_borrowed:]``, with the engine owning each.
+    """The master tensors a borrowing optimizer steps on for ``members[first_borrowed:]``, with the storage owning each.
 
     Each is a :class:`MasterSlot` whose ``start`` is an offset in the *owner's* shard and whose pieces index
     ``members``. Flat pieces that lie side by side in the owner's slot and fall in the same param group of the

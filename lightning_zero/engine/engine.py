@@ -12,9 +12,10 @@ adapters over it; a plain PyTorch loop with ``torch.distributed`` initialized us
 
 [Note: the order of one optimizer step]
 For one optimizer, :meth:`ZeroEngine.step` runs:
-1. ``prepare``: what backward has not reduced yet is reduced (stage 1 reduce-scatters its full ``.grad`` now, stages
-   2 and 3 flushed at the end of each backward) and waited for; every master tensor gets its averaged gradient;
-   under ``16-mixed`` the gradients are unscaled and every rank agrees on overflow (one all-reduce of a flag);
+1. ``reduce`` (see [Note: the phases of one optimizer step] in ``optimizer.py``): what backward has not reduced yet
+   is reduced (stage 1 reduce-scatters its full ``.grad`` now, stages 2 and 3 flushed at the end of each backward)
+   and waited for; every master tensor gets its averaged gradient; under ``16-mixed`` the gradients are unscaled and
+   every rank agrees on overflow (one all-reduce of a flag);
 2. ``before_step`` (the Trainer's ``on_before_optimizer_step`` hooks and its clipping), then clipping by global norm
    or value over all shards;
 3. the user's ``optimizer.step()``, skipped on every rank or none when the loss scaler found an overflow;
@@ -22,8 +23,8 @@ For one optimizer, :meth:`ZeroEngine.step` runs:
    updated shards reach the working parameters (stages 1 and 2 all-gather them; stage 3 casts the shard and
    gathers again whatever unit is gathered at that moment);
 5. with ``zero_grad=True``, the gradients are dropped.
-Step 1 is idempotent until the step, so clipping before ``step`` (Fabric's ``clip_gradients``, manual optimization)
-reduces once.
+Step 1 moves the optimizer from ``ACCUMULATING`` to ``REDUCED``, where it stays until step 4, so clipping before
+``step`` (Fabric's ``clip_gradients``, manual optimization) reduces once.
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ from lightning_zero.stage3.materialize import (
 from lightning_zero.core.offload import fused_hint
 from lightning_zero.core.optimizer_support import check_not_dtensor
 from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
-from lightning_zero.core.flat import FlatShardedOptimizer
+from lightning_zero.core.flat import FlatStorage
 from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ParameterStore, ShardedStorage
 from lightning_zero.core.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
 from lightning_zero.stage3 import guard
-from lightning_zero.stage3.partitioned import PartitionedOptimizer, move_units
+from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
 from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
 from lightning_zero.engine.summary import model_state_summary
@@ -107,16 +109,16 @@ class ZeroEngine:
             size = resolve_shard_group_size(self.config.shard_group_size, world, world, 1, t)
             shard_groups = make_shard_groups(size, t, self.device.type)
         self.shard_groups = shard_groups
+        self.store = ParameterStore()
+        """Where the managed parameters live, with or without optimizers (see [Note: the store and the optimizers])."""
         self.optimizers: list[ShardedOptimizer] = []
-        """One :class:`ShardedOptimizer` per user optimizer, in their order (plus stage 3's evaluation holder)."""
+        """One :class:`ShardedOptimizer` per user optimizer, in their order (none for evaluation)."""
         self.runtime: Optional[UnitRuntime] = None
         self.activations: Optional[ActivationCheckpointing] = None
         self.unit_plan = UnitPlan()
         self._root_hook: Optional[Any] = None
         self.torn_down = False
         self._state_hooks: list[Any] = []
-        self._holder: Optional[ShardedOptimizer] = None
-        """Stage 3 without optimizers: the internal SGD's shards that hold the weights (see :meth:`add_optimizers`)."""
         self._setup(list(optimizers), recording)
 
     # ------------------------------------------------------------------ setup
@@ -134,55 +136,60 @@ class ZeroEngine:
             self._add_optimizers(optimizers)
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
         if self.device.type == "cpu":  # see [Note: the mmap threshold costs time] in host_memory.py
-            settle_for_model(self.config.host_mmap_threshold, sum(sum(s.layout.numels) for s in self.optimizers))
+            settle_for_model(self.config.host_mmap_threshold, sum(sum(s.layout.numels) for s in self.store.storages))
         self._state_hooks = module_state.attach(self)  # `model.state_dict()` / `load_state_dict` after setup
 
     def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
-        """Stage 3: plan the units, make the optimizers' shards, then shard the model unit by unit."""
+        """Stage 3: plan the units, make the store's storages (laid out for the optimizers, or one for evaluation),
+        then shard the model unit by unit."""
         warn_if_built_in_full(self.module)
         move_materialized(self.module, self.device)
         self.unit_plan = plan_units(self.module, self.config.unit_classes, self.config.persistence_threshold)
         if optimizers:
             self._add_optimizers(optimizers)
         elif any(p.requires_grad for p in self.module.parameters()):
-            # evaluation: an internal SGD (never stepped) holds the shards of the weights
+            # evaluation: the store alone holds the weights, as one group of flat slices (see [Note: the store and
+            # the optimizers] in store.py)
             trainable = [p for p in self.module.parameters() if p.requires_grad]
-            self._holder = self._make_sharded(torch.optim.SGD(trainable, lr=0.0))
-            self.optimizers = [self._holder]
-        shard_by_units(self.module, self.unit_plan, self.optimizers, self.device, recording)
-        guard.name_parameters(self.module, {id(p): self.unit_plan.names[unit] for sharded in self.optimizers
-                                            for p, unit in zip(sharded.params, sharded.param_units)})
-        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size,
+            whole = bool(self.config.partition_whole_params)
+            self.store.add(self._make_storage(trainable, [0] * len(trainable), whole))
+        shard_by_units(self.module, self.unit_plan, self.store.storages, self.device, recording)
+        guard.name_parameters(self.module, {key: self.unit_plan.names[unit]
+                                            for key, unit in self.store.param_units().items()})
+        self.runtime = UnitRuntime(self.unit_plan, self.store.storages, self.config.prefetch_size,
                                    self.config.lockstep_check)
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
-        pretrained.fill_pending(self.module, self.optimizers, self.runtime)  # loads recorded at construction
+        pretrained.fill_pending(self.module, self.store.storages, self.runtime)  # loads recorded at construction
 
     def add_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Take optimizers made after the engine (Fabric's ``setup_module`` then ``setup_optimizers``).
 
-        Stages 1 and 2 lay them out over the parameters as they are. Stage 3's weights are then held by the
-        evaluation holder: they move into the new optimizers' shards one unit at a time (gathered from the holder,
-        filled into the new shards, freed), so no rank holds more than one unit in full.
+        Stages 1 and 2 lay them out over the parameters as they are. Stage 3's weights are then held by the store's
+        evaluation storage: they move into storages laid out for the new optimizers one unit at a time (gathered,
+        filled into the new shards, freed), so no rank holds more than one unit in full (see [Note: the store and
+        the optimizers] in ``store.py``).
         """
         if not self.policy.shards_params:
             self._add_optimizers(list(optimizers))
             return
-        holder = self._holder
-        if holder is None:
+        if self.optimizers or len(self.store.storages) != 1:
             raise RuntimeError("Under stage 3 the optimizers are set up together, once: pass all of them to "
                                "`fabric.setup_optimizers(...)` (or `fabric.setup(model, *optimizers)`) in one call.")
         assert self.runtime is not None
         self.runtime.release_all(include_root=True)
         self.runtime.remove()
-        self.optimizers, self._holder = [], None
+        source = self.store.storages[0]
+        assert isinstance(source, PartitionedStorage)
+        self.store = ParameterStore()
         self._add_optimizers(list(optimizers))
-        move_units(holder, self.optimizers, self.unit_plan.names)
-        holder.remove_hooks()
-        for sharded in self.optimizers:
-            sharded.install_grad_hooks()
-        self.runtime = UnitRuntime(self.unit_plan, self.optimizers, self.config.prefetch_size,
+        targets = [storage for storage in self.store.storages if isinstance(storage, PartitionedStorage)]
+        move_units(source, targets, self.unit_plan.names)
+        source.remove_hooks()
+        for storage in self.store.storages:
+            storage.install_grad_hooks()
+        self.runtime = UnitRuntime(self.unit_plan, self.store.storages, self.config.prefetch_size,
                                    self.config.lockstep_check)
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
@@ -194,12 +201,24 @@ class ZeroEngine:
                 warnings.warn(hint, UserWarning, stacklevel=4)
 
     def _make_sharded(self, optimizer: Optimizer, whole_params: Optional[bool] = None) -> ShardedOptimizer:
-        """The shards of ``optimizer``; it borrows the parameters the ones made before it already hold."""
+        """ZeRO on ``optimizer``: its own parameters get a storage in the store, laid out for it; those the store
+        already holds (an earlier optimizer's) are borrowed."""
+        def make_storage(params: list[Tensor], param_groups: list[int], whole: bool) -> ShardedStorage:
+            return self.store.add(self._make_storage(params, param_groups, whole))
+
+        return ShardedOptimizer(optimizer, self.config, make_storage, lenders=list(self.store.storages),
+                                module=self.module, whole_params=whole_params)
+
+    def _make_storage(self, params: list[Tensor], param_groups: list[int], whole_params: bool) -> ShardedStorage:
+        """The storage of ``params`` for this stage (stages 1 and 2: a flat buffer; stage 3: shards and units)."""
         unit_of = self.unit_plan.unit if self.policy.shards_params else None
-        kind = PartitionedOptimizer if self.policy.shards_params else FlatShardedOptimizer
-        return kind(optimizer, self.policy, self.config, self.precision.working_dtype, self.precision.master_dtype,
-                    self.device, module=self.module, unit_of=unit_of, unit_names=self.unit_plan.names,
-                    owners=list(self.optimizers), whole_params=whole_params, groups=self.shard_groups)
+        kind = PartitionedStorage if self.policy.shards_params else FlatStorage
+        storage = kind(params, param_groups, whole_params, self.policy, self.config, self.precision.working_dtype,
+                       self.precision.master_dtype, self.device, module=self.module, unit_of=unit_of,
+                       groups=self.shard_groups, unit_names=self.unit_plan.names)
+        if self.policy.grad_hooks_at_setup:
+            storage.install_grad_hooks()
+        return storage
 
     # ------------------------------------------------------------------ forward and backward
     def forward_context(self) -> AbstractContextManager:
@@ -221,8 +240,7 @@ class ZeroEngine:
         """After one backward: stages 2 and 3 launch the partly filled buckets and wait for them; stage 3 frees the
         units still gathered (with ``include_root`` the root too: a step that runs more forwards before its
         ``optimizer.step``, as manual optimization may, passes ``False`` and calls :meth:`end_step`)."""
-        for sharded in self.optimizers:
-            sharded.finish_backward()
+        self.store.finish_backward()
         if self.runtime is not None:
             self.runtime.end_backward(include_root=include_root)
 
@@ -261,20 +279,21 @@ class ZeroEngine:
                          "`ZeroEngine(module, [optimizer, ...])` (the Trainer: return them from `configure_optimizers`;"
                          " Fabric: `fabric.setup(model, optimizer)`).")
 
-    def prepare(self, optimizer: Optional[Optimizer] = None) -> bool:
-        """Step 1 of [Note: the order of one optimizer step]; returns whether the ``16-mixed`` loss scaler found an
-        overflow (the step is then skipped on every rank). Idempotent until the step or ``zero_grad``."""
+    def reduce(self, optimizer: Optional[Optimizer] = None) -> bool:
+        """Step 1 of [Note: the order of one optimizer step]: the optimizer's gradients reduced (``REDUCED``, see
+        [Note: the phases of one optimizer step]); returns whether the ``16-mixed`` loss scaler found an overflow
+        (the step is then skipped on every rank). Reduces nothing when already ``REDUCED``."""
         scaler = self.precision.scaler
         sharded = self.sharded(optimizer)
         unscale = (lambda grads: scaler.unscale_and_check(grads, self.device)) if scaler is not None else None
-        return sharded.prepare_step(unscale)
+        return sharded.reduce(unscale)
 
     def clip_grad_norm(self, max_norm: float, optimizer: Optional[Optimizer] = None, norm_type: float = 2.0,
                        error_if_nonfinite: bool = False) -> Tensor:
         """Clip ``optimizer``'s gradients (all shards together) to a global ``norm_type``-norm of ``max_norm``;
         returns the norm before clipping. A non-finite norm raises with ``error_if_nonfinite``, unless the loss
         scaler found an overflow (that step is skipped anyway)."""
-        overflow = self.prepare(optimizer)
+        overflow = self.reduce(optimizer)
         # see [Note: the norm over the shard group] and [Note: the norm over both dimensions] in amp.py
         sharded, groups = self.sharded(optimizer), self.shard_groups
         if groups.tensor is None:
@@ -296,13 +315,13 @@ class ZeroEngine:
             raise NotImplementedError("grad_norms() under tensor parallelism: use `clip_grad_norm` for the total norm.")
         targets = self.optimizers if optimizer is None else [self.sharded(optimizer)]
         for sharded in targets:
-            self.prepare(sharded.optimizer)
+            self.reduce(sharded.optimizer)
         names = {id(p): name for name, p in self.module.named_parameters()}
         return parameter_grad_norms(targets, names, float(norm_type), self.shard_groups.shard, self.device)
 
     def clip_grad_value(self, clip_val: float, optimizer: Optional[Optimizer] = None) -> None:
         """Clamp ``optimizer``'s gradients into ``[-clip_val, clip_val]``."""
-        self.prepare(optimizer)
+        self.reduce(optimizer)
         clip_grad_value(self.sharded(optimizer).grads(), clip_val)
 
     def step(self, optimizer: Optional[Optimizer] = None, *, clip_grad_norm: Optional[float] = None,
@@ -342,7 +361,7 @@ class ZeroEngine:
     def _before_step(self, sharded: ShardedOptimizer, before_step: Optional[Callable[[], Any]],
                      clip_grad_norm: Optional[float], clip_grad_value: Optional[float]) -> bool:
         """Steps 1 and 2 of [Note: the order of one optimizer step]; returns whether the loss scaler overflowed."""
-        overflow = self.prepare(sharded.optimizer)
+        overflow = self.reduce(sharded.optimizer)
         if before_step is not None:
             before_step()
         if clip_grad_norm is not None:
@@ -398,7 +417,8 @@ class ZeroEngine:
         if self.activations is not None:
             self.activations.remove()
         for sharded in self.optimizers:
-            sharded.uninstall(gather)
+            sharded.uninstall()
+        self.store.uninstall(gather)
         if not gather:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)

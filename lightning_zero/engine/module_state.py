@@ -72,7 +72,7 @@ def _load_pre_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
 def _managed_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:
     """The whole shape of every parameter an optimizer holds, under each of its names (a tensor-parallel slice: the
     joined tensor's)."""
-    managed = {id(p) for sharded in engine.optimizers for p in sharded.params}
+    managed = {id(p) for p in engine.store.params}
     return {name: Shard.placed(param, param.dtype)[0].full_shape
             for name, param in engine.module.named_parameters(remove_duplicate=False) if id(param) in managed}
 
@@ -114,7 +114,7 @@ def _save_post_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
 
 def _entries_by_unit(engine: "ZeroEngine", prefix: str) -> dict[int, list[tuple[str, Tensor]]]:
     """The managed parameters under each of their names, grouped by stage 3 unit (in unit order)."""
-    units = {id(p): unit for sharded in engine.optimizers for p, unit in zip(sharded.params, sharded.param_units)}
+    units = engine.store.param_units()
     out: dict[int, list[tuple[str, Tensor]]] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         if id(param) in units:
@@ -127,7 +127,7 @@ def _gathered(engine: "ZeroEngine", unit: int) -> Iterator[None]:
     """``unit`` gathered inside (a collective); released after unless it was gathered before."""
     runtime = engine.runtime
     assert runtime is not None
-    before = runtime.states[unit].gathered
+    before = runtime.units[unit].gathered
     runtime.gather(unit)
     try:
         yield

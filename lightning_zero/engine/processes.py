@@ -26,7 +26,7 @@ from lightning_zero.core.groups import ShardGroups, make_shard_groups
 from lightning_zero.core import collectives
 from lightning_zero.core.activations import ActivationCheckpointing
 from lightning_zero.core.faults import fault_point
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ShardedStorage
 from lightning_zero.core.shutdown import GUARD
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.stage3.units import UnitRuntime
@@ -104,9 +104,10 @@ class ZeroProcesses:
         return self.engine.grad_norms(float(norm_type), optimizer)
 
     @property
-    def engines(self) -> list[ShardedOptimizer]:
-        """The shards of each optimizer (those of the last setup: a checkpoint can still be saved after fit)."""
-        return self.engine.optimizers if self.engine is not None else []
+    def storages(self) -> list[ShardedStorage]:
+        """The storages of the engine's parameter store (those of the last setup: a checkpoint can still be saved
+        after fit); see [Note: the store and the optimizers] in ``store.py``."""
+        return self.engine.store.storages if self.engine is not None else []
 
     @property
     def runtime(self) -> Optional[UnitRuntime]:

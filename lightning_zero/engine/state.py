@@ -53,12 +53,12 @@ def model_state(engine: "ZeroEngine") -> dict[str, Any]:
     """``"sharded"``: this rank's pieces (``Shard``) of every entry; ``"full"``: full weights in the master precision
     (fp32 under mixed precision) on rank 0 (a collective)."""
     if engine.config.state_dict_type == "full":
-        return full_model_state_dict(engine.module, engine.optimizers)
+        return full_model_state_dict(engine.module, engine.store.storages)
     # whole tensors are written by rank 0, under tensor parallelism by the first rank of every data-parallel group
     # (each holds its own slices; the replicated ones are the same pieces, which DCP writes once)
     groups = engine.shard_groups
     writes_whole = collectives.rank() == 0 or (groups.tensor is not None and collectives.rank(groups.data_group) == 0)
-    return model_shards(engine.module, engine.optimizers, full_copies=writes_whole)
+    return model_shards(engine.module, engine.store.storages, full_copies=writes_whole)
 
 
 def optimizer_state(engine: "ZeroEngine", optimizer: Optimizer) -> dict[str, Any]:
@@ -132,17 +132,17 @@ def is_directory(checkpoint: Mapping[str, Any]) -> bool:
 def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool = True) -> None:
     """Load the model part of ``checkpoint`` (from :func:`read`) into this rank's shards, then refresh the working
     parameters (and the gathered units of stage 3)."""
-    for sharded in engine.optimizers:  # a host master may be the host parameter shard an upload still reads
-        sharded.settle()
-    dest = model_shards(engine.module, engine.optimizers, full_copies=True)
+    for storage in engine.store.storages:  # a host master may be the host parameter shard an upload still reads
+        storage.settle()
+    dest = model_shards(engine.module, engine.store.storages, full_copies=True)
     if is_directory(checkpoint):
         check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"])
         load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True)
     else:
         state_dict = checkpoint["state_dict"] if "state_dict" in checkpoint else checkpoint
         copy_full_state(state_dict, dest, strict, source="the checkpoint file")
-    for sharded in engine.optimizers:
-        sharded.refresh_working()
+    for storage in engine.store.storages:
+        storage.refresh_working()
     if engine.runtime is not None:
         engine.runtime.refresh()
 

@@ -19,7 +19,7 @@ def model_state_summary(engine: "ZeroEngine") -> str:
     t = groups.tensor_size
     n = collectives.world_size() // t  # the data-parallel ranks (all ranks without tensor parallelism)
     k = n // groups.replicas
-    psi = sum(p.numel() for sharded in engine.optimizers for p in sharded.params)
+    psi = sum(p.numel() for p in engine.store.params)
     mode = engine.precision.precision
     zero = expected_model_state_bytes(psi, k, config.stage, mode)
     ddp = expected_model_state_bytes(psi, n, 0, mode)

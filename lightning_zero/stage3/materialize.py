@@ -34,7 +34,7 @@ from lightning_zero.core import collectives
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.construction import Recording
-from lightning_zero.stage3.partitioned import PartitionedOptimizer
+from lightning_zero.stage3.partitioned import PartitionedStorage
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.shutdown import GUARD
 from lightning_zero.stage3.plan import ROOT, UnitPlan
@@ -179,7 +179,7 @@ def broadcast_module_states(module: torch.nn.Module, shard_groups: ShardGroups) 
     _broadcast(list(module.parameters()) + list(module.buffers()), shard_groups)
 
 
-def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
+def shard_by_units(module: nn.Module, plan: UnitPlan, storages: Sequence[PartitionedStorage],
                    device: torch.device, recording: Optional[Recording] = None) -> None:
     """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model]).
 
@@ -189,17 +189,17 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partitio
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        _shard_by_units(module, plan, engines, device, recording)
+        _shard_by_units(module, plan, storages, device, recording)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
-    for engine in engines:
-        engine.install_grad_hooks()
+    for storage in storages:
+        storage.install_grad_hooks()
 
 
-def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[PartitionedOptimizer],
+def _shard_by_units(module: nn.Module, plan: UnitPlan, storages: Sequence[PartitionedStorage],
                     device: torch.device, recording: Optional[Recording]) -> None:
-    managed = {id(p) for engine in engines for p in engine.params}
-    shard_groups = engines[0].groups if engines else ShardGroups()
+    managed = {id(p) for storage in storages for p in storage.params}
+    shard_groups = storages[0].groups if storages else ShardGroups()
     for unit in range(1, len(plan.names)):
         GUARD.safe_point()  # Ctrl-C between two units stops every rank here
         fault_point("materialize.unit")
@@ -208,12 +208,12 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, engines: Sequence[Partiti
         materialize(unit_module, device, recording)
         params = [p for p in unit_module.parameters() if plan.unit(p) == unit and id(p) in managed]
         _broadcast(params, shard_groups)
-        _fill(engines, unit)
+        _fill(storages, unit)
     # the root: parameters of no unit, plus everything not managed by an optimizer and the buffers, in full
     materialize(module, device, recording)
     unit_params = {id(p) for p in module.parameters() if plan.unit(p) != ROOT and id(p) in managed}
     _broadcast([p for p in module.parameters() if id(p) not in unit_params] + list(module.buffers()), shard_groups)
-    _fill(engines, ROOT)
+    _fill(storages, ROOT)
 
 
 def _broadcast(tensors: list[torch.Tensor], shard_groups: ShardGroups) -> None:
@@ -222,7 +222,7 @@ def _broadcast(tensors: list[torch.Tensor], shard_groups: ShardGroups) -> None:
             collectives.broadcast(tensor.data, src=shard_groups.data_source, group=shard_groups.data_group)
 
 
-def _fill(engines: Sequence[PartitionedOptimizer], unit: int) -> None:
-    for engine in engines:
-        if engine.has_unit(unit):
-            engine.fill_unit(unit)
+def _fill(storages: Sequence[PartitionedStorage], unit: int) -> None:
+    for storage in storages:
+        if storage.has_unit(unit):
+            storage.fill_unit(unit)

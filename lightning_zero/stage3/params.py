@@ -1,11 +1,11 @@
 """Stage 3 parameter storage: this rank keeps a shard of the working parameters; units are gathered on demand.
 
 [Note: stage 3 storage]
-Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per optimizer, in the working dtype, covering the unit's
-adjacent buckets of the layout. Its parameters are views of that buffer from setup on; between uses the buffer's
-storage is resized to zero bytes, so the parameters keep their shapes but hold no memory. The only persistent copy
-is the working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master
-shard when the working and master dtypes are the same.
+Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per storage of the engine's parameter store (see
+``core/store.py``), in the working dtype, covering the unit's adjacent buckets of the layout. Its parameters are
+views of that buffer from setup on; between uses the buffer's storage is resized to zero bytes, so the parameters
+keep their shapes but hold no memory. The only persistent copy is the working shard (this rank's chunk of every
+bucket, 2Ψ/N under mixed precision), which aliases the master shard when the working and master dtypes are the same.
 
 [Note: offloaded parameter shards]
 With ``offload_params=True`` the working shard lives in host memory (pinned on CUDA, see ``offload.py``) and the
@@ -33,7 +33,7 @@ from lightning_zero.stage3 import guard
 
 
 class ShardedParams:
-    """The working shard and the per-unit gather buffers of one optimizer's parameters (see [Note: stage 3 storage])."""
+    """The working shard and the per-unit gather buffers of one storage's parameters (see [Note: stage 3 storage])."""
 
     def __init__(self, layout: FlatLayout, params: list[Tensor], rank: int, working_shard: Tensor,
                  group: Optional[Any] = None, device: Optional[torch.device] = None, offloaded: bool = False) -> None:

@@ -1,5 +1,5 @@
-"""Stage 3: the optimizer's parameters are partitioned too; each rank keeps a working shard and gathers units around
-their use (see [Note: two storages, one step] in ``optimizer.py`` and [Note: stage 3 storage] in ``params.py``)."""
+"""Stage 3: the parameters are partitioned too; each rank keeps a working shard and gathers units around their use
+(see [Note: two storages, one step] in ``store.py`` and [Note: stage 3 storage] in ``params.py``)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from torch import Tensor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core import collectives, offload
 from lightning_zero.core.layout import MasterSlot
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.core.store import ShardedStorage
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
 
 
-class PartitionedOptimizer(ShardedOptimizer):
+class PartitionedStorage(ShardedStorage):
     """Stage 3: a master shard, a working shard (the same tensor where dtype and place agree) and unit buffers."""
 
     by_units: ClassVar[bool] = True
@@ -32,7 +32,7 @@ class PartitionedOptimizer(ShardedOptimizer):
                                                                               params_moved)
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
-        """The working shard and the per-unit gather buffers; the engine fills them unit by unit."""
+        """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -47,7 +47,7 @@ class PartitionedOptimizer(ShardedOptimizer):
         """Bytes of unit buffers gathered right now."""
         return self.sharded.gathered_bytes
 
-    def _master_view(self, slot: MasterSlot) -> Tensor:
+    def master_view(self, slot: MasterSlot) -> Tensor:
         assert self.master_storage is not None
         return self.master_storage[slot.start : slot.start + slot.length].view(slot.shape)
 
@@ -62,7 +62,7 @@ class PartitionedOptimizer(ShardedOptimizer):
 
     # ------------------------------------------------------------------ units
     def has_unit(self, unit: int) -> bool:
-        """Whether this optimizer holds parameters of ``unit``."""
+        """Whether this storage holds parameters of ``unit``."""
         return unit in self.sharded.buffers
 
     def fill_unit(self, unit: int) -> None:
@@ -98,20 +98,21 @@ class PartitionedOptimizer(ShardedOptimizer):
         guard.restore(self.params)  # they hold storage of their own now
 
 
-def move_units(holder: PartitionedOptimizer, engines: list[PartitionedOptimizer], unit_names: list[str]) -> None:
-    """Move stage 3's weights from the evaluation ``holder`` into the shards of ``engines`` one unit at a time
-    (gathered from the holder, filled into the new shards, freed), so no rank holds more than one unit in full.
-    Trainable parameters that no new optimizer holds are kept whole, as setup keeps them."""
-    managed = {id(p) for engine in engines for p in engine.params}
+def move_units(source: PartitionedStorage, targets: list[PartitionedStorage], unit_names: list[str]) -> None:
+    """Move stage 3's weights from the evaluation storage ``source`` into the ``targets`` laid out for the optimizers,
+    one unit at a time (gathered from the source, filled into the targets, freed), so no rank holds more than one unit
+    in full (see [Note: the store and the optimizers] in ``store.py``). Trainable parameters that no target holds
+    are kept whole, as setup keeps them."""
+    managed = {id(p) for target in targets for p in target.params}
     for unit in [*range(1, len(unit_names)), 0]:  # the root last, as at setup
-        for work in holder.gather_unit(unit):
+        for work in source.gather_unit(unit):
             collectives.wait(work, f"move stage 3 unit '{unit_names[unit]}' to the optimizers")
-        whole = [p for p, p_unit in zip(holder.params, holder.param_units) if p_unit == unit and id(p) not in managed]
+        whole = [p for p, p_unit in zip(source.params, source.param_units) if p_unit == unit and id(p) not in managed]
         with torch.no_grad():
             for p in whole:
                 p.data = p.detach().clone()
-        for engine in engines:
-            if engine.has_unit(unit):
-                engine.fill_unit(unit)
-        holder.release_unit(unit)
-        guard.restore(whole)  # they hold values of their own, not a view of the holder's buffer
+        for target in targets:
+            if target.has_unit(unit):
+                target.fill_unit(unit)
+        source.release_unit(unit)
+        guard.restore(whole)  # they hold values of their own, not a view of the source's buffer

@@ -1,7 +1,7 @@
 """Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after.
 
 [Note: gather, free, and autograd]
-Each unit's parameters are views of one flat buffer per optimizer; freeing resizes that buffer's *storage* to zero
+Each unit's parameters are views of one flat buffer per storage; freeing resizes that buffer's *storage* to zero
 and gathering resizes it back and all-gathers into it. The tensor objects never change, so the tensors autograd
 saved in forward (the weights, and views of them such as ``W.t()``) read the re-gathered values in backward. A hook
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
@@ -17,6 +17,20 @@ current one computes, up to ``prefetch_size`` elements in flight. A rank whose c
 than the others cannot be matched: every unit hook first checks that all ranks are about to run the same unit (see
 [Note: the lockstep check] in ``lockstep.py``), so every rank fails at the first unit where they differ, at once, and
 the error names the unit each rank ran and the units a rank skipped.
+
+[Note: a unit's state and the runtime's phase]
+Each unit is one :class:`Unit` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
+``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full values).
+The moves are ``SHARDED -> GATHERING`` (:meth:`Unit.start_gather`), ``GATHERING -> GATHERED`` (:meth:`Unit.wait`),
+``GATHERED -> GATHERING`` (:meth:`Unit.regather`, after a step wrote new shards) and ``GATHERED -> SHARDED``
+(:meth:`Unit.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping mistake fails where it is
+made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
+``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``) says what the hooks are inside: a unit is freed after its
+forward except when recomputing (backward needs it next) or ``SUMMONED`` (:meth:`UnitRuntime.all_gathered`).
+Whether a forward is a recomputation inside backward is read from autograd (``_current_graph_task_id``), the only
+thing that can tell: a reentrant checkpoint recomputes before any of our backward hooks ran (its first forward ran
+under ``no_grad``, so no unit output carried a hook), and a backward run outside the engine never tells the runtime
+that it started or ended.
 """
 
 from __future__ import annotations
@@ -24,8 +38,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -37,38 +51,110 @@ from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, Lockste
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
 
 if TYPE_CHECKING:
-    from lightning_zero.stage3.partitioned import PartitionedOptimizer
+    from lightning_zero.stage3.partitioned import PartitionedStorage
 
 
-@dataclass
-class _UnitState:
-    gathered: bool = False
-    pending: list[Any] = field(default_factory=list)
-    grads_expected: int = 0
-    grads_seen: int = 0
+class UnitState(Enum):
+    """Where a unit's parameters are (see [Note: a unit's state and the runtime's phase])."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class TrainingPhase(Enum):
+    """What the unit hooks are running inside (see [Note: a unit's state and the runtime's phase])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    SUMMONED = "summoned"
+
+
+class IllegalUnitTransition(RuntimeError):
+    """A unit was asked for a move its state does not allow (a bug in the runtime, never in user code)."""
+
+
+class Unit:
+    """One stage 3 unit: its gathers and frees over every storage holding its parameters, and its state."""
+
+    def __init__(self, index: int, name: str, storages: Sequence["PartitionedStorage"]) -> None:
+        self.index = index
+        self.name = name
+        self.storages = storages
+        self.state = UnitState.SHARDED
+        self.pending: list[Any] = []
+        """The all-gathers in flight (``GATHERING``)."""
+        self.grads_expected = 0
+        """Parameters of the unit whose gradient backward produces (the unit is freed once all of them have)."""
+        self.grads_seen = 0
+
+    def _move(self, allowed: UnitState, to: UnitState, what: str) -> None:
+        if self.state is not allowed:
+            raise IllegalUnitTransition(f"stage 3 unit '{self.name}': cannot {what} while {self.state.value} "
+                                        f"(only while {allowed.value}).")
+        self.state = to
+
+    def start_gather(self) -> None:
+        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers."""
+        self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
+        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
+
+    def regather(self) -> None:
+        """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
+        self._move(UnitState.GATHERED, UnitState.GATHERING, "gather again")
+        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
+
+    def wait(self) -> None:
+        """``GATHERING -> GATHERED``: wait for the all-gathers in flight."""
+        self._move(UnitState.GATHERING, UnitState.GATHERED, "wait for a gather")
+        pending, self.pending = self.pending, []
+        for work in pending:
+            collectives.wait(work, f"gather stage 3 unit '{self.name}'")
+
+    def release(self) -> None:
+        """``GATHERED -> SHARDED``: free the buffers."""
+        self._move(UnitState.GATHERED, UnitState.SHARDED, "release")
+        for storage in self.storages:
+            storage.release_unit(self.index)
+
+    def drain(self) -> None:
+        """Wait for the all-gathers in flight without raising (before an error leaves: teardown frees their
+        buffers)."""
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+        if self.state is UnitState.GATHERING:
+            self.state = UnitState.GATHERED
+
+    @property
+    def gathered(self) -> bool:
+        """Whether its buffers hold memory (``GATHERING`` or ``GATHERED``)."""
+        return self.state is not UnitState.SHARDED
 
 
 class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
-    def __init__(self, plan: UnitPlan, engines: list["PartitionedOptimizer"], prefetch_size: int,
+    def __init__(self, plan: UnitPlan, storages: list["PartitionedStorage"], prefetch_size: int,
                  lockstep_check: bool = True) -> None:
         self.plan = plan
-        self.engines = engines
+        self.storages = storages
         self.prefetch_size = prefetch_size
-        self.states = [_UnitState() for _ in plan.names]
+        self.units = [Unit(index, name, storages) for index, name in enumerate(plan.names)]
+        self.phase = TrainingPhase.IDLE
         self.forward_order: list[int] = []
-        self._recorded = False
+        self.order_final = False
+        """Whether :attr:`forward_order` is complete (from the end of the first backward on)."""
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
-        self._held = False
-        """Inside :meth:`all_gathered`: the hooks free nothing."""
         self._handles: list[Any] = []
         self.lockstep = LockstepCheck(plan.names) if lockstep_check else None  # a collective: every rank makes it
-        for engine in engines:
-            for j, p in enumerate(engine.params):
-                unit = engine.param_units[j]
-                self.states[unit].grads_expected += 1
+        for storage in storages:
+            for j, p in enumerate(storage.params):
+                unit = storage.param_units[j]
+                self.units[unit].grads_expected += 1
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
         for unit, mod in enumerate(plan.modules):
             if mod is not None:
@@ -78,20 +164,17 @@ class UnitRuntime:
     # ------------------------------------------------------------------ gather / free
     def gather(self, unit: int, wait: bool = True) -> None:
         """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather."""
-        state = self.states[unit]
-        if not state.gathered:
-            state.pending = [w for engine in self.engines for w in engine.gather_unit(unit)]
-            state.gathered = True
-            live = sum(engine.gathered_bytes for engine in self.engines)
+        u = self.units[unit]
+        if u.state is UnitState.SHARDED:
+            u.start_gather()
+            live = sum(storage.gathered_bytes for storage in self.storages)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
-        if wait and state.pending:
-            for work in state.pending:
-                collectives.wait(work, f"gather stage 3 unit '{self.plan.names[unit]}'")
-            state.pending = []
+        if wait and u.state is UnitState.GATHERING:
+            u.wait()
 
     def release(self, unit: int) -> None:
-        """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`)."""
-        if unit != ROOT and not self._held:
+        """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`; nothing while ``SUMMONED``)."""
+        if unit != ROOT and self.phase is not TrainingPhase.SUMMONED:
             self._free(unit)
 
     def release_now(self, unit: int) -> None:
@@ -102,50 +185,52 @@ class UnitRuntime:
     def all_gathered(self) -> Iterator[None]:
         """Every unit gathered inside (a collective), so that every parameter holds its full value; the units that
         were not gathered before are freed after. A forward inside frees nothing."""
-        before = {unit for unit, state in enumerate(self.states) if state.gathered}
-        for unit in range(len(self.states)):
+        before = {u.index for u in self.units if u.gathered}
+        for unit in range(len(self.units)):
             self.gather(unit)
-        self._held = True
+        previous, self.phase = self.phase, TrainingPhase.SUMMONED
         try:
             yield
         finally:
-            self._held = False
-            for unit in range(len(self.states)):
+            self.phase = previous
+            for unit in range(len(self.units)):
                 if unit not in before:
                     self._free(unit)
 
     def _free(self, unit: int) -> None:
-        state = self.states[unit]
-        if not state.gathered:
+        u = self.units[unit]
+        if u.state is UnitState.SHARDED:
             return
-        self.gather(unit)  # a prefetch still in flight must land before its buffer goes
-        for engine in self.engines:
-            engine.release_unit(unit)
-        state.gathered = False
+        if u.state is UnitState.GATHERING:
+            u.wait()  # a prefetch still in flight must land before its buffer goes
+        u.release()
 
     def end_backward(self, include_root: bool) -> None:
         """After a backward: the forward order is known from now on; free what is still gathered."""
-        self._recorded = bool(self.forward_order)
+        self.order_final = bool(self.forward_order)
+        self.phase = TrainingPhase.IDLE
         self.release_all(include_root)
 
     def end_step(self) -> None:
         """After an evaluation step or a manual-optimization training step: free everything, the root too."""
+        self.phase = TrainingPhase.IDLE
         self.release_all(include_root=True)
 
     def release_all(self, include_root: bool) -> None:
         """Free every gathered unit (end of backward; with ``include_root`` also the end of a step)."""
-        for unit, state in enumerate(self.states):
-            state.grads_seen = 0
-            if unit != ROOT or include_root:
-                self._free(unit)
+        for u in self.units:
+            u.grads_seen = 0
+            if u.index != ROOT or include_root:
+                self._free(u.index)
 
     def refresh(self) -> None:
         """After an optimizer step the gathered units hold old values: gather them again from the new shards."""
-        for unit, state in enumerate(self.states):
-            if state.gathered:
-                self.gather(unit)  # let a prefetch in flight land first
-                state.gathered = False
-                self.gather(unit)
+        for u in self.units:
+            if u.state is UnitState.GATHERING:
+                u.wait()  # let a prefetch in flight land first
+            if u.state is UnitState.GATHERED:
+                u.regather()
+                u.wait()
 
     def remove(self) -> None:
         """Remove every hook."""
@@ -154,11 +239,19 @@ class UnitRuntime:
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
+    def _enter_forward(self) -> bool:
+        """At a unit's forward: the phase it runs in (see [Note: a unit's state and the runtime's phase]); returns
+        whether it is a recomputation inside backward."""
+        recompute = _in_backward()
+        if self.phase is not TrainingPhase.SUMMONED:
+            self.phase = TrainingPhase.RECOMPUTE if recompute else TrainingPhase.FORWARD
+        return recompute
+
     def _pre_forward_hook(self, unit: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            recompute = _in_backward()
+            recompute = self._enter_forward()
             self._check_lockstep(unit, RECOMPUTE if recompute else FORWARD)
-            if torch.is_grad_enabled() and not recompute and not self._recorded and unit not in self.forward_order:
+            if torch.is_grad_enabled() and not recompute and not self.order_final and unit not in self.forward_order:
                 self.forward_order.append(unit)
             self.gather(unit)
             # a recomputed forward (activation checkpointing) runs inside backward: prefetch the units backward
@@ -170,6 +263,8 @@ class UnitRuntime:
     def _post_forward_hook(self, unit: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if _in_backward():
+                if self.phase is TrainingPhase.RECOMPUTE:
+                    self.phase = TrainingPhase.BACKWARD
                 return  # recomputation under activation checkpointing: backward needs the parameters next
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
@@ -180,6 +275,8 @@ class UnitRuntime:
 
     def _pre_backward_hook(self, unit: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
+            if self.phase is not TrainingPhase.SUMMONED:
+                self.phase = TrainingPhase.BACKWARD
             self._check_lockstep(unit, BACKWARD)
             self.gather(unit)
             self._prefetch(unit, step=-1)
@@ -188,10 +285,10 @@ class UnitRuntime:
 
     def _grad_hook(self, unit: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            state = self.states[unit]
-            state.grads_seen += 1
-            if state.grads_seen == state.grads_expected:
-                state.grads_seen = 0
+            u = self.units[unit]
+            u.grads_seen += 1
+            if u.grads_seen == u.grads_expected:
+                u.grads_seen = 0
                 self.release(unit)
 
         return eager_hook(hook, "stage 3's gradient hook (frees the unit)")
@@ -206,10 +303,8 @@ class UnitRuntime:
         try:
             self.lockstep.check(unit, phase, self.forward_order)
         except RanksOutOfStepError:
-            for state in self.states:
-                for work in state.pending:
-                    work.wait()
-                state.pending = []
+            for u in self.units:
+                u.drain()
             raise
 
     def _prefetch(self, unit: int, step: int) -> None:
@@ -219,16 +314,17 @@ class UnitRuntime:
         budget = self.prefetch_size
         while 0 <= position < len(self.forward_order):
             candidate = self.forward_order[position]
-            size = sum(engine.unit_numel(candidate) for engine in self.engines)
+            size = sum(storage.unit_numel(candidate) for storage in self.storages)
             if size > budget:
                 return
-            if not self.states[candidate].gathered:
+            if not self.units[candidate].gathered:
                 self.gather(candidate, wait=False)
             budget -= size
             position += step
 
 
 def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (see [Note: a unit's state and the runtime's phase])."""
     return torch._C._current_graph_task_id() != -1
 
 

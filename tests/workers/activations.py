@@ -38,7 +38,7 @@ class Probe(L.Callback):
         strategy = trainer.strategy
         if getattr(strategy, "runtime", None) is None:
             return
-        for engine in strategy.engines:
+        for engine in strategy.storages:
             original = engine.gather_unit
 
             def counted(unit: int, original: Any = original) -> Any:
@@ -61,10 +61,10 @@ class Probe(L.Callback):
             return
         runtime = strategy.runtime
         self.temporary = {
-            "bucket_bytes": sum(e.reducer.peak_buffer_bytes for e in strategy.engines),  # freed before each step
+            "bucket_bytes": sum(e.reducer.peak_buffer_bytes for e in strategy.storages),  # freed before each step
             "gathered_peak": runtime.peak_gathered_bytes if runtime is not None else 0,
             "units": len(runtime.plan.names) if runtime is not None else 0,
-            "grad_shards": [e.reducer.grad_shard is not None for e in strategy.engines],
+            "grad_shards": [e.reducer.grad_shard is not None for e in strategy.storages],
         }
 
 

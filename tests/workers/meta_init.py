@@ -43,7 +43,7 @@ class PeakAtSetup(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.baseline_kib) * 1024
-        self.gathered = sum(e.gathered_bytes for e in trainer.strategy.engines)
+        self.gathered = sum(e.gathered_bytes for e in trainer.strategy.storages)
 
 
 def main() -> None:

@@ -45,13 +45,13 @@ class HostBufferProbe(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_step == 2 and not self.states:  # optimizer states exist, no master gradient is alive
             self.states = measure_model_states(module, trainer.optimizers).as_dict()
-            self.states["numel"] = sum(p.numel() for o in trainer.optimizers for p in o._zero_engine.params)
-            managed = {id(p) for o in trainer.optimizers for p in o._zero_engine.params}
+            self.states["numel"] = sum(p.numel() for o in trainer.optimizers for p in o._zero_sharded.storage.params)
+            managed = {id(p) for o in trainer.optimizers for p in o._zero_sharded.storage.params}
             self.states["unmanaged"] = sum(p.numel() * p.element_size() for p in module.parameters()
                                            if id(p) not in managed)  # kept whole on the device
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
-        engine = getattr(optimizer, "_optimizer", optimizer)._zero_engine
+        engine = getattr(optimizer, "_optimizer", optimizer)._zero_sharded.storage
         if engine.host_grads is None:
             return  # offload_params alone: ParamShardProbe checks it
         working = {p.untyped_storage().data_ptr() for p in module.parameters() if p.numel()}
@@ -89,7 +89,7 @@ class ParamShardProbe(L.Callback):
         self._uploaded = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        engine = trainer.strategy.engines[0]
+        engine = trainer.strategy.storages[0]
         sharded = engine.sharded
         host = sharded.working_shard
         device_side = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *sharded.buffers.values(),

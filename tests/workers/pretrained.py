@@ -133,7 +133,7 @@ def run(source: str, strategy: str, when: str) -> dict[str, Any]:
         trainer.fit(model)
     finally:
         pretrained.fill_pending = original
-    engines = engines or trainer.strategy.engines
+    engines = engines or trainer.strategy.storages
     shard_bytes = sum(e.master_storage.numel() * e.master_storage.element_size() for e in engines
                       if e.master_storage is not None)
     shard_bytes += sum(e.working_shard.numel() * e.working_shard.element_size() for e in engines

@@ -75,7 +75,7 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.traffic.append(TRAFFIC.snapshot())
         if trainer.global_step == trainer.max_steps and not self.inside:  # the weights between steps, read whole
-            held = lambda: sum(getattr(e, "gathered_bytes", 0) for e in trainer.strategy.engines)  # noqa: E731
+            held = lambda: sum(getattr(e, "gathered_bytes", 0) for e in trainer.strategy.storages)  # noqa: E731
             self.held = [held()]
             with trainer.strategy.gathered_parameters():
                 self.held.append(held())
@@ -116,7 +116,7 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
     trainer.fit(model, ckpt_path=resume)
     if ckpt is not None:
         trainer.save_checkpoint(ckpt)
-    engines = trainer.strategy.engines
+    engines = trainer.strategy.storages
     activations = trainer.strategy.activations
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
             "batches": probe.batches, "states": probe.states, "inside": probe.inside,

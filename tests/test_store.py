@@ -1,0 +1,186 @@
+"""Unit tests of the engine's parameter store (``core/store.py``) and of stage 3's units (``stage3/units.py``), in
+one process.
+
+A world of one rank: the all-gathers are copies, so what is tested is the bookkeeping. The store: evaluation under
+stage 3 keeps the weights in the store alone (no optimizer object of any kind exists), and optimizers set up later
+(Fabric's ``setup_module`` then ``setup_optimizers``) take them over and step exactly as a plain optimizer does. The
+units: every move of :class:`Unit` that its state does not allow raises, and the runtime's phase follows the pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import ZeroEngine
+from lightning_zero.core.optimizer import StepPhase
+from lightning_zero.stage3.units import IllegalUnitTransition, TrainingPhase, Unit, UnitState
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)], nn.Linear(8, 2))
+
+
+def _optimizers_alive() -> set[int]:
+    gc.collect()
+    return {id(o) for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)}
+
+
+def test_evaluation_under_stage_3_holds_no_optimizer():
+    before = _optimizers_alive()  # what earlier tests in this process may still hold
+    model, reference = _model(), _model()
+    engine = ZeroEngine(model, [], stage=3, persistence_threshold=0, unit_classes=[nn.Sequential],
+                        reduce_bucket_size=40)
+    assert engine.optimizers == [] and not _optimizers_alive() - before
+    assert len(engine.store.storages) == 1 and engine.store.storages[0].master_storage is not None
+    assert engine.runtime is not None and len(engine.runtime.units) > 2  # the weights are sharded by units
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        out = model(x)
+    engine.end_step()
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    assert all(u.state is UnitState.SHARDED for u in engine.runtime.units)
+    engine.teardown()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_optimizers_set_up_after_evaluation_take_the_weights_and_step_as_plain_ones():
+    model, reference = _model(), _model()
+    engine = ZeroEngine(model, [], stage=3, persistence_threshold=0, unit_classes=[nn.Sequential],
+                        reduce_bucket_size=40)
+    source = engine.store.storages[0]
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.SGD([{"params": weights}, {"params": biases, "lr": 0.05}], lr=0.1, momentum=0.9)
+    engine.add_optimizers([optimizer])
+    assert source not in engine.store.storages and len(engine.store.storages) == 1
+    sharded = engine.optimizers[0]
+    assert sharded.storage is engine.store.storages[0] and sharded.phase is StepPhase.ACCUMULATING
+    ref_weights = [p for n, p in reference.named_parameters() if n.endswith("weight")]
+    ref_biases = [p for n, p in reference.named_parameters() if n.endswith("bias")]
+    ref_optimizer = torch.optim.SGD([{"params": ref_weights}, {"params": ref_biases, "lr": 0.05}], lr=0.1,
+                                    momentum=0.9)
+    for step in range(3):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        engine.backward(model(x).square().mean())
+        engine.reduce(optimizer)
+        assert sharded.phase is StepPhase.REDUCED
+        engine.step(optimizer)
+        assert sharded.phase is StepPhase.ACCUMULATING
+        reference(x).square().mean().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    engine.teardown()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_zero_grad_of_the_store_makes_a_reduced_optimizer_reduce_again():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], stage=2)
+    sharded = engine.optimizers[0]
+    engine.backward(model(torch.randn(4, 8)).sum())
+    engine.reduce()
+    first = [g.clone() for g in sharded.grads()]
+    sharded.storage.clear_grads(None)  # what a borrowing optimizer's zero_grad does to its owner's storage
+    assert sharded.grads() == []
+    engine.backward(model(torch.randn(4, 8)).sum())
+    engine.reduce()
+    assert sharded.grads() and not all(torch.equal(a, b) for a, b in zip(first, sharded.grads()))
+    engine.teardown()
+
+
+class _Work:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def wait(self) -> None:
+        self.log.append("wait")
+
+
+class _Storage:
+    """What a :class:`Unit` uses of a storage: it gathers (one work handle) and releases."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def gather_unit(self, unit: int) -> list[_Work]:
+        self.log.append(f"gather {unit}")
+        return [_Work(self.log)]
+
+    def release_unit(self, unit: int) -> None:
+        self.log.append(f"release {unit}")
+
+
+def test_a_unit_moves_sharded_gathering_gathered_and_back():
+    storage = _Storage()
+    unit = Unit(1, "blocks.0", [storage])
+    assert unit.state is UnitState.SHARDED and not unit.gathered
+    unit.start_gather()
+    assert unit.state is UnitState.GATHERING and unit.gathered and len(unit.pending) == 1
+    unit.wait()
+    assert unit.state is UnitState.GATHERED and unit.pending == []
+    unit.regather()
+    assert unit.state is UnitState.GATHERING
+    unit.wait()
+    unit.release()
+    assert unit.state is UnitState.SHARDED
+    assert storage.log == ["gather 1", "wait", "gather 1", "wait", "release 1"]
+
+
+@pytest.mark.parametrize("state, move", [
+    (UnitState.SHARDED, "wait"), (UnitState.SHARDED, "release"), (UnitState.SHARDED, "regather"),
+    (UnitState.GATHERING, "start_gather"), (UnitState.GATHERING, "release"), (UnitState.GATHERING, "regather"),
+    (UnitState.GATHERED, "start_gather"), (UnitState.GATHERED, "wait"),
+])
+def test_an_illegal_unit_move_raises_and_changes_nothing(state, move):
+    storage = _Storage()
+    unit = Unit(2, "blocks.1", [storage])
+    if state is not UnitState.SHARDED:
+        unit.start_gather()
+    if state is UnitState.GATHERED:
+        unit.wait()
+    log = list(storage.log)
+    with pytest.raises(IllegalUnitTransition, match=f"'blocks.1'.*while {state.value}"):
+        getattr(unit, move)()
+    assert unit.state is state and storage.log == log
+
+
+def test_drain_waits_for_a_prefetch_without_raising():
+    storage = _Storage()
+    unit = Unit(0, "", [storage])
+    unit.drain()
+    assert unit.state is UnitState.SHARDED
+    unit.start_gather()
+    unit.drain()
+    assert unit.state is UnitState.GATHERED and storage.log == ["gather 0", "wait"]
+
+
+def test_the_runtime_phase_follows_forward_backward_and_summoned():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], stage=3, persistence_threshold=0, unit_classes=[nn.Sequential])
+    runtime = engine.runtime
+    assert runtime is not None and runtime.phase is TrainingPhase.IDLE
+    seen: list[TrainingPhase] = []
+    handle = model[-1].register_forward_hook(lambda *_: seen.append(runtime.phase))
+    loss = model(torch.randn(3, 8)).sum()
+    assert seen == [TrainingPhase.FORWARD] and not runtime.order_final
+    loss.register_hook(lambda g: seen.append(runtime.phase))
+    engine.backward(loss)
+    assert runtime.phase is TrainingPhase.IDLE and runtime.order_final
+    with engine.gathered_parameters():
+        assert runtime.phase is TrainingPhase.SUMMONED
+        with torch.no_grad():
+            model(torch.randn(3, 8))
+        assert all(u.state is UnitState.GATHERED for u in runtime.units)  # a forward inside frees nothing
+    assert runtime.phase is TrainingPhase.IDLE
+    assert all(u.state is UnitState.SHARDED for u in runtime.units[1:])
+    handle.remove()
+    engine.step()
+    engine.teardown()
