@@ -1,4 +1,4 @@
-"""What the signal guard's step boundary costs (issue 26, part 4): ``GUARD.safe_point()`` runs one ``agree_max``
+"""What the signal guard's step boundary costs (issue 26, part 4): ``GUARD.safe_point(groups)`` runs one ``agree_max``
 (an all-reduce of three integers) per training step so that every rank acts on a signal at the same step.
 
     python -m benchmarks.safe_point [--world-size 2] [--calls 300]
@@ -21,14 +21,17 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world_size: int, calls: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from lightning_zero.core.groups import ShardGroups  # noqa: PLC0415
     from lightning_zero.core.shutdown import GUARD  # noqa: PLC0415
+
+    groups = ShardGroups()
 
     def median_us() -> float:
         times = []
         for _ in range(calls):
             dist.barrier()
             start = time.perf_counter()
-            GUARD.safe_point()
+            GUARD.safe_point(groups)
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e6
 

@@ -92,10 +92,18 @@ def reduce_from_tensor_parallel(x: Tensor, group: Optional[Any]) -> Tensor:
 
 class _GroupRef:
     """A process group held by a layer: deep copies of the module (EMA callbacks, ``copy.deepcopy(model)``) share it
-    (a process group cannot be copied)."""
+    (a process group cannot be copied). ``counted``: the same group as a counted
+    :class:`~lightning_zero.core.collectives.Group` of an engine, once :func:`count_tensor_parallel` bound it."""
 
     def __init__(self, group: Optional[Any]) -> None:
         self.group = group
+        self.counted: Optional[collectives.Group] = None
+
+    @property
+    def talks_over(self) -> Optional[Any]:
+        """What the layer's collectives go over: the counted group once bound, else the bare one."""
+        counted = getattr(self, "counted", None)  # a layer pickled before `counted` existed has none
+        return counted if counted is not None else self.group
 
     def __deepcopy__(self, memo: dict) -> "_GroupRef":
         return self
@@ -181,7 +189,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return cls._cut_from(linear, group, parts)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return F.linear(copy_to_tensor_parallel(x, self._group.talks_over), self.weight, self.bias)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -202,7 +210,7 @@ class RowParallelLinear(_ParallelLinear):
         return cls._cut_from(linear, group, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        out = reduce_from_tensor_parallel(F.linear(x, self.weight), self._group.talks_over)
         return out + self.bias if self.bias is not None else out
 
 
@@ -263,6 +271,16 @@ def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> N
         "they compute the same thing. Cut the layers over `self.device_mesh['tensor_parallel']` in "
         "`configure_model` (lightning_zero.tensor_parallel's layers, or `mark_tensor_parallel` on your own), or "
         "leave `tensor_parallel_size` out.", UserWarning, stacklevel=4)
+
+
+def count_tensor_parallel(module: nn.Module, tensor: collectives.Group) -> None:
+    """Count the collectives of ``module``'s parallel layers over ``tensor``'s process group in ``tensor``'s traffic
+    (an engine does this at setup; see [Note: counted groups] in ``core/collectives.py``). Layers over another group,
+    and :func:`copy_to_tensor_parallel` / :func:`reduce_from_tensor_parallel` called with a bare group, count
+    nowhere."""
+    for layer in module.modules():
+        if isinstance(layer, _ParallelLinear) and layer.group is tensor.process_group:
+            layer._group.counted = tensor
 
 
 def make_device_mesh(tensor_parallel_size: int, device_type: str = "cpu") -> Any:

@@ -41,7 +41,7 @@ def shard_of(layout: Any, flat: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def traffic_per_step(batches: list[dict[str, Any]], micro: int) -> list[dict[str, dict[str, int]]]:
-    """``TRAFFIC.snapshot()`` of every training batch summed over the ``micro`` batches of each optimizer step:
+    """``strategy.traffic.snapshot()`` of every training batch summed over the ``micro`` batches of each optimizer step:
     elements per scope and collective kind."""
     steps = []
     for start in range(0, len(batches) - micro + 1, micro):

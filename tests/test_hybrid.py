@@ -73,7 +73,8 @@ def test_a_bad_group_size_fails_at_construction(value, error, match):
 
 def test_plain_zero_has_one_group_and_counts_the_world():
     groups = ShardGroups()
-    assert (groups.shard, groups.replicate, groups.replicas, groups.first_replica) == (None, None, 1, True)
+    assert (groups.shard.process_group, groups.replicate, groups.replicas, groups.first_replica) == (None, None, 1, True)
+    assert groups.shard.scope == "world" and groups.shard.traffic is groups.traffic
     traffic = Traffic()
     traffic.add("all_reduce", torch.zeros(3))
     assert traffic.snapshot()["scopes"] == {"world": {"all_reduce": 3}}

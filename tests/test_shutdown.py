@@ -181,16 +181,17 @@ def test_a_second_ctrl_c_claims_no_agreed_stop():
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():
     """One process, no collective: what the guard does with Lightning's handlers around it."""
+    from lightning_zero.core.groups import ShardGroups
     from lightning_zero.core.shutdown import SignalGuard, Stopped
 
-    guard, seen = SignalGuard(), []
+    guard, seen, groups = SignalGuard(), [], ShardGroups()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest runs under nohup
     before = signal.getsignal(signal.SIGTERM)
     guard.install()
     try:
         found = signal.getsignal(signal.SIGTERM)  # Lightning registers a handler that also calls the one it found
         signal.signal(signal.SIGTERM, lambda s, f: (seen.append("lightning"), found(s, f)))
-        guard.safe_point()  # takes SIGTERM back
+        guard.safe_point(groups)  # takes SIGTERM back
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised
         assert seen == [] and guard.pending == {signal.SIGTERM: 1, signal.SIGINT: 1}
@@ -198,7 +199,7 @@ def test_the_guard_records_acts_once_and_gives_the_signals_back():
             os.kill(os.getpid(), signal.SIGINT)
         assert guard.pending[signal.SIGINT] == 2
         with pytest.raises(Stopped, match="SIGTERM received"):
-            guard.safe_point()
+            guard.safe_point(groups)
     finally:
         guard.remove()
     assert signal.getsignal(signal.SIGTERM) == before

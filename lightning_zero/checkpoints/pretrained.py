@@ -61,6 +61,7 @@ class _Plan:
     result: LoadResult
 
 
+#: See [Note: which engine holds a module].
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[ShardOwner]]" = weakref.WeakKeyDictionary()
 
 
@@ -242,6 +243,14 @@ def fill_pending(root: nn.Module, storages: Sequence[ShardedStorage], runtime: A
 
 
 # ---------------------------------------------------------------------- which strategy holds a module's shards
+#
+# [Note: which engine holds a module]
+# `load_pretrained(module, source)` is called with the user's module alone (any submodule, from anywhere: a callback,
+# the script after `fit`), so finding the engine whose shards it must fill needs a table from module to engine: the
+# one registry of the package that is per process by design. It is weak both ways (a module or an engine that is
+# gone drops out) and holds no state of its own. Not an attribute on the module instead: `copy.deepcopy(model)` would
+# carry it to a copy that no engine shards. `_deferring` is a context flag of the same kind (like `torch.no_grad`):
+# set only while zero3's `configure_model` runs, so that a load there waits for setup.
 _deferring = False
 
 

@@ -341,10 +341,6 @@ def resolve_partition_group(spec: PartitionGroup) -> Optional[Any]:
     if callable(spec):
         return spec()
     key = tuple(tuple(r) if not isinstance(r, int) else r for r in spec)
-    if key not in _GROUPS:  # made once per process: a second fit reuses the groups of the first
-        lists = [list(spec)] if all(isinstance(r, int) for r in spec) else [list(ranks) for ranks in spec]
-        _GROUPS[key] = collectives.new_group(lists)
-    return _GROUPS[key]
-
-
-_GROUPS: dict[tuple, Any] = {}
+    lists = [list(spec)] if all(isinstance(r, int) for r in spec) else [list(ranks) for ranks in spec]
+    # made once per job: a second fit reuses the groups of the first (see [Note: process groups are made once per job])
+    return collectives.job_group(("partition", key), lambda: collectives.new_group(lists))

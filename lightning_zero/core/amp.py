@@ -50,8 +50,9 @@ class LossScaler:
         self.good_steps = 0
         self.skipped_steps = 0
 
-    def unscale_and_check(self, grads: list[Tensor], device: torch.device) -> bool:
-        """Divide ``grads`` by the scale in place; ``True`` when any rank saw an inf or NaN.
+    def unscale_and_check(self, grads: list[Tensor], device: torch.device, group: Optional[Any] = None) -> bool:
+        """Divide ``grads`` by the scale in place; ``True`` when any rank of ``group`` (``None``: the world) saw an
+        inf or NaN.
 
         ``device`` is the collectives' device; the gradients may be elsewhere (on the host with offload).
         """
@@ -59,7 +60,7 @@ class LossScaler:
         found = torch.zeros(1, device=at)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale, device=at))
-        found = collectives.all_reduce(found.to(device), op=collectives.MAX)
+        found = collectives.all_reduce(found.to(device), op=collectives.MAX, group=group)
         return bool(found.item())
 
     def update(self, overflow: bool) -> None:

@@ -48,6 +48,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from lightning_zero.core import collectives
+from lightning_zero.core.faults import fault_point
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import Bucket, FlatLayout
 
@@ -293,6 +294,7 @@ class GradientReducer:
         if scratch:
             slot.wait_fence(self.device)  # the sink's last read of it comes first
             self._in_flight_peak(slot)  # the side output may just have been made
+        fault_point("collective.reduce_scatter")
         work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
         self._received[bucket.index] = 0

@@ -25,7 +25,8 @@ gathers a unit bucket by bucket: the temporary is bounded by the bucket size (se
 every rank. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
 Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
-scope (:func:`register_scope`).
+scope in the counters of the :class:`~lightning_zero.core.groups.ShardGroups` that owns it (see
+[Note: counted groups]).
 """
 
 from __future__ import annotations
@@ -33,35 +34,39 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_zero.core.faults import fault_point
 
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _counts() -> defaultdict[str, int]:
+    """A count per collective kind (a named function, not a lambda: a strategy holding a ``Traffic`` pickles)."""
+    return defaultdict(int)
+
+
 @dataclass
 class Traffic:
     """Payload moved per collective kind since the last :meth:`reset`, in bytes and in elements."""
 
-    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    elements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``, ``"other"``) and
-    kind: see [Note: hybrid sharding and its traffic] in ``groups.py``. ``elements`` is their sum over scopes."""
+    bytes: dict[str, int] = field(default_factory=_counts)
+    elements: dict[str, int] = field(default_factory=_counts)
+    calls: dict[str, int] = field(default_factory=_counts)
+    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_counts))
+    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``) and kind: see
+    [Note: hybrid sharding and its traffic] in ``groups.py``. ``elements`` is their sum over scopes."""
 
-    def add(self, kind: str, tensor: torch.Tensor, group: Optional[Any] = None) -> None:
-        """Count ``tensor`` as the payload of one ``kind`` collective over ``group`` (``None``: the world)."""
+    def add(self, kind: str, tensor: torch.Tensor, scope: str = "world") -> None:
+        """Count ``tensor`` as the payload of one ``kind`` collective under ``scope``."""
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.elements[kind] += tensor.numel()
         self.calls[kind] += 1
-        self.scopes[scope_of(group)][kind] += tensor.numel()
+        self.scopes[scope][kind] += tensor.numel()
 
     def reset(self) -> None:
         """Start counting from zero."""
@@ -76,21 +81,35 @@ class Traffic:
                 "scopes": {scope: dict(kinds) for scope, kinds in self.scopes.items()}}
 
 
-#: The scope label of each process group made by :func:`make_shard_groups`, by ``id``.
-_SCOPES: dict[int, str] = {}
+@dataclass(frozen=True, eq=False)
+class Group:
+    """A process group whose collectives count into ``traffic`` under ``scope``.
+
+    [Note: counted groups]
+    The counters belong to the communication object of one set of shard groups
+    (:class:`~lightning_zero.core.groups.ShardGroups`), not to the process: it hands out a :class:`Group` for each
+    of its process groups (``None`` here is the default group), all counting into its one :class:`Traffic`. Every
+    function of this module accepts a :class:`Group` wherever it takes a ``group``; a bare process group (or
+    ``None``) talks the same but counts nowhere, since nobody owns its counters. So the engine's collectives all go
+    over the groups of its ``ShardGroups`` (the module's tensor-parallel layers included: the engine binds them at
+    setup, see :func:`~lightning_zero.tensor_parallel.count_tensor_parallel`), and two engines, or two tests in
+    one process, never count into each other's counters.
+    """
+
+    process_group: Optional[Any]
+    scope: str
+    traffic: Traffic
 
 
-def scope_of(group: Optional[Any]) -> str:
-    """The traffic scope of ``group``: ``"world"`` for the default group, ``"shard"`` / ``"replicate"`` for hybrid
-    sharding's groups (under tensor parallelism also ``"tensor"``, and ``"data"`` for the whole data dimension when it
-    is split into shard groups), ``"other"`` for any other group."""
-    if group is None:
-        return "world"
-    return _SCOPES.get(id(group), "other")
+def _pg(group: Optional[Any]) -> Optional[Any]:
+    """The ``torch.distributed`` process group behind ``group`` (a :class:`Group`, a process group or ``None``)."""
+    return group.process_group if isinstance(group, Group) else group
 
 
-#: Counters of this process. Tests and benchmarks reset and read them around the steps they measure.
-TRAFFIC = Traffic()
+def _count(kind: str, tensor: torch.Tensor, group: Optional[Any]) -> None:
+    """Count one ``kind`` collective of ``tensor`` if ``group`` is a :class:`Group` (see [Note: counted groups])."""
+    if isinstance(group, Group):
+        group.traffic.add(kind, tensor, group.scope)
 
 
 class _DoneWork:
@@ -117,17 +136,17 @@ def wait(work: Any, what: str) -> None:
 
 def is_distributed(group: Optional[Any] = None) -> bool:
     """Whether a process group of more than one rank is there to talk to."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(_pg(group)) > 1
 
 
 def world_size(group: Optional[Any] = None) -> int:
     """Ranks in ``group``; 1 without a process group."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(_pg(group)) if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank(group: Optional[Any] = None) -> int:
     """This process's rank in ``group``; 0 without a process group."""
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(_pg(group)) if dist.is_available() and dist.is_initialized() else 0
 
 
 class _CopyAfter:
@@ -146,7 +165,7 @@ class _CopyAfter:
 
 def _via_all_reduce(group: Optional[Any]) -> bool:
     """Whether reduce-scatter and all-gather run as all-reduces (see [Note: reduce-scatter and all-gather on gloo])."""
-    return dist.get_backend(group) == "gloo" and os.environ.get("LIGHTNING_ZERO_GLOO_NATIVE", "0") != "1"
+    return dist.get_backend(_pg(group)) == "gloo" and os.environ.get("LIGHTNING_ZERO_GLOO_NATIVE", "0") != "1"
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
@@ -157,13 +176,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[An
     if not is_distributed(group):
         output.copy_(input)
         return _DoneWork()
-    fault_point("collective.reduce_scatter")
-    TRAFFIC.add("reduce_scatter", input, group)
+    _count("reduce_scatter", input, group)
     if not _via_all_reduce(group):
-        work = _reduce_scatter_single(output, input, group=group, async_op=async_op)
+        work = _reduce_scatter_single(output, input, group=_pg(group), async_op=async_op)
         return work if async_op else _DoneWork()
     n, r = output.numel(), rank(group)
-    work = _CopyAfter(dist.all_reduce(input, group=group, async_op=True), output, input[r * n : (r + 1) * n])
+    work = _CopyAfter(dist.all_reduce(input, group=_pg(group), async_op=True), output, input[r * n : (r + 1) * n])
     if not async_op:
         work.wait()
     return work
@@ -180,7 +198,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DoneWork()
-    TRAFFIC.add("all_gather", output, group)
+    _count("all_gather", output, group)
     if allow_all_reduce and _via_all_reduce(group):
         n, r = input.numel(), rank(group)
         mine = output[r * n : (r + 1) * n]
@@ -188,17 +206,17 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
             mine.copy_(input)
         output[: r * n].zero_()
         output[(r + 1) * n :].zero_()
-        work = dist.all_reduce(output, group=group, async_op=async_op)
+        work = dist.all_reduce(output, group=_pg(group), async_op=async_op)
     else:
-        work = _all_gather_single(output, input, group=group, async_op=async_op)
+        work = _all_gather_single(output, input, group=_pg(group), async_op=async_op)
     return work if async_op else _DoneWork()
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None) -> torch.Tensor:
     """In-place all-reduce (sum unless ``op`` says otherwise); returns ``tensor``."""
     if is_distributed(group):
-        TRAFFIC.add("all_reduce", tensor, group)
-        dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+        _count("all_reduce", tensor, group)
+        dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=_pg(group))
     return tensor
 
 
@@ -206,15 +224,15 @@ def all_reduce_async(tensor: torch.Tensor, group: Optional[Any] = None) -> Any:
     """In-place sum over ``group``, started now; returns the work to :func:`wait` on (done at once without peers)."""
     if not is_distributed(group):
         return _DoneWork()
-    TRAFFIC.add("all_reduce", tensor, group)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    _count("all_reduce", tensor, group)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional[Any] = None) -> torch.Tensor:
     """In-place broadcast from global rank ``src``; returns ``tensor``."""
     if is_distributed(group):
-        TRAFFIC.add("broadcast", tensor, group)
-        dist.broadcast(tensor, src=src, group=group)
+        _count("broadcast", tensor, group)
+        dist.broadcast(tensor, src=src, group=_pg(group))
     return tensor
 
 
@@ -244,7 +262,7 @@ def gather_objects(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Optio
     if not is_distributed(group):
         return [obj]
     out: Optional[list[Any]] = [None] * world_size(group) if rank(group) == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    dist.gather_object(obj, out, dst=dst, group=_pg(group))
     return out
 
 
@@ -253,7 +271,7 @@ def all_gather_objects(obj: Any, group: Optional[Any] = None) -> list[Any]:
     if not is_distributed(group):
         return [obj]
     out: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj, group=_pg(group))
     return out
 
 
@@ -270,19 +288,9 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
     return mine
 
 
-def register_scope(group: Any, scope: str) -> None:
-    """Count the traffic of ``group`` under ``scope`` (see :func:`scope_of`)."""
-    _SCOPES[id(group)] = scope
-
-
 def global_rank(group: Any, group_rank: int) -> int:
     """The global rank of ``group``'s rank ``group_rank``."""
-    return dist.get_global_rank(group, group_rank)
-
-
-def world_key() -> int:
-    """Identifies the default process group (groups made over it are cached per job)."""
-    return id(dist.group.WORLD)
+    return dist.get_global_rank(_pg(group), group_rank)
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
@@ -292,27 +300,20 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-_CONTROL_GROUP: Optional[Any] = None
+def agree_max(values: list[int], group: Optional[Group] = None) -> list[int]:
+    """The element-wise maximum of small integer flags over all ranks (collective), on the CPU; counted as
+    ``control`` under ``group``'s scope (the world group of a ``ShardGroups``).
 
-
-def agree_max(values: list[int]) -> list[int]:
-    """The element-wise maximum of small integer flags over all ranks (collective), on the CPU.
-
-    Under NCCL a gloo group made for this once keeps the device stream out of it (no device synchronization per
-    step). Counted as ``control``.
+    Under NCCL a gloo group made for this once per job keeps the device stream out of it (no device
+    synchronization per step).
     """
-    global _CONTROL_GROUP
     if not is_distributed():
         return list(values)
-    if dist.get_backend() != "gloo" and _CONTROL_GROUP is None:
-        _CONTROL_GROUP = dist.new_group(backend="gloo")
+    control = None if dist.get_backend() == "gloo" else job_group(("control",), lambda: dist.new_group(backend="gloo"))
     tensor = torch.tensor(values, dtype=torch.int32)
-    TRAFFIC.add("control", tensor)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
+    _count("control", tensor, group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control)
     return tensor.tolist()
-
-
-_LOCKSTEP_GROUPS: dict[int, Any] = {}
 
 
 def make_lockstep_group() -> Optional[Any]:
@@ -321,10 +322,27 @@ def make_lockstep_group() -> Optional[Any]:
     behind the data collectives in flight (gloo runs one group's collectives one after the other)."""
     if not is_distributed():
         return None
-    key = world_key()
-    if key not in _LOCKSTEP_GROUPS:
-        _LOCKSTEP_GROUPS[key] = dist.new_group(backend="gloo")
-    return _LOCKSTEP_GROUPS[key]
+    return job_group(("lockstep",), lambda: dist.new_group(backend="gloo"))
+
+
+_JOB_GROUPS: dict[tuple[Any, ...], Any] = {}
+
+
+def job_group(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """The process groups (or mesh) ``make`` makes, made once per default process group and ``key``.
+
+    [Note: process groups are made once per job]
+    ``dist.new_group`` is a collective that every rank must call in the same order, and each group holds
+    communicators (NCCL's, gloo's sockets and threads) for as long as the job runs: making them again for every
+    ``fit``, engine or test in one process would leak them and ask every rank to agree on when. So this registry,
+    keyed by the default group and what the groups are for, is process state by design; it holds process groups
+    only. What is counted over them belongs to each :class:`~lightning_zero.core.groups.ShardGroups` (see
+    [Note: counted groups]).
+    """
+    full = (id(dist.group.WORLD), *key)
+    if full not in _JOB_GROUPS:
+        _JOB_GROUPS[full] = make()
+    return _JOB_GROUPS[full]
 
 
 def exchange_positions(values: list[int], group: Any) -> list[list[int]]:
@@ -332,5 +350,5 @@ def exchange_positions(values: list[int], group: Any) -> list[list[int]]:
     :func:`make_lockstep_group`); synchronous, on the CPU. Control messages, not payload: not counted."""
     mine = torch.tensor(values, dtype=torch.int64)
     out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
-    _all_gather_single(out, mine, group=group)
+    _all_gather_single(out, mine, group=_pg(group))
     return out.view(-1, len(values)).tolist()

@@ -22,22 +22,33 @@ everything counts under ``"world"``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_zero.core import collectives
 from lightning_zero.core.layout import hybrid_rank_lists
 
 
-@dataclass(frozen=True)
-class ShardGroups:
-    """The process groups one engine talks over: see [Note: hybrid sharding and its traffic].
+_COUNTED = ("shard", "replicate", "tensor", "data")
+"""The fields of :class:`ShardGroups` that hold a process group; each counts under its own name as scope (``shard``
+made with ``None``, the world, under ``"world"``)."""
 
-    The default (``ShardGroups()``) is plain ZeRO: the whole world shards, nothing replicates.
+
+@dataclass(frozen=True, eq=False)
+class ShardGroups:
+    """The communication object of one engine: the process groups it shards over, replicates across and (under tensor
+    parallelism) leaves to the module, and the :class:`~lightning_zero.core.collectives.Traffic` their collectives
+    count into (see [Note: hybrid sharding and its traffic] and [Note: counted groups] in ``collectives.py``).
+
+    Made with process groups (or ``None``); each field then holds a counted
+    :class:`~lightning_zero.core.collectives.Group` over that process group, which every function of
+    ``collectives.py`` takes as its ``group``. The default (``ShardGroups()``) is plain ZeRO: the whole world
+    shards (``shard`` counts under ``"world"``), nothing replicates.
     """
 
     shard: Optional[Any] = None
-    """The group model states are sharded over (reduce-scatter, all-gather, clipping norm); ``None``: the world."""
+    """The group model states are sharded over (reduce-scatter, all-gather, clipping norm); made with ``None``: the
+    world."""
     replicate: Optional[Any] = None
     """The ranks holding the same shard (the gradient shards are all-reduced over it); ``None``: no replicas."""
     replicas: int = 1
@@ -50,6 +61,24 @@ class ShardGroups:
     ``configure_model`` parallelizes over."""
     data: Optional[Any] = None
     """Tensor parallelism with hybrid sharding: the whole data-parallel group (shard groups times replicas)."""
+    traffic: collectives.Traffic = field(default_factory=collectives.Traffic)
+    """What the collectives over these groups moved, by kind and scope; tests and benchmarks reset and read it
+    around the steps they measure (a strategy's ``traffic`` is this object; a plain loop reads
+    ``engine.shard_groups.traffic``)."""
+
+    def __post_init__(self) -> None:
+        for name in _COUNTED:
+            group = getattr(self, name)
+            if isinstance(group, collectives.Group):
+                group = group.process_group
+            if group is not None or name == "shard":
+                scope = name if group is not None else "world"
+                object.__setattr__(self, name, collectives.Group(group, scope, self.traffic))
+
+    @property
+    def world(self) -> collectives.Group:
+        """The default group, counted under ``"world"`` (the loss-scale overflow check, the signal agreement)."""
+        return collectives.Group(None, "world", self.traffic)
 
     @property
     def first_replica(self) -> bool:
@@ -63,44 +92,42 @@ class ShardGroups:
         return collectives.world_size(self.tensor) if self.tensor is not None else 1
 
     @property
-    def data_group(self) -> Optional[Any]:
-        """The ranks that must start from the same weights (``None``: the world); under tensor parallelism the
-        data-parallel group, since the tensor-parallel ranks hold different slices."""
+    def data_group(self) -> collectives.Group:
+        """The ranks that must start from the same weights (the world); under tensor parallelism the data-parallel
+        group, since the tensor-parallel ranks hold different slices."""
         if self.tensor is None:
-            return None
+            return self.world
         return self.data if self.data is not None else self.shard
 
     @property
     def data_source(self) -> int:
         """The global rank whose weights :attr:`data_group` starts from (its first rank)."""
         group = self.data_group
-        return collectives.global_rank(group, 0) if group is not None else 0
-
-
-_HYBRID: dict[tuple[Any, ...], ShardGroups] = {}
+        return collectives.global_rank(group, 0) if group.process_group is not None else 0
 
 
 def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu") -> ShardGroups:
     """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
-    ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh.
+    ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh; a new object (its own
+    counters) on every call.
 
     Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
-    requires; made once per default process group and size (a second ``fit`` reuses them). A group size equal to
-    the world size is plain ZeRO and makes no group.
+    requires; the process groups are made once per default process group and size (a second ``fit`` reuses them:
+    see [Note: process groups are made once per job] in ``collectives.py``). A group size equal to the world size is
+    plain ZeRO and makes no group.
     """
     world = collectives.world_size()
     if tensor_parallel_size > 1:
         return _tensor_parallel_groups(world, tensor_parallel_size, device_type, shard_group_size)
     if shard_group_size == world:
         return ShardGroups()
-    key = (collectives.world_key(), world, shard_group_size)
-    if key not in _HYBRID:
+
+    def make() -> tuple[Any, Any]:
         shard_lists, replica_lists = hybrid_rank_lists(world, shard_group_size)
-        shard, replicate = collectives.new_group(shard_lists), collectives.new_group(replica_lists)
-        collectives.register_scope(shard, "shard")
-        collectives.register_scope(replicate, "replicate")
-        _HYBRID[key] = ShardGroups(shard, replicate, world // shard_group_size)
-    return _HYBRID[key]
+        return collectives.new_group(shard_lists), collectives.new_group(replica_lists)
+
+    shard, replicate = collectives.job_group(("hybrid", world, shard_group_size), make)
+    return ShardGroups(shard, replicate, world // shard_group_size)
 
 
 def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str,
@@ -126,20 +153,21 @@ def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: 
     if world % t or (world // t) % shard_group_size:
         raise ValueError(f"tensor_parallel_size {t} and shard_group_size {shard_group_size} do not divide the world "
                          f"size {world} into a (data x tensor) mesh with equal shard groups.")
-    key = ("tensor", collectives.world_key(), world, t, device_type, shard_group_size)
-    if key not in _HYBRID:
-        d = world // t
+    d = world // t
+
+    def make() -> tuple[Any, ...]:
         mesh = collectives.device_mesh(device_type, (d, t), ("data_parallel", "tensor_parallel"))
         data, tensor = mesh.get_group("data_parallel"), mesh.get_group("tensor_parallel")
-        collectives.register_scope(tensor, "tensor")
         if shard_group_size == d:
-            collectives.register_scope(data, "shard")
-            _HYBRID[key] = ShardGroups(shard=data, tensor=tensor, mesh=mesh)
-        else:  # hybrid sharding of the data dimension: the lists of hybrid_rank_lists, for each tensor rank j
-            shard_lists, replica_lists = hybrid_rank_lists(d, shard_group_size)
-            shard = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in shard_lists])
-            replicate = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in replica_lists])
-            for group, scope in ((data, "data"), (shard, "shard"), (replicate, "replicate")):
-                collectives.register_scope(group, scope)
-            _HYBRID[key] = ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
-    return _HYBRID[key]
+            return mesh, data, tensor, None, None
+        # hybrid sharding of the data dimension: the lists of hybrid_rank_lists, for each tensor rank j
+        shard_lists, replica_lists = hybrid_rank_lists(d, shard_group_size)
+        shard = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in shard_lists])
+        replicate = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in replica_lists])
+        return mesh, data, tensor, shard, replicate
+
+    mesh, data, tensor, shard, replicate = collectives.job_group(("tensor", world, t, device_type, shard_group_size),
+                                                                 make)
+    if shard is None:
+        return ShardGroups(shard=data, tensor=tensor, mesh=mesh)
+    return ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)

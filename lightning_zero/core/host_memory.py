@@ -51,6 +51,8 @@ AUTO_FIXED_MIN_PARAMS = 16_000_000
 #: twice that, as glibc's dynamic adjustment sets it (what :func:`fix_threshold` makes of 32 MiB).
 HEAP_SETTINGS = (32 * 2**20, 64 * 2**20)
 
+#: Whether an engine of at least :data:`AUTO_FIXED_MIN_PARAMS` was set up in this process: glibc's thresholds are
+#: process state, so one large engine keeps the fixed threshold for every later one (per process by design).
 _large_engine = False
 
 

@@ -44,6 +44,7 @@ from types import FrameType
 from typing import Any, Callable, Optional, Union
 
 from lightning_zero.core import collectives
+from lightning_zero.core.groups import ShardGroups
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 
@@ -62,6 +63,16 @@ class SignalGuard:
     """Records SIGINT, SIGTERM and SLURM's requeue signal, and acts on them at agreed safe points.
 
     See [Note: signals act at agreed step boundaries].
+
+    [Note: one guard per process]
+    The guard stays one object per process (:data:`GUARD`), not a part of the communication object
+    (:class:`~lightning_zero.core.groups.ShardGroups`): what it guards is process state by nature. A signal is
+    delivered to the process, ``signal.signal`` keeps one handler per signal per process, and a checkpoint write
+    (``with GUARD:``) must hold off a signal whichever engine's write it is. Two guards would fight over the same
+    handlers. Only its agreement is communication, and that goes over the ``ShardGroups`` each caller passes to
+    :meth:`SignalGuard.safe_point` (counted as ``control`` under ``"world"`` in its traffic), so the guard holds no
+    process group and no counter. It costs one small all-reduce per step (benchmarks/RESULTS.md, "The signal
+    guard's step boundary") and is kept: it is what lets every rank stop at the same step.
     """
 
     def __init__(self) -> None:
@@ -160,13 +171,14 @@ class SignalGuard:
             os.kill(os.getpid(), signum)
 
     # ------------------------------------------------------------------ acting
-    def safe_point(self) -> None:
-        """Collective: every rank calls this at the same place. Acts on what any rank received."""
+    def safe_point(self, groups: ShardGroups) -> None:
+        """Collective: every rank calls this at the same place. Acts on what any rank received; the agreement is
+        counted in ``groups``' traffic (see [Note: one guard per process])."""
         if not self.active:
             return
         self.retake()
         mine = [min(self.pending.get(s, 0), 1) for s in GUARDED]
-        agreed = collectives.agree_max(mine)
+        agreed = collectives.agree_max(mine, groups.world)
         if not any(agreed):
             return
         self.pending.clear()
@@ -233,5 +245,5 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-#: The guard of this process (one run at a time).
+#: The guard of this process (one run at a time): see [Note: one guard per process].
 GUARD = SignalGuard()

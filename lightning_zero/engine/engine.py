@@ -56,7 +56,7 @@ from lightning_zero.stage3.materialize import (
 )
 from lightning_zero.core.offload import fused_hint
 from lightning_zero.core.optimizer_support import check_not_dtensor
-from lightning_zero.tensor_parallel import warn_if_nothing_is_sliced
+from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
 from lightning_zero.core.flat import FlatStorage
 from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.core.store import ParameterStore, ShardedStorage
@@ -127,6 +127,7 @@ class ZeroEngine:
             check_not_dtensor(param, name)
         if self.shard_groups.tensor is not None:
             warn_if_nothing_is_sliced(self.module, self.shard_groups.tensor_size)
+            count_tensor_parallel(self.module, self.shard_groups.tensor)
         self.activations = activations_from_config(self.module, self.config, self.shard_groups.tensor)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
@@ -285,7 +286,8 @@ class ZeroEngine:
         (the step is then skipped on every rank). Reduces nothing when already ``REDUCED``."""
         scaler = self.precision.scaler
         sharded = self.sharded(optimizer)
-        unscale = (lambda grads: scaler.unscale_and_check(grads, self.device)) if scaler is not None else None
+        world = self.shard_groups.world
+        unscale = (lambda grads: scaler.unscale_and_check(grads, self.device, world)) if scaler is not None else None
         return sharded.reduce(unscale)
 
     def clip_grad_norm(self, max_norm: float, optimizer: Optional[Optimizer] = None, norm_type: float = 2.0,

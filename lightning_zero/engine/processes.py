@@ -56,7 +56,8 @@ class ZeroProcesses:
         """The engine of the last setup (see ``engine/engine.py``); it stays after teardown for saving."""
         self._recording: Optional[Recording] = None
         self.shard_groups = ShardGroups()
-        """The process groups the engine shards over and replicates across (made with the process group)."""
+        """The engine's communication object: the process groups it shards over and replicates across (made with
+        the process group) and the counters of what their collectives move (:attr:`traffic`)."""
 
     @property
     def root_device(self) -> torch.device:
@@ -132,11 +133,10 @@ class ZeroProcesses:
         at agreed step boundaries] in ``core/shutdown.py``)."""
         GUARD.install(self.config.shutdown_timeout)
 
-    @staticmethod
-    def _step_boundary(point: Optional[str] = None) -> None:
+    def _step_boundary(self, point: Optional[str] = None) -> None:
         """A step boundary (a collective: every rank reaches it): act on a signal any rank received; ``point`` names
         it for fault injection (see [Note: fault points] in ``core/faults.py``)."""
-        GUARD.safe_point()
+        GUARD.safe_point(self.shard_groups)
         if point is not None:
             fault_point(point)
 
@@ -145,6 +145,12 @@ class ZeroProcesses:
         """At teardown: the handlers go back; a Ctrl-C during the last checkpoint write still stops the script."""
         GUARD.remove()
         GUARD.raise_pending()
+
+    @property
+    def traffic(self) -> collectives.Traffic:
+        """The payload of every collective of this strategy's engine, by kind and scope, since its last ``reset()``
+        (see [Note: what the counters count] in ``core/collectives.py``); made anew with the process group."""
+        return self.shard_groups.traffic
 
     @property
     def device_mesh(self) -> Optional[Any]:

@@ -11,7 +11,7 @@ never queued behind the data collectives in flight). Up to the first divergence 
 the first hook where the ranks differ is a check on every rank: all of them fail there, at once, with an error that
 names what each rank was about to run and, from the recorded forward order, the units a rank skipped. The cost is one
 small round trip per unit per pass (forward, backward); evaluation forwards are checked as well. Not counted in
-``TRAFFIC`` (control messages, not payload).
+the engine's ``traffic`` (control messages, not payload).
 """
 
 from __future__ import annotations

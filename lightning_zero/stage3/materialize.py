@@ -201,7 +201,7 @@ def _shard_by_units(module: nn.Module, plan: UnitPlan, storages: Sequence[Partit
     managed = {id(p) for storage in storages for p in storage.params}
     shard_groups = storages[0].groups if storages else ShardGroups()
     for unit in range(1, len(plan.names)):
-        GUARD.safe_point()  # Ctrl-C between two units stops every rank here
+        GUARD.safe_point(shard_groups)  # Ctrl-C between two units stops every rank here
         fault_point("materialize.unit")
         unit_module = plan.modules[unit]
         assert unit_module is not None

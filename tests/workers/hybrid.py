@@ -18,7 +18,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-from lightning_zero import TRAFFIC, ZeroStrategy
+from lightning_zero import Traffic, ZeroStrategy
 from tests.models import TinyLM
 
 warnings.filterwarnings("ignore")
@@ -42,10 +42,11 @@ class Probe(L.Callback):
             self.start = _weights(pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        TRAFFIC.reset()
+        self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
+        self.counters.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.traffic.append(TRAFFIC.snapshot())
+        self.traffic.append(self.counters.snapshot())
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_zero import TRAFFIC, ZeroStrategy, measure_model_states
+from lightning_zero import Traffic, ZeroStrategy, measure_model_states
 from tests.models import TinyGPT, TinyLM
 
 warnings.filterwarnings("ignore")
@@ -36,10 +36,11 @@ class Probe(L.Callback):
         self.states: dict[str, int] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        TRAFFIC.reset()
+        self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
+        self.counters.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.traffic.append(TRAFFIC.snapshot())
+        self.traffic.append(self.counters.snapshot())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before teardown hands weights back

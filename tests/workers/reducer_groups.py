@@ -79,11 +79,11 @@ def run_reducer(groups: ShardGroups, rank: int, with_sink: bool) -> dict[str, An
                      max(b.chunk_size for b in layout.buckets)) if with_sink else None
     reducer = GradientReducer(layout, shard_rank, torch.float32, torch.device("cpu"), 2, overlap=True, groups=groups,
                               sink=sink)
-    collectives.TRAFFIC.reset()
+    groups.traffic.reset()
     for backward in range(ROUNDS):
         _backward(reducer, rank, backward)
     accumulated = reducer.finalize(force=False).clone()
-    traffic = collectives.TRAFFIC.snapshot()["scopes"]
+    traffic = groups.traffic.snapshot()["scopes"]
     reducer.clear()
     _backward(reducer, rank, ROUNDS, skip=SKIPPED)
     return {"accumulated": accumulated, "traffic": traffic, "after_clear": reducer.finalize(force=False).clone(),
@@ -112,9 +112,13 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     groups = make_shard_groups(SHARD_GROUP_SIZE)
+    other = make_shard_groups(SHARD_GROUP_SIZE)  # a second engine's communication object, idle while `groups` talks
     result = {"rank": rank, "shard_rank": collectives.rank(groups.shard), "replicas": groups.replicas,
               "device": run_reducer(groups, rank, with_sink=False), "sink": run_reducer(groups, rank, with_sink=True),
               "params": run_params(groups)}
+    result["other"] = {"traffic": other.traffic.snapshot()["scopes"],
+                       "same_process_groups": (other.shard.process_group is groups.shard.process_group
+                                               and other.replicate.process_group is groups.replicate.process_group)}
     torch.save(result, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

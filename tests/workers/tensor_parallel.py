@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import (
-    TRAFFIC,
     CheckpointError,
+    Traffic,
     ZeroEngine,
     ZeroFabricStrategy,
     ZeroStrategy,
@@ -69,11 +69,12 @@ class Probe(L.Callback):
             self.start = _weights(pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
-        TRAFFIC.reset()
+        self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
+        self.counters.reset()
         self.batches.append([t.clone() for t in batch])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.traffic.append(TRAFFIC.snapshot())
+        self.traffic.append(self.counters.snapshot())
         if trainer.global_step == trainer.max_steps and not self.inside:  # the weights between steps, read whole
             held = lambda: sum(getattr(e, "gathered_bytes", 0) for e in trainer.strategy.storages)  # noqa: E731
             self.held = [held()]

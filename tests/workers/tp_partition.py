@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero import TRAFFIC
+from lightning_zero.core.collectives import Group, Traffic
 from lightning_zero.core.activations import checkpoint_blocks, resolve_partition_group
 
 WIDTH, HIDDEN, DEPTH = 16, 64, 4
@@ -80,14 +80,15 @@ class Net(nn.Module):
 
 
 def train(net: Net, x: torch.Tensor, group: Any, offload: bool = False) -> dict:
-    ac = checkpoint_blocks(net, offload=offload, partition_group=group)
-    TRAFFIC.reset()
+    traffic = Traffic()  # the partition group's collectives count here (a counted group, as an engine's are)
+    counted = Group(group, "partition", traffic) if group is not None else None
+    ac = checkpoint_blocks(net, offload=offload, partition_group=counted)
     loss = net(x).pow(2).mean()
     kept = ac.stats.live_bytes  # after forward: what this rank holds for the checkpoints
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in net.named_parameters()},
             "kept": kept, "full": ac.stats.peak_full_bytes, "stats": vars(ac.stats).copy(),
-            "all_gathers": TRAFFIC.snapshot()["calls"].get("all_gather", 0)}
+            "all_gathers": traffic.snapshot()["calls"].get("all_gather", 0)}
 
 
 def main() -> None:
