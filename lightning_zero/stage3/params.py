@@ -92,6 +92,10 @@ class ShardedParams:
                                                 async_op=True, allow_all_reduce=False))
         return works
 
+    def allocate(self, unit: int) -> Tensor:
+        """``unit``'s buffer, given its memory back if it had none (the caller fills it: hpZ's secondary gather)."""
+        return self._allocate(unit)
+
     def _upload(self, source: Tensor, buffer: Tensor, at: int) -> Tensor:
         """Copy a host chunk to ``buffer[at:]`` on the device; returns the device chunk."""
         chunk = buffer[at : at + source.numel()]

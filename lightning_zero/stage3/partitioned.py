@@ -14,6 +14,7 @@ from lightning_zero.core.layout import MasterSlot
 from lightning_zero.core.store import ShardedStorage
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
+from lightning_zero.stage3.secondary import SecondaryShards
 
 
 class PartitionedStorage(ShardedStorage):
@@ -33,6 +34,8 @@ class PartitionedStorage(ShardedStorage):
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
+        self.secondary = SecondaryShards(self.layout, self.groups) if self.groups.secondary is not None else None
+        """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -79,6 +82,23 @@ class PartitionedStorage(ShardedStorage):
     def gather_unit(self, unit: int) -> list[Any]:
         """All-gather ``unit`` (asynchronous work handles)."""
         return self.sharded.gather(unit)
+
+    def regather_unit(self, unit: int) -> list[Any]:
+        """Backward's all-gather of ``unit``: from hpZ's secondary copy inside the secondary group where one is kept,
+        else as :meth:`gather_unit`."""
+        if self.secondary is not None and self.secondary.has(unit):
+            return self.secondary.gather(unit, self.sharded.allocate(unit))
+        return self.sharded.gather(unit)
+
+    def keep_secondary(self, unit: int) -> None:
+        """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""
+        if self.secondary is not None and self.has_unit(unit):
+            self.secondary.keep(unit, self.sharded.buffers[unit])
+
+    def drop_secondary(self, unit: Optional[int] = None) -> None:
+        """hpZ: forget ``unit``'s secondary copy (``None``: every unit's)."""
+        if self.secondary is not None:
+            self.secondary.drop_all() if unit is None else self.secondary.drop(unit)
 
     def release_unit(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""
