@@ -124,6 +124,16 @@ class ZeroConfig:
     the model states stay sharded over all ranks (unlike ``shard_group_size``). Costs Ψ/s working-dtype elements
     per rank during backward (see [Note: hpZ, the secondary partition] in ``stage3/secondary.py``). ``None``: off
     (one node, as on a single machine, gains nothing from it). Must divide the world size."""
+    quantized_weights: bool = False
+    """Stage 3, qwZ (ZeRO++): the all-gathers of units for forward and backward send blockwise int8 codes and one fp32
+    scale per ``quantization_block_size`` elements, dequantized on arrival; masters, step and checkpoints stay exact
+    (see [Note: qwZ, the quantized all-gather of weights] in ``core/quantize.py``)."""
+    quantized_gradients: bool = False
+    """Stages 2 and 3, qgZ (ZeRO++): each gradient bucket is reduced by an all-to-all of blockwise int8 codes and
+    scales, dequantized and summed in fp32 on the rank that owns the chunk, instead of a reduce-scatter (see
+    [Note: qgZ, the quantized reduce-scatter of gradients] in ``core/quantize.py``)."""
+    quantization_block_size: int = 256
+    """qwZ and qgZ: elements per quantization block (one fp32 scale each)."""
     shutdown_timeout: Optional[float] = 120.0
     """The Trainer: seconds a rank may take to act on a SIGTERM it received before it ends itself with a message
     naming where it is stuck (see [Note: a SIGTERM is acted on within a bound] in ``shutdown.py``); ``None``: no
@@ -178,6 +188,7 @@ class ZeroConfig:
                              "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
                              "`offload_optimizer=True` alone to offload the optimizer at this stage.")
         self._check_secondary()
+        self._check_quantized()
         self._warn_ignored()
 
     def _check_secondary(self) -> None:
@@ -201,6 +212,29 @@ class ZeroConfig:
         if self.offload_params:
             raise ValueError("`secondary_shard_group_size` (hpZ) keeps 1/s of every gathered unit on the device "
                              "until backward, which `offload_params=True` is set to avoid. Use one of them.")
+
+    def _check_quantized(self) -> None:
+        """qwZ needs stage 3, qgZ stage 2 or 3; neither runs with hybrid sharding or tensor parallelism yet."""
+        for name in ("quantized_weights", "quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        _check_positive_int("quantization_block_size", self.quantization_block_size, "elements")
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError(f"`quantized_weights=True` (qwZ) quantizes stage 3's all-gathers of weights, but stage "
+                             f"{self.stage} gathers none for compute (every rank holds full weights). Use `stage=3` "
+                             "(`strategy='zero3'`) with it, or leave it out.")
+        if self.quantized_gradients and self.stage == 1:
+            raise ValueError("`quantized_gradients=True` (qgZ) quantizes the gradient reduction of stages 2 and 3; "
+                             "stage 1 reduces once per step into full gradients. Use `stage=2` or `stage=3` with it.")
+        used = [n for n in ("quantized_weights", "quantized_gradients") if getattr(self, n)]
+        if used and self.shard_group_size is not None:
+            raise ValueError(f"`{used[0]}` is not supported with hybrid sharding (`shard_group_size`) yet: its "
+                             "replica all-reduce of each reduced chunk is not quantized and the pairing is not "
+                             "tested. Leave one of them out.")
+        if used and self.tensor_parallel_size > 1:
+            raise ValueError(f"`{used[0]}` is not supported with `tensor_parallel_size > 1` yet: the module's own "
+                             "tensor-parallel collectives are not quantized and the pairing is not tested. Leave one "
+                             "of them out.")
 
     def bucket_elements(self, numel: int) -> int:
         """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""

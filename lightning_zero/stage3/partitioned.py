@@ -36,6 +36,8 @@ class PartitionedStorage(ShardedStorage):
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
         self.secondary = SecondaryShards(self.layout, self.groups) if self.groups.secondary is not None else None
         """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
+        self.weight_block = config.quantization_block_size if config.quantized_weights else None
+        """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -79,16 +81,14 @@ class PartitionedStorage(ShardedStorage):
         self.sharded.attach_views(unit)
         self.sharded.release(unit)
 
-    def gather_unit(self, unit: int) -> list[Any]:
-        """All-gather ``unit`` (asynchronous work handles)."""
-        return self.sharded.gather(unit)
-
-    def regather_unit(self, unit: int) -> list[Any]:
-        """Backward's all-gather of ``unit``: from hpZ's secondary copy inside the secondary group where one is kept,
-        else as :meth:`gather_unit`."""
-        if self.secondary is not None and self.secondary.has(unit):
+    def gather_unit(self, unit: int, compute: bool = False, backward: bool = False) -> list[Any]:
+        """All-gather ``unit`` (asynchronous work handles). For ``compute`` (a forward, or ``backward`` and its
+        recomputations) ZeRO++ applies: in backward from hpZ's secondary copy inside the secondary group where one is
+        kept, otherwise from the primary shards as blockwise int8 under qwZ (see ``secondary.py`` and
+        ``core/quantize.py``); otherwise exact, from the primary shards."""
+        if compute and backward and self.secondary is not None and self.secondary.has(unit):
             return self.secondary.gather(unit, self.sharded.allocate(unit))
-        return self.sharded.gather(unit)
+        return self.sharded.gather(unit, self.weight_block if compute else None)
 
     def keep_secondary(self, unit: int) -> None:
         """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""

@@ -96,12 +96,15 @@ class Unit:
                                         f"(only while {allowed.value}).")
         self.state = to
 
-    def start_gather(self, secondary: bool = False) -> None:
-        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers (with ``secondary``,
-        from hpZ's secondary copies where kept: see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
+    def start_gather(self, compute: bool = False, backward: bool = False) -> None:
+        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers. ``compute``: for a
+        forward or (``backward``) a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
+        :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards."""
         self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
-        self.pending = [w for storage in self.storages
-                        for w in (storage.regather_unit(self.index) if secondary else storage.gather_unit(self.index))]
+        if compute:
+            self.pending = [w for s in self.storages for w in s.gather_unit(self.index, compute=True, backward=backward)]
+        else:
+            self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
 
     def regather(self) -> None:
         """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
@@ -168,7 +171,8 @@ class UnitRuntime:
         """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather."""
         u = self.units[unit]
         if u.state is UnitState.SHARDED:
-            u.start_gather(secondary=self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE))
+            backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
+            u.start_gather(compute=backward or self.phase is TrainingPhase.FORWARD, backward=backward)
             live = sum(storage.gathered_bytes for storage in self.storages)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         if wait and u.state is UnitState.GATHERING:
