@@ -16,7 +16,7 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.config import resolve_secondary_group_size
 from lightning_zero.core.quantize import QMAX, dequantize, quantize, quantized_bytes, reduce_scatter_quantized
 from lightning_zero.testing.launch import launch
-from tests.compare import relative, traffic_per_step
+from tests.compare import assert_losses_close, assert_params_close, traffic_per_step
 
 WORLD, S = 4, 2
 MICRO = 2  # micro-batches per optimizer step (accumulate_grad_batches in the worker)
@@ -122,11 +122,9 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_matches_ddp_step_for_step(ranks, run):
     for rank in ranks:
         ddp, zero = rank["ddp"], rank[run]
-        assert len(zero["losses"]) == len(ddp["losses"]) == 3 * MICRO
-        for step, (a, e) in enumerate(zip(zero["losses"], ddp["losses"])):
-            assert abs(a - e) <= RTOL * abs(e), f"step {step}: loss {a} vs DDP {e}"
-        for name, expected in ddp["params"].items():
-            assert relative(zero["params"][name], expected) <= RTOL, name
+        assert len(ddp["losses"]) == 3 * MICRO
+        assert_losses_close(zero["losses"], ddp["losses"], RTOL)
+        assert_params_close(zero["params"], ddp["params"], RTOL)
         assert abs(zero["val_loss"] - ddp["val_loss"]) <= RTOL * abs(ddp["val_loss"])
 
 
@@ -171,8 +169,7 @@ def test_quantized_runs_stay_within_the_bound_of_the_exact_run(ranks, run):
     for rank in ranks:
         exact, quantized = rank[exact_name], rank[run]
         assert quantized["losses"] != exact["losses"]  # the quantization acts
-        for step, (a, e) in enumerate(zip(quantized["losses"], exact["losses"])):
-            assert abs(a - e) <= LOSS_RTOL * abs(e), f"step {step}: loss {a} vs exact {e}"
+        assert_losses_close(quantized["losses"], exact["losses"], LOSS_RTOL)
         assert abs(quantized["val_loss"] - exact["val_loss"]) <= VAL_RTOL * abs(exact["val_loss"])
 
 
