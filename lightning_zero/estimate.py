@@ -236,7 +236,7 @@ def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
     """The ZeRO++ section of the estimate: :func:`zeropp_traffic_table` as markdown."""
     table = zeropp_traffic_table(num_params, block)
     columns = list(next(iter(table.values())))
-    lines = ["", f"Stage 3 collective bytes per rank and micro-batch (the payload `strategy.traffic` counts: forward and "
+    lines = ["", "Stage 3 collective bytes per rank and micro-batch (the payload `strategy.traffic` counts: forward and "
              f"backward all-gathers plus the gradient reduction; ZeRO++ `quantized_weights` / `quantized_gradients` "
              f"with `quantization_block_size={block}`; hpZ moves the backward all-gather into the node and keeps its "
              "bytes):", "", "| working dtype | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]

@@ -86,7 +86,8 @@ def test_quantization_error_is_half_a_step_of_its_block(numel, block):
     torch.manual_seed(numel)
     x = torch.randn(numel) * torch.logspace(-3, 2, numel)  # blocks of very different magnitudes
     codes, scales = quantize(x, block)
-    assert codes.dtype == torch.int8 and codes.numel() == -(-numel // block) * block and scales.numel() == -(-numel // block)
+    blocks = -(-numel // block)
+    assert codes.dtype == torch.int8 and codes.numel() == blocks * block and scales.numel() == blocks
     assert codes.abs().max() <= QMAX
     back = dequantize(codes, scales, numel)
     steps = scales.repeat_interleave(block)[:numel]
@@ -153,7 +154,8 @@ def test_backward_gathers_inside_the_secondary_group(ranks, run):
             assert after["world"]["all_gather"] == 2 * MICRO * padded - MICRO * (padded - root), after
             assert after["world"]["reduce_scatter"] == before["world"]["reduce_scatter"] == MICRO * padded
             # on a ring: (s-1)/s of backward's payload over the node's links instead of (N-1)/N over the world's
-            assert after["secondary"]["all_gather"] * (S - 1) / S < before["world"]["all_gather"] / 2 * (WORLD - 1) / WORLD
+            backward_wire = before["world"]["all_gather"] / 2 * (WORLD - 1) / WORLD
+            assert after["secondary"]["all_gather"] * (S - 1) / S < backward_wire
 
 
 def _bytes_per_step(run: dict, kind: str) -> list[int]:

@@ -49,9 +49,9 @@ import torch
 
 from lightning_zero.core import collectives
 from lightning_zero.core.faults import fault_point
-from lightning_zero.core.quantize import reduce_scatter_quantized
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import Bucket, FlatLayout
+from lightning_zero.core.quantize import reduce_scatter_quantized
 
 
 class GradSink(Protocol):

@@ -95,8 +95,8 @@ class ShardedParams:
                 works.append(all_gather_quantized(output, source, quantize_block, group=self.group))
                 continue
             # gloo's own all-gather: ranks whose control flow diverges must fail, not sum units (collectives.py)
-            works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group,
-                                                async_op=True, allow_all_reduce=False))
+            works.append(collectives.all_gather(output, source, group=self.group, async_op=True,
+                                                allow_all_reduce=False))
         return works
 
     def allocate(self, unit: int) -> Tensor:

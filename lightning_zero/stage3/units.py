@@ -101,10 +101,8 @@ class Unit:
         forward or (``backward``) a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
         :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards."""
         self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
-        if compute:
-            self.pending = [w for s in self.storages for w in s.gather_unit(self.index, compute=True, backward=backward)]
-        else:
-            self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
+        options = {"compute": True, "backward": backward} if compute else {}
+        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index, **options)]
 
     def regather(self) -> None:
         """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
