@@ -13,9 +13,11 @@
     python -m benchmarks.offload                # ZeRO-Offload: the CPU step, and training steps with offload
     python -m benchmarks.disk                   # disk offload (ZeRO-Infinity): peak RSS, step time, window bytes
     python -m benchmarks.gpu_check              # every precision and stage on one CUDA device
+    python -m benchmarks.zeropp_loss            # ZeRO++'s qwZ/qgZ: the demo GPT's loss against the exact run, bytes
 
 Private modules: ``_model`` (the GPT sizes, data and LightningModules, around examples/gpt.py's ``GPT``),
 ``_worker`` (one rank of a GPT launch), ``_probes`` (what a rank measures), ``_peers`` (FSDP2, DeepSpeed),
 ``_report`` (compare's tables and plot), ``_construction_rank`` and ``_checkpoint_rank`` (one rank of
-``construction``, of ``checkpoint_io``). Raw outputs that RESULTS.md cites are in ``results/``.
+``construction``, of ``checkpoint_io``), ``_zeropp_rank`` (one rank of ``zeropp_loss``). Raw outputs that RESULTS.md
+cites are in ``results/``.
 """

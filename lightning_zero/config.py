@@ -125,6 +125,22 @@ class ZeroConfig:
     ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
     shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``groups.py``). Must divide the
     world size."""
+    secondary_shard_group_size: Optional[int] = None
+    """Stage 3, hpZ (ZeRO++): after a unit's forward all-gather, each rank keeps a secondary copy of the unit sharded
+    over groups of this many consecutive ranks (a node's devices), so backward's re-gather stays inside that group;
+    the model states stay sharded over all ranks (unlike ``shard_group_size``). Costs Ψ/s working-dtype elements
+    per rank during backward (see [Note: hpZ, the secondary partition] in ``stage3/secondary.py``). ``None``: off
+    (one node, as on a single machine, gains nothing from it). Must divide the world size."""
+    quantized_weights: bool = False
+    """Stage 3, qwZ (ZeRO++): the all-gathers of units for forward and backward send blockwise int8 codes and one fp32
+    scale per ``quantization_block_size`` elements, dequantized on arrival; masters, step and checkpoints stay exact
+    (see [Note: qwZ, the quantized all-gather of weights] in ``core/quantize.py``)."""
+    quantized_gradients: bool = False
+    """Stages 2 and 3, qgZ (ZeRO++): each gradient bucket is reduced by an all-to-all of blockwise int8 codes and
+    scales, dequantized and summed in fp32 on the rank that owns the chunk, instead of a reduce-scatter (see
+    [Note: qgZ, the quantized reduce-scatter of gradients] in ``core/quantize.py``)."""
+    quantization_block_size: int = 256
+    """qwZ and qgZ: elements per quantization block (one fp32 scale each)."""
     shutdown_timeout: Optional[float] = 120.0
     """The Trainer: seconds a rank may take to act on a SIGTERM it received before it ends itself with a message
     naming where it is stuck (see [Note: a SIGTERM is acted on within a bound] in ``shutdown.py``); ``None``: no
@@ -178,6 +194,8 @@ class ZeroConfig:
             raise ValueError(f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} keeps "
                              "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
                              "`offload_optimizer=True` alone to offload the optimizer at this stage.")
+        self._check_secondary()
+        self._check_quantized()
         self._warn_ignored()
 
     def _check_offload(self) -> None:
@@ -205,6 +223,51 @@ class ZeroConfig:
             what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
             raise ValueError(f"`offload_path={path!r}` cannot hold the offloaded files: {existing!r} {what}. Choose a "
                              "writable local directory (one per rank, or shared: the file names do not collide).")
+
+    def _check_secondary(self) -> None:
+        """hpZ needs stage 3 and plain sharding over the world (see [Note: hpZ, the secondary partition])."""
+        size = self.secondary_shard_group_size
+        if size is None:
+            return
+        _check_positive_int("secondary_shard_group_size", size, "ranks")
+        if self.stage != 3:
+            raise ValueError(f"`secondary_shard_group_size` (hpZ) keeps a secondary copy of stage 3's gathered "
+                             f"parameters, but stage {self.stage} keeps full parameters on every rank and gathers "
+                             "nothing in backward. Use `stage=3` (`strategy='zero3'`) with it, or leave it out.")
+        if self.shard_group_size is not None:
+            raise ValueError("`secondary_shard_group_size` (hpZ) and `shard_group_size` (hybrid sharding) cannot be "
+                             "combined: hybrid sharding already keeps every stage 3 all-gather inside the shard group, "
+                             "so hpZ would only add a copy. Use one of them.")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("`secondary_shard_group_size` (hpZ) is not supported with `tensor_parallel_size > 1`: "
+                             "ZeRO shards over the data dimension, whose ranks are `tensor_parallel_size` apart (not "
+                             "inside one node), so an in-node secondary group does not exist there. Leave it out.")
+        if self.offload_params:
+            raise ValueError("`secondary_shard_group_size` (hpZ) keeps 1/s of every gathered unit on the device "
+                             "until backward, which `offload_params=True` is set to avoid. Use one of them.")
+
+    def _check_quantized(self) -> None:
+        """qwZ needs stage 3, qgZ stage 2 or 3; neither runs with hybrid sharding or tensor parallelism yet."""
+        for name in ("quantized_weights", "quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        _check_positive_int("quantization_block_size", self.quantization_block_size, "elements")
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError(f"`quantized_weights=True` (qwZ) quantizes stage 3's all-gathers of weights, but stage "
+                             f"{self.stage} gathers none for compute (every rank holds full weights). Use `stage=3` "
+                             "(`strategy='zero3'`) with it, or leave it out.")
+        if self.quantized_gradients and self.stage == 1:
+            raise ValueError("`quantized_gradients=True` (qgZ) quantizes the gradient reduction of stages 2 and 3; "
+                             "stage 1 reduces once per step into full gradients. Use `stage=2` or `stage=3` with it.")
+        used = [n for n in ("quantized_weights", "quantized_gradients") if getattr(self, n)]
+        if used and self.shard_group_size is not None:
+            raise ValueError(f"`{used[0]}` is not supported with hybrid sharding (`shard_group_size`) yet: its "
+                             "replica all-reduce of each reduced chunk is not quantized and the pairing is not "
+                             "tested. Leave one of them out.")
+        if used and self.tensor_parallel_size > 1:
+            raise ValueError(f"`{used[0]}` is not supported with `tensor_parallel_size > 1` yet: the module's own "
+                             "tensor-parallel collectives are not quantized and the pairing is not tested. Leave one "
+                             "of them out.")
 
     def bucket_elements(self, numel: int) -> int:
         """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""
@@ -326,6 +389,24 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, devices
                          f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
                          f"{divisors} (e.g. the devices per node), or leave it out.")
     return k
+
+
+def resolve_secondary_group_size(configured: Optional[int], world_size: int, shard_group_size: int) -> Optional[int]:
+    """hpZ's group size of a job (``None``: off). Raises a ``ValueError`` if it does not divide ``world_size``, or
+    if the job shards over groups smaller than the world (hybrid sharding, e.g. by default on several nodes)."""
+    if configured is None:
+        return None
+    if world_size % configured:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"`secondary_shard_group_size={configured}` does not divide the world size {world_size}: the "
+                         f"ranks must split into equal secondary groups. Pick one of {divisors} (e.g. the devices "
+                         "per node), or leave it out.")
+    if shard_group_size != world_size:
+        raise ValueError(f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
+                         f"this job shards over groups of {shard_group_size} (hybrid sharding, the default on several "
+                         "nodes), which already keeps the all-gathers inside them. Set `shard_group_size` to the "
+                         "world size, or leave `secondary_shard_group_size` out.")
+    return configured
 
 
 def _check_stage(stage: object) -> None:

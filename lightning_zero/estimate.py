@@ -192,6 +192,25 @@ def both_units(n: float) -> str:
     return f"{human_bytes(n)} ({decimal_bytes(n)})" if abs(n) >= 1000 else human_bytes(n)
 
 
+#: Working-parameter bytes per element of the precisions stage 3 gathers in (the traffic table's rows).
+WORKING_BYTES = {"fp32": 4, "bf16/fp16": 2}
+
+
+def zeropp_traffic_table(num_params: int, block: int = 256) -> dict[str, dict[str, float]]:
+    """Stage 3's collective bytes per rank and micro-batch, as ``strategy.traffic`` counts them (the logical payload:
+    a ring moves (N-1)/N of it on the wire), exact and with ZeRO++'s quantized collectives, ignoring the padding of
+    buckets and blocks: forward and backward all-gather Ψw each and the gradient reduction Ψw, w the working dtype's
+    bytes; qwZ sends ``Ψ(1 + 4/block)`` per all-gather, qgZ ``Ψ(1 + 4/block)`` by all-to-all (see the Notes of
+    ``core/quantize.py``). hpZ moves the backward all-gather into the node group and leaves the bytes as they are."""
+    quantized = num_params * (1 + 4 / block)
+    table = {}
+    for name, w in WORKING_BYTES.items():
+        exact = num_params * w
+        table[name] = {"zero3": 3 * exact, "qwZ": 2 * quantized + exact, "qgZ": 2 * exact + quantized,
+                       "qwZ+qgZ": 3 * quantized}
+    return table
+
+
 def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[float] = None) -> str:
     """The markdown tables ``lightning-zero estimate`` prints."""
     lines = [f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
@@ -225,4 +244,17 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
                          + " |")
         lines.append("(with offload, device memory only: the host holds the rest, see the table above; no bound: no "
                      "model state on the device, only the units in flight and the bucket buffers)")
-    return "\n".join(lines)
+    return "\n".join(lines + _zeropp_lines(num_params))
+
+
+def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
+    """The ZeRO++ section of the estimate: :func:`zeropp_traffic_table` as markdown."""
+    table = zeropp_traffic_table(num_params, block)
+    columns = list(next(iter(table.values())))
+    lines = ["", "Stage 3 collective bytes per rank and micro-batch (the payload `strategy.traffic` counts: forward and "
+             f"backward all-gathers plus the gradient reduction; ZeRO++ `quantized_weights` / `quantized_gradients` "
+             f"with `quantization_block_size={block}`; hpZ moves the backward all-gather into the node and keeps its "
+             "bytes):", "", "| working dtype | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for name, row in table.items():
+        lines.append(f"| {name} | " + " | ".join(both_units(b) for b in row.values()) + " |")
+    return lines

@@ -70,3 +70,27 @@ def test_report_ratios_and_table_come_from_the_records():
     assert zero2["model_states_vs_ddp"] == pytest.approx(0.25) and zero2["comm_total_vs_ddp"] == pytest.approx(1.0)
     cells = _table_cells(markdown(list(rows.values()), "test"), "zero2")
     assert cells[1:4] == ["300.0", "100.0–300.0", "1.50"] and cells[8] == "0.25"
+
+
+@pytest.mark.timeout(300)
+def test_zeropp_loss_writes_every_mode(tmp_path):
+    """``python -m benchmarks.zeropp_loss`` in its smallest form: two steps of each mode, the quantized ones send
+    fewer bytes than the exact run."""
+    summary = tmp_path / "zeropp.json"
+    cmd = [sys.executable, "-m", "benchmarks.zeropp_loss", "--steps", "2", "--val-batches", "1", "--timeout", "240",
+           "--out", str(summary)]
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = ZYGOTE.spawn(cmd[1:], env, tmp_path, out, err, session=True)
+    try:
+        code = done.wait(timeout=290)
+    finally:
+        if done.poll() is None:
+            os.killpg(done.pid, 9)
+    assert code == 0, out.read_text()[-3000:] + err.read_text()[-3000:]
+    modes = json.loads(summary.read_text())
+    assert set(modes) == {"exact", "qwz", "qgz", "qwz+qgz"}
+    exact = modes["exact"]["bytes_per_step"]
+    assert modes["qwz"]["bytes_per_step"]["all_gather"] < exact["all_gather"] / 2
+    assert modes["qgz"]["bytes_per_step"]["all_to_all"] < exact["reduce_scatter"] / 2
+    assert modes["exact"]["max_step_rel_diff"] == 0

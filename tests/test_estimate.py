@@ -148,3 +148,16 @@ def test_fit_logs_one_summary_on_rank_zero(caplog):
     psi = sum(p.numel() for p in TinyGPT().parameters())
     assert lines == [f"ZeRO stage 2 on 1 rank, precision 32-true: {psi:,} trainable parameters; model states "
                      f"{psi * 16 / 1024:.1f} KiB per rank (DDP: {psi * 16 / 1024:.1f} KiB, 100% of it)"]
+
+
+def test_zeropp_bytes_follow_the_quantization_ratio():
+    from lightning_zero.estimate import zeropp_traffic_table
+
+    psi = 1_000_000
+    table = zeropp_traffic_table(psi, block=256)
+    q = psi * (1 + 4 / 256)  # int8 codes and one fp32 scale per block
+    assert table["fp32"] == {"zero3": 12 * psi, "qwZ": 2 * q + 4 * psi, "qgZ": 8 * psi + q, "qwZ+qgZ": 3 * q}
+    assert table["bf16/fp16"]["zero3"] == 6 * psi
+    # qwZ halves (a little more than halves, for the scales) the forward all-gather of bf16 weights
+    assert table["bf16/fp16"]["zero3"] / 3 / (q) == pytest.approx(2 / (1 + 4 / 256))
+    assert "qwZ+qgZ" in format_estimate(psi, 8)

@@ -51,6 +51,7 @@ from lightning_zero.core import collectives
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import Bucket, FlatLayout
+from lightning_zero.core.quantize import reduce_scatter_quantized
 
 
 class GradSink(Protocol):
@@ -112,6 +113,7 @@ class GradientReducer:
         groups: Optional[ShardGroups] = None,
         unit_names: Sequence[str] = (),
         sink: Optional[GradSink] = None,
+        quantize_block: Optional[int] = None,
     ) -> None:
         self.layout = layout
         self.unit_names = unit_names
@@ -125,6 +127,9 @@ class GradientReducer:
         self.group = self.groups.shard
         self._divisor = layout.world_size * self.groups.replicas  # N: see [Note: averaging and accumulation]
         self.sink = sink
+        self.quantize_block = quantize_block
+        """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
+        reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
         self.grad_shard: Optional[torch.Tensor] = None
         """This rank's reduced gradients (``None`` until the first reduction, after :meth:`clear`, and always with a
         ``sink``)."""
@@ -295,7 +300,10 @@ class GradientReducer:
             slot.wait_fence(self.device)  # the sink's last read of it comes first
             self._in_flight_peak(slot)  # the side output may just have been made
         fault_point("collective.reduce_scatter")
-        work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
+        if self.quantize_block is not None:
+            work = reduce_scatter_quantized(target, data, self.quantize_block, group=self.group)
+        else:
+            work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
         self._received[bucket.index] = 0
         self._in_flight.append((bucket, work, slot, accumulate))

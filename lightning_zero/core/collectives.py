@@ -119,6 +119,11 @@ class _DoneWork:
         return True
 
 
+def done() -> Any:
+    """A work handle for something already finished (a synchronous collective behind an asynchronous interface)."""
+    return _DoneWork()
+
+
 DIVERGENCE_HINT = (
     "The ranks probably issued different collectives (data-dependent control flow, or a rank that skipped a step). "
     "Every rank must run the same modules in the same order; under zero3 prefer zero2 for models whose ranks take "
@@ -210,6 +215,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
     else:
         work = _all_gather_single(output, input, group=_pg(group), async_op=async_op)
     return work if async_op else _DoneWork()
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None) -> None:
+    """Send chunk j of ``input`` (``world_size`` equal chunks) to rank j; chunk i of ``output`` is rank i's chunk for
+    this rank. Synchronous; counted as ``all_to_all`` (the payload sent)."""
+    if not is_distributed(group):
+        output.copy_(input)
+        return
+    _count("all_to_all", input, group)
+    dist.all_to_all_single(output, input, group=_pg(group))
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from lightning_zero.core import collectives
 from lightning_zero.core.layout import hybrid_rank_lists
 
 
-_COUNTED = ("shard", "replicate", "tensor", "data")
+_COUNTED = ("shard", "replicate", "tensor", "data", "secondary")
 """The fields of :class:`ShardGroups` that hold a process group; each counts under its own name as scope (``shard``
 made with ``None``, the world, under ``"world"``)."""
 
@@ -61,6 +61,10 @@ class ShardGroups:
     ``configure_model`` parallelizes over."""
     data: Optional[Any] = None
     """Tensor parallelism with hybrid sharding: the whole data-parallel group (shard groups times replicas)."""
+    secondary: Optional[Any] = None
+    """hpZ: the in-node group of ``secondary_shard_group_size`` consecutive ranks over which stage 3 keeps a
+    secondary copy of each unit for backward's re-gather (see [Note: hpZ, the secondary partition] in
+    ``stage3/secondary.py``); ``None``: off."""
     traffic: collectives.Traffic = field(default_factory=collectives.Traffic)
     """What the collectives over these groups moved, by kind and scope; tests and benchmarks reset and read it
     around the steps they measure (a strategy's ``traffic`` is this object; a plain loop reads
@@ -106,7 +110,8 @@ class ShardGroups:
         return collectives.global_rank(group, 0) if group.process_group is not None else 0
 
 
-def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu") -> ShardGroups:
+def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu",
+                      secondary_shard_group_size: Optional[int] = None) -> ShardGroups:
     """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
     ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh; a new object (its own
     counters) on every call.
@@ -114,13 +119,14 @@ def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, devi
     Every rank makes every group, in the same order (shard groups, then replica groups), as ``dist.new_group``
     requires; the process groups are made once per default process group and size (a second ``fit`` reuses them:
     see [Note: process groups are made once per job] in ``collectives.py``). A group size equal to the world size is
-    plain ZeRO and makes no group.
+    plain ZeRO and makes no group. ``secondary_shard_group_size`` s (hpZ, plain ZeRO only: the config refuses it
+    with hybrid sharding and tensor parallelism) adds the groups of s consecutive ranks as ``secondary``.
     """
     world = collectives.world_size()
     if tensor_parallel_size > 1:
         return _tensor_parallel_groups(world, tensor_parallel_size, device_type, shard_group_size)
     if shard_group_size == world:
-        return ShardGroups()
+        return ShardGroups(secondary=_secondary_group(world, secondary_shard_group_size))
 
     def make() -> tuple[Any, Any]:
         shard_lists, replica_lists = hybrid_rank_lists(world, shard_group_size)
@@ -128,6 +134,15 @@ def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, devi
 
     shard, replicate = collectives.job_group(("hybrid", world, shard_group_size), make)
     return ShardGroups(shard, replicate, world // shard_group_size)
+
+
+def _secondary_group(world: int, size: Optional[int]) -> Optional[Any]:
+    """hpZ's group of this rank: ``size`` consecutive ranks (one node's when ``size`` is its device count), made once
+    per job; ``None`` when ``size`` is ``None``."""
+    if size is None:
+        return None
+    return collectives.job_group(("secondary", world, size),
+                                 lambda: collectives.new_group(hybrid_rank_lists(world, size)[0]))
 
 
 def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str,

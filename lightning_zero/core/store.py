@@ -89,6 +89,7 @@ class ShardedStorage:
         self.reducer = GradientReducer(
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
             unit_names if self.by_units else (), sink=self.host_grads,
+            quantize_block=config.quantization_block_size if config.quantized_gradients else None,
         )
         self._hooks: list[Any] = []
         self.uninstalled = False

@@ -45,7 +45,8 @@ from lightning_zero.checkpoints import pretrained
 from lightning_zero.engine import module_state
 from lightning_zero.core.activations import ActivationCheckpointing, activations_from_config
 from lightning_zero.core.amp import PrecisionMode, clip_grad_norm, clip_grad_value, parameter_grad_norms
-from lightning_zero.config import ZeroConfig, check_option_names, resolve_shard_group_size
+from lightning_zero.config import (ZeroConfig, check_option_names, resolve_secondary_group_size,
+                                   resolve_shard_group_size)
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.materialize import (
     broadcast_module_states,
@@ -107,7 +108,8 @@ class ZeroEngine:
         if shard_groups is None:
             world, t = collectives.world_size(), self.config.tensor_parallel_size
             size = resolve_shard_group_size(self.config.shard_group_size, world, world, 1, t)
-            shard_groups = make_shard_groups(size, t, self.device.type)
+            secondary = resolve_secondary_group_size(self.config.secondary_shard_group_size, world, size)
+            shard_groups = make_shard_groups(size, t, self.device.type, secondary)
         self.shard_groups = shard_groups
         self.store = ParameterStore()
         """Where the managed parameters live, with or without optimizers (see [Note: the store and the optimizers])."""

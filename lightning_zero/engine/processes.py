@@ -21,7 +21,8 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
-from lightning_zero.config import ZeroConfig, process_group_timeout, resolve_shard_group_size
+from lightning_zero.config import (ZeroConfig, process_group_timeout, resolve_secondary_group_size,
+                                   resolve_shard_group_size)
 from lightning_zero.core.groups import ShardGroups, make_shard_groups
 from lightning_zero.core import collectives
 from lightning_zero.core.activations import ActivationCheckpointing
@@ -85,6 +86,13 @@ class ZeroProcesses:
         per_node = max(1, self.num_processes)
         return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
                                         self.num_nodes, self.config.tensor_parallel_size)
+
+    @property
+    def secondary_shard_group_size(self) -> Optional[int]:
+        """hpZ's secondary group size (``None``: off); refuses one that does not divide the world size."""
+        per_node = max(1, self.num_processes)
+        return resolve_secondary_group_size(self.config.secondary_shard_group_size, self.num_nodes * per_node,
+                                            self.shard_group_size)
 
     def gathered_parameters(self) -> AbstractContextManager:
         """Every parameter whole inside, on every rank (a collective: every rank enters), for code that reads the
@@ -162,7 +170,7 @@ class ZeroProcesses:
         """Lightning's script launcher (``popen``) or its multiprocessing launcher; a bad ``shard_group_size``
         fails here, before any process starts."""
         assert self.cluster_environment is not None
-        self.shard_group_size  # noqa: B018 - validates
+        self.secondary_shard_group_size  # noqa: B018 - validates (the shard group size too)
         if self._start_method == "popen":
             return script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         return multiprocessing_launcher(self, start_method=self._start_method)
@@ -185,7 +193,7 @@ class ZeroProcesses:
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.shard_groups = make_shard_groups(self.shard_group_size, self.config.tensor_parallel_size,
-                                                          self.root_device.type)
+                                              self.root_device.type, self.secondary_shard_group_size)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""

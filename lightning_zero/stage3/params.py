@@ -29,6 +29,7 @@ from torch import Tensor
 from lightning_zero.core import collectives
 from lightning_zero.core.layout import FlatLayout
 from lightning_zero.core.offload import copy_to_device, pins
+from lightning_zero.core.quantize import all_gather_quantized
 from lightning_zero.stage3 import guard
 
 
@@ -75,8 +76,10 @@ class ShardedParams:
                 offset = self.layout.offsets[j] - start
                 p.data = buffer[offset : offset + p.numel()].view(p.shape)
 
-    def gather(self, unit: int) -> list[Any]:
-        """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles."""
+    def gather(self, unit: int, quantize_block: Optional[int] = None) -> list[Any]:
+        """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles. With
+        ``quantize_block``, as blockwise int8 (qwZ: see [Note: qwZ, the quantized all-gather of weights] in
+        ``core/quantize.py``)."""
         if unit not in self.buffers:
             return []
         buffer = self._allocate(unit)
@@ -87,10 +90,18 @@ class ShardedParams:
             source = self.working_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
             if self.offloaded:  # upload into this rank's chunk of the buffer, then gather in place
                 source = self._upload(source, buffer, self.layout.chunk_range(bucket, self.rank)[0] - start)
+            output = buffer[b0 - start : b1 - start]
+            if quantize_block is not None:
+                works.append(all_gather_quantized(output, source, quantize_block, group=self.group))
+                continue
             # gloo's own all-gather: ranks whose control flow diverges must fail, not sum units (collectives.py)
-            works.append(collectives.all_gather(buffer[b0 - start : b1 - start], source, group=self.group,
-                                                async_op=True, allow_all_reduce=False))
+            works.append(collectives.all_gather(output, source, group=self.group, async_op=True,
+                                                allow_all_reduce=False))
         return works
+
+    def allocate(self, unit: int) -> Tensor:
+        """``unit``'s buffer, given its memory back if it had none (the caller fills it: hpZ's secondary gather)."""
+        return self._allocate(unit)
 
     def _upload(self, source: Tensor, buffer: Tensor, at: int) -> Tensor:
         """Copy a host chunk to ``buffer[at:]`` on the device; returns the device chunk."""

@@ -14,6 +14,7 @@ from lightning_zero.core.layout import MasterSlot
 from lightning_zero.core.store import ShardedStorage
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
+from lightning_zero.stage3.secondary import SecondaryShards
 
 
 class PartitionedStorage(ShardedStorage):
@@ -34,6 +35,10 @@ class PartitionedStorage(ShardedStorage):
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
+        self.secondary = SecondaryShards(self.layout, self.groups) if self.groups.secondary is not None else None
+        """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
+        self.weight_block = config.quantization_block_size if config.quantized_weights else None
+        """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -97,9 +102,24 @@ class PartitionedStorage(ShardedStorage):
             collectives.wait(work, "gather a stage 3 unit's master values")
         return full
 
-    def gather_unit(self, unit: int) -> list[Any]:
-        """All-gather ``unit`` (asynchronous work handles)."""
-        return self.sharded.gather(unit)
+    def gather_unit(self, unit: int, compute: bool = False, backward: bool = False) -> list[Any]:
+        """All-gather ``unit`` (asynchronous work handles). For ``compute`` (a forward, or ``backward`` and its
+        recomputations) ZeRO++ applies: in backward from hpZ's secondary copy inside the secondary group where one is
+        kept, otherwise from the primary shards as blockwise int8 under qwZ (see ``secondary.py`` and
+        ``core/quantize.py``); otherwise exact, from the primary shards."""
+        if compute and backward and self.secondary is not None and self.secondary.has(unit):
+            return self.secondary.gather(unit, self.sharded.allocate(unit))
+        return self.sharded.gather(unit, self.weight_block if compute else None)
+
+    def keep_secondary(self, unit: int) -> None:
+        """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""
+        if self.secondary is not None and self.has_unit(unit):
+            self.secondary.keep(unit, self.sharded.buffers[unit])
+
+    def drop_secondary(self, unit: Optional[int] = None) -> None:
+        """hpZ: forget ``unit``'s secondary copy (``None``: every unit's)."""
+        if self.secondary is not None:
+            self.secondary.drop_all() if unit is None else self.secondary.drop(unit)
 
     def release_unit(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""

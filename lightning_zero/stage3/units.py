@@ -96,10 +96,13 @@ class Unit:
                                         f"(only while {allowed.value}).")
         self.state = to
 
-    def start_gather(self) -> None:
-        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers."""
+    def start_gather(self, compute: bool = False, backward: bool = False) -> None:
+        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers. ``compute``: for a
+        forward or (``backward``) a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
+        :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards."""
         self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
-        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
+        options = {"compute": True, "backward": backward} if compute else {}
+        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index, **options)]
 
     def regather(self) -> None:
         """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
@@ -166,7 +169,8 @@ class UnitRuntime:
         """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather."""
         u = self.units[unit]
         if u.state is UnitState.SHARDED:
-            u.start_gather()
+            backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
+            u.start_gather(compute=backward or self.phase is TrainingPhase.FORWARD, backward=backward)
             live = sum(storage.gathered_bytes for storage in self.storages)
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         if wait and u.state is UnitState.GATHERING:
@@ -217,7 +221,9 @@ class UnitRuntime:
         self.release_all(include_root=True)
 
     def release_all(self, include_root: bool) -> None:
-        """Free every gathered unit (end of backward; with ``include_root`` also the end of a step)."""
+        """Free every gathered unit (end of backward; with ``include_root`` also the end of a step) and drop hpZ's
+        secondary copies (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
+        self._drop_secondary()
         for u in self.units:
             u.grads_seen = 0
             if u.index != ROOT or include_root:
@@ -225,6 +231,7 @@ class UnitRuntime:
 
     def refresh(self) -> None:
         """After an optimizer step the gathered units hold old values: gather them again from the new shards."""
+        self._drop_secondary()
         for u in self.units:
             if u.state is UnitState.GATHERING:
                 u.wait()  # let a prefetch in flight land first
@@ -269,9 +276,22 @@ class UnitRuntime:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook(unit))
+            self._keep_secondary(unit, module, bool(tensors))
             self.release(unit)
 
         return eager_hook(hook, "stage 3's post-forward hook (frees the unit)")
+
+    def _keep_secondary(self, unit: int, module: nn.Module, needs_grad: bool) -> None:
+        """hpZ: before a training forward frees ``unit``, keep its secondary copy for backward; otherwise drop any
+        (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
+        training = needs_grad or module.training
+        keep = unit != ROOT and self.phase is TrainingPhase.FORWARD and training
+        for storage in self.storages:
+            storage.keep_secondary(unit) if keep else storage.drop_secondary(unit)
+
+    def _drop_secondary(self) -> None:
+        for storage in self.storages:
+            storage.drop_secondary()
 
     def _pre_backward_hook(self, unit: int) -> Any:
         def hook(grad: torch.Tensor) -> None:

@@ -41,10 +41,10 @@ class Probe(L.Callback):
         for engine in strategy.storages:
             original = engine.gather_unit
 
-            def counted(unit: int, original: Any = original) -> Any:
+            def counted(unit: int, *args: Any, original: Any = original, **kwargs: Any) -> Any:
                 if self.in_backward:
                     self.backward_gathers[-1][unit] += 1
-                return original(unit)
+                return original(unit, *args, **kwargs)
 
             engine.gather_unit = counted
 

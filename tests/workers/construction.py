@@ -104,9 +104,8 @@ class InitialState(L.Callback):
         self.state: dict[str, torch.Tensor] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        storages = getattr(trainer.strategy, "storages", [])
         if isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 3:
-            state = full_model_state_dict(pl_module, storages)
+            state = full_model_state_dict(pl_module, trainer.strategy.storages)
         else:
             state = pl_module.state_dict()
         self.state = {k: v.detach().cpu().clone() for k, v in state.items()}

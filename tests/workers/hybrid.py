@@ -71,9 +71,9 @@ def fit(name: str, k: Optional[int], steps: int, ckpt: Path, resume: Optional[Pa
                         enable_progress_bar=False, enable_model_summary=False, **FIT)
     trainer.fit(model, ckpt_path=resume)
     trainer.save_checkpoint(ckpt)
-    storages = getattr(trainer.strategy, "storages", [])
+    storages = trainer.strategy.storages if isinstance(trainer.strategy, ZeroStrategy) else []  # ddp: none
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
-            "padded": sum(e.layout.total for e in storages), "shard": sum(e.layout.shard_size for e in storages),
+            "padded": sum(s.layout.total for s in storages), "shard": sum(s.layout.shard_size for s in storages),
             "ckpt": str(ckpt)}
 
 

@@ -1,0 +1,97 @@
+"""hpZ (ZeRO++'s hierarchical partitioning): a secondary copy of each gathered unit, sharded inside a small group.
+
+[Note: hpZ, the secondary partition]
+With ``secondary_shard_group_size=s`` the N ranks also form N/s *secondary groups* of s consecutive ranks (a node's
+devices). The model states stay sharded over all N ranks (the primary partition: reduce-scatter, optimizer step,
+the forward all-gather and checkpoints are unchanged). After a unit's forward, before its buffer is freed, each rank
+copies its secondary piece of the gathered buffer: of every bucket of the unit (b elements, a multiple of N and so
+of s), the ``b/s`` elements at its position in the secondary group. Backward's re-gather of the unit is then an
+all-gather of those pieces inside the secondary group, into the same buffer, instead of an all-gather of the primary
+shards over the world. The values are the very elements the forward gathered, so the result is bit-for-bit the one
+without hpZ (fp32 parity with DDP holds).
+
+Lifetime: a unit's secondary piece is taken at each forward that frees the unit (a training forward: grad enabled
+or the module in training mode, which covers a reentrant checkpoint's ``no_grad`` forward) and dropped when the
+unit's values change or the step ends: at the end of backward, at the optimizer step's refresh, and at the end of an
+evaluation step, so a re-gather never reads a stale copy. Only backward (and a recomputation inside it) gathers from
+it. Memory: Ψ/s working-dtype elements per rank at most (every non-root unit kept), on top of the primary shard Ψ/N.
+
+Traffic per micro-batch and rank, with U the padded size of the non-root units: the forward all-gather U (plus the
+root) counts under the world's scope as before, backward's all-gather U under ``"secondary"`` (the paper's
+formula: the backward all-gather moves from the N ranks to the s in-node ranks; on a ring (s-1)/s of the payload
+per rank instead of (N-1)/N, over the node's links only). Reduce-scatter is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.core import collectives
+from lightning_zero.core.groups import ShardGroups
+from lightning_zero.core.layout import FlatLayout
+
+
+class SecondaryShards:
+    """The secondary pieces of one storage's units (see [Note: hpZ, the secondary partition])."""
+
+    def __init__(self, layout: FlatLayout, groups: ShardGroups) -> None:
+        assert groups.secondary is not None
+        self.layout = layout
+        self.group = groups.secondary
+        self.size = collectives.world_size(self.group)
+        self.position = collectives.rank(self.group)
+        self.pieces: dict[int, Tensor] = {}
+        """Each kept unit's secondary pieces, bucket after bucket, in one flat tensor."""
+
+    def _ranges(self, unit: int) -> list[tuple[int, int]]:
+        """Each bucket of ``unit`` as (start in the unit's buffer, elements of one secondary piece)."""
+        start, _ = self.layout.unit_range(unit)
+        ranges = []
+        for bucket in self.layout.unit_buckets(unit):
+            b0, b1 = self.layout.bucket_range(bucket)
+            assert (b1 - b0) % self.size == 0, "a bucket is a multiple of N, and s divides N"
+            ranges.append((b0 - start, (b1 - b0) // self.size))
+        return ranges
+
+    def keep(self, unit: int, buffer: Tensor) -> None:
+        """Copy this rank's secondary pieces of ``unit`` out of its gathered ``buffer``."""
+        ranges = self._ranges(unit)
+        kept = self.pieces.get(unit)
+        if kept is None:
+            kept = torch.empty(sum(n for _, n in ranges), dtype=buffer.dtype, device=buffer.device)
+        at = 0
+        with torch.no_grad():
+            for b0, n in ranges:
+                kept[at : at + n].copy_(buffer[b0 + self.position * n : b0 + (self.position + 1) * n])
+                at += n
+        self.pieces[unit] = kept
+
+    def has(self, unit: int) -> bool:
+        """Whether ``unit`` has a secondary copy to gather from."""
+        return unit in self.pieces
+
+    def gather(self, unit: int, buffer: Tensor) -> list[Any]:
+        """All-gather ``unit`` inside the secondary group into ``buffer`` (which holds memory); the work handles."""
+        kept, works, at = self.pieces[unit], [], 0
+        for b0, n in self._ranges(unit):
+            # gloo's own all-gather, as for the primary gathers: ranks out of step must fail, not sum (collectives.py)
+            works.append(collectives.all_gather(buffer[b0 : b0 + n * self.size], kept[at : at + n], group=self.group,
+                                                async_op=True, allow_all_reduce=False))
+            at += n
+        return works
+
+    def drop(self, unit: int) -> None:
+        """Forget ``unit``'s copy (its values are about to change, or the forward did not free it)."""
+        self.pieces.pop(unit, None)
+
+    def drop_all(self) -> None:
+        """Forget every copy (the end of backward, a step, an evaluation step)."""
+        self.pieces.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of secondary pieces held now."""
+        return sum(t.numel() * t.element_size() for t in self.pieces.values())
