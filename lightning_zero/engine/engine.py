@@ -360,6 +360,8 @@ class ZeroEngine:
                 self.runtime.refresh()
             if zero_grad:
                 sharded.optimizer.zero_grad()
+        if self.runtime is not None:
+            self.runtime.prefetch_root()  # [Note: the root is gathered ahead of the next step] in stage3/units.py
         return output
 
     def _before_step(self, sharded: ShardedOptimizer, before_step: Optional[Callable[[], Any]],

@@ -122,6 +122,12 @@ class ShardedParams:
         if unit in self.buffers:
             self._free(unit)
 
+    def guard(self, unit: int, released: bool) -> None:
+        """Make ``unit``'s parameters refuse reads (``released``) or plain again, whatever their buffer holds (a
+        gather in flight between steps: see [Note: the root is gathered ahead of the next step] in ``units.py``)."""
+        params = self.unit_params.get(unit, [])
+        guard.release(params) if released else guard.restore(params)
+
     def _allocate(self, unit: int) -> Tensor:
         buffer = self.buffers[unit]
         storage = buffer.untyped_storage()

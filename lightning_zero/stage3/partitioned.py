@@ -121,6 +121,11 @@ class PartitionedStorage(ShardedStorage):
         if self.secondary is not None:
             self.secondary.drop_all() if unit is None else self.secondary.drop(unit)
 
+    def guard_unit(self, unit: int, released: bool) -> None:
+        """Make ``unit``'s parameters refuse reads (``released``) or plain again (see ``guard.py``)."""
+        if self.has_unit(unit):
+            self.sharded.guard(unit, released)
+
     def release_unit(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""
         self.sharded.release(unit)

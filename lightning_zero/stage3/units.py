@@ -31,6 +31,18 @@ Whether a forward is a recomputation inside backward is read from autograd (``_c
 thing that can tell: a reentrant checkpoint recomputes before any of our backward hooks ran (its first forward ran
 under ``no_grad``, so no unit output carried a hook), and a backward run outside the engine never tells the runtime
 that it started or ended.
+
+[Note: the root is gathered ahead of the next step]
+The root unit (the parameters outside every block: embeddings, final norm, head) is the first one a forward needs,
+and no unit before it can prefetch it: gathered at the root's pre-forward hook, its all-gather is the one stage 3
+waits for with nothing to overlap (issue 23). So after an optimizer step, once the new shards are written, every rank
+starts the root's gather (:meth:`UnitRuntime.prefetch_root`) and the next forward waits for it; it overlaps the data
+loading and the loop's own work between steps, as hooks on the forward could not. Meanwhile user code may run
+(callbacks, a checkpoint, evaluation), so the root's parameters keep refusing reads until the gather is waited for
+(``Unit.start_gather(guarded=True)``, [Note: a released parameter raises, it never crashes] in ``guard.py``): what a
+callback sees between steps is what it saw before, and every path that reads the root (its forward hook,
+``gathered_parameters``, ``state_dict``, a refresh after ``load_state_dict``) waits for the gather first. The memory
+is the root's, held from the step's end instead of from the next forward's start: after the step's peak, not on it.
 """
 
 from __future__ import annotations
@@ -89,6 +101,8 @@ class Unit:
         self.grads_expected = 0
         """Parameters of the unit whose gradient backward produces (the unit is freed once all of them have)."""
         self.grads_seen = 0
+        self.guarded_while_gathering = False
+        """Whether the parameters refuse reads until :meth:`wait` (a gather started between steps)."""
 
     def _move(self, allowed: UnitState, to: UnitState, what: str) -> None:
         if self.state is not allowed:
@@ -96,13 +110,21 @@ class Unit:
                                         f"(only while {allowed.value}).")
         self.state = to
 
-    def start_gather(self, compute: bool = False, backward: bool = False) -> None:
+    def start_gather(self, compute: bool = False, backward: bool = False, guarded: bool = False) -> None:
         """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers. ``compute``: for a
         forward or (``backward``) a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
-        :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards."""
+        :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards. ``guarded``: the
+        parameters keep refusing reads until :meth:`wait` (user code may run before the unit's next use)."""
         self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
         options = {"compute": True, "backward": backward} if compute else {}
         self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index, **options)]
+        if guarded:
+            self._guard(True)
+
+    def _guard(self, released: bool) -> None:
+        self.guarded_while_gathering = released
+        for storage in self.storages:
+            storage.guard_unit(self.index, released)
 
     def regather(self) -> None:
         """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
@@ -115,6 +137,8 @@ class Unit:
         pending, self.pending = self.pending, []
         for work in pending:
             collectives.wait(work, f"gather stage 3 unit '{self.name}'")
+        if self.guarded_while_gathering:
+            self._guard(False)
 
     def release(self) -> None:
         """``GATHERED -> SHARDED``: free the buffers."""
@@ -130,6 +154,8 @@ class Unit:
         self.pending = []
         if self.state is UnitState.GATHERING:
             self.state = UnitState.GATHERED
+        if self.guarded_while_gathering:
+            self._guard(False)
 
     @property
     def gathered(self) -> bool:
@@ -214,6 +240,16 @@ class UnitRuntime:
         self.order_final = bool(self.forward_order)
         self.phase = TrainingPhase.IDLE
         self.release_all(include_root)
+
+    def prefetch_root(self) -> None:
+        """After an optimizer step: start the root's gather for the next forward (see [Note: the root is gathered
+        ahead of the next step]). A collective, as the step is; nothing before the forward order is known, with
+        prefetching off, or when the root is still gathered (a step inside manual optimization)."""
+        root = self.units[ROOT]
+        if not self.order_final or self.prefetch_size <= 0 or root.state is not UnitState.SHARDED:
+            return
+        root.start_gather(compute=True, guarded=True)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(s.gathered_bytes for s in self.storages))
 
     def end_step(self) -> None:
         """After an evaluation step or a manual-optimization training step: free everything, the root too."""
