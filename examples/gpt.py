@@ -20,6 +20,7 @@ which import it as ``examples.gpt`` from the repository root.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,15 @@ class Architecture:
     gpt2_init: bool
 
 
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """The learning rate's factor at ``step``: linear warm-up over ``warmup`` steps, then cosine decay to a tenth of
+    the peak at step ``total`` (the trainer's ``max_steps``)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
 class GPT(L.LightningModule):
     """A GPT: a token embedding tied to the head (by default), a position table of its own, ``n_layer`` blocks.
 
@@ -221,15 +231,8 @@ class GPT(L.LightningModule):
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
         warmup, total = self.hparams.warmup_steps, max(self.trainer.max_steps, self.hparams.warmup_steps + 1)
-
-        def lr_factor(step: int) -> float:
-            """Linear warm-up, then cosine decay to a tenth of the peak at the trainer's ``max_steps``."""
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / (total - warmup))
-            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, warmup=warmup,
+                                                                                   total=total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @torch.no_grad()
