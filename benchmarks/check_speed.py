@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from benchmarks._model import SIZES
+from benchmarks.compare import arguments as compare_arguments
 from benchmarks.compare import compare, environment, machine
 
 #: Ratio to DDP's step that each stage may not exceed (issue 23), on an idle machine and with two busy loops beside.
@@ -43,10 +44,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 
 
 def _compare_args(args: argparse.Namespace) -> argparse.Namespace:
-    """What ``benchmarks.compare`` needs of its command line."""
-    return argparse.Namespace(world_sizes=[2], strategies=["ddp", "zero1", "zero2", "zero3"], steps=args.steps,
-                              warmup=args.warmup, repeats=args.repeats, bucket=None, precision="32-true", gpu=False,
-                              profile=False, clip=1.0, timeout=900, out=args.out)
+    """``benchmarks.compare``'s command line for this check (its other options at their defaults)."""
+    return compare_arguments().parse_args([
+        "--world-sizes", "2", "--strategies", "ddp", "zero1", "zero2", "zero3", "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--clip", "1.0", "--out", args.out])
 
 
 def medians(records: list[dict[str, Any]], metric: str) -> dict[str, dict[str, float]]:

@@ -225,7 +225,8 @@ def machine() -> str:
             f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M')}")
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.compare`` (also what ``benchmarks.check_speed`` fills in)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
@@ -249,6 +250,11 @@ def main() -> None:
                         help="bisect between widths LO (known to fit) and HI (known not to) instead of doubling from 64")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     unknown = [s for s in args.strategies if parse_variant(s)[0] not in STRATEGIES]
     if unknown:

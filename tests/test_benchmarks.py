@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -94,3 +95,14 @@ def test_zeropp_loss_writes_every_mode(tmp_path):
     assert modes["qwz"]["bytes_per_step"]["all_gather"] < exact["all_gather"] / 2
     assert modes["qgz"]["bytes_per_step"]["all_to_all"] < exact["reduce_scatter"] / 2
     assert modes["exact"]["max_step_rel_diff"] == 0
+
+
+def test_check_speed_gives_compare_every_option_it_reads():
+    """``benchmarks.check_speed`` hands ``compare`` a command line of its own: every ``args.X`` that ``compare.py``
+    reads must be in it (an option added to ``compare`` once broke the check with an ``AttributeError``)."""
+    from benchmarks.check_speed import _arguments, _compare_args
+
+    read = set(re.findall(r"\bargs\.(\w+)", (ROOT / "benchmarks" / "compare.py").read_text()))
+    given = vars(_compare_args(_arguments(["--repeats", "3"])))
+    assert read and not read - set(given), sorted(read - set(given))
+    assert given["world_sizes"] == [2] and given["clip"] == 1.0 and given["repeats"] == 3
