@@ -39,8 +39,9 @@ def run(mode: str, steps: int, val_batches: int, block: int) -> dict[str, Any]:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": model.hparams.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=model.hparams.lr)
+    warmup = model.hparams.warmup_steps  # then cosine decay over the run, as the demo's `configure_optimizers`
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_factor, warmup=model.hparams.warmup_steps, total=steps))  # warm-up, cosine decay over the run
+        lr_factor, warmup=warmup, total=max(steps, warmup + 1)))
     options = dict(MODES[mode], quantization_block_size=block) if MODES[mode] else {}
     engine = ZeroEngine(model, [optimizer], stage=3, device=torch.device("cpu"), **options)
     traffic = engine.shard_groups.traffic
