@@ -32,8 +32,8 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def run(mode: str, steps: int, val_batches: int, block: int) -> dict[str, Any]:
-    torch.manual_seed(0)
+def run(mode: str, steps: int, val_batches: int, block: int, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
     model = GPT(dropout=0.0)  # the demo's GPT and optimizer (no dropout: the runs differ by quantization alone)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -47,7 +47,7 @@ def run(mode: str, steps: int, val_batches: int, block: int) -> dict[str, Any]:
     traffic = engine.shard_groups.traffic
     data = ShakespeareData()
     data.setup("fit")
-    sampler = DistributedSampler(data.train_set, shuffle=True, seed=0)
+    sampler = DistributedSampler(data.train_set, shuffle=True, seed=seed)
     loader = DataLoader(data.train_set, batch_size=data.hparams.batch_size, sampler=sampler, drop_last=True)
     losses, bytes_per_step, start = [], [], time.perf_counter()
     batches = iter(loader)
@@ -86,10 +86,10 @@ def validate(model: GPT, data: ShakespeareData, batches: int, engine: ZeroEngine
 
 
 def main() -> None:
-    out, steps, val_batches, block = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    out, steps, val_batches, block, seed = Path(sys.argv[1]), *(int(a) for a in sys.argv[2:6])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = {mode: run(mode, steps, val_batches, block) for mode in MODES}
+    results = {mode: run(mode, steps, val_batches, block, seed) for mode in MODES}
     torch.save(results, out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 

@@ -4,7 +4,7 @@ after the last step (twice: with the forward's gathers as in training, so qwZ's 
 masters after ``teardown``, as a checkpoint loaded for inference holds them) and the bytes per step of each
 collective kind (see the Notes of ``core/quantize.py``).
 
-    python -m benchmarks.zeropp_loss --steps 300 --world-size 2 [--block 64]
+    python -m benchmarks.zeropp_loss --steps 300 --world-size 2 [--block 64] [--seed 1]
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--val-batches", type=int, default=20, help="validation batches per rank after the last step")
     parser.add_argument("--block", type=int, default=256, help="quantization_block_size of the quantized runs")
+    parser.add_argument("--seed", type=int, default=0, help="initialization and data order of every run")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ranks = launch("../../benchmarks/_zeropp_rank.py", args.world_size, Path(tmp),
-                       (str(args.steps), str(args.val_batches), str(args.block)), timeout=args.timeout)
+                       (str(args.steps), str(args.val_batches), str(args.block), str(args.seed)), timeout=args.timeout)
     runs = ranks[0]
     exact = runs["exact"]
     summary = {}
     print(f"GPT of {exact['params']:,} parameters, zero3 on {args.world_size} gloo ranks, {args.steps} steps, "
-          f"quantization blocks of {args.block}")
+          f"quantization blocks of {args.block}, seed {args.seed}")
     for mode, run in runs.items():
         diffs = [abs(a - e) / abs(e) for a, e in zip(run["losses"], exact["losses"])]
         val = (run["val_loss"] - exact["val_loss"]) / exact["val_loss"]
