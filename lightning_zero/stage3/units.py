@@ -197,8 +197,7 @@ class UnitRuntime:
         if u.state is UnitState.SHARDED:
             backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
             u.start_gather(compute=backward or self.phase is TrainingPhase.FORWARD, backward=backward)
-            live = sum(storage.gathered_bytes for storage in self.storages)
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+            self._track_peak()
         if wait and u.state is UnitState.GATHERING:
             u.wait()
 
@@ -249,7 +248,12 @@ class UnitRuntime:
         if not self.order_final or self.prefetch_size <= 0 or root.state is not UnitState.SHARDED:
             return
         root.start_gather(compute=True, guarded=True)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(s.gathered_bytes for s in self.storages))
+        self._track_peak()
+
+    def _track_peak(self) -> None:
+        """Record the gathered bytes now if they are the most so far (after a gather starts)."""
+        live = sum(storage.gathered_bytes for storage in self.storages)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def end_step(self) -> None:
         """After an evaluation step or a manual-optimization training step: free everything, the root too."""
