@@ -70,7 +70,12 @@ def test_collective_buffers_do_not_grow_when_the_model_doubles(lightning_runs):
         assert 0 < wide["bucket_bytes"] == small["bucket_bytes"] <= 4 * (600 + 300) * 4  # a few 600-element slots
         shallow, deep = rank["zero3"]["temporary"], rank["zero3_deep"]["temporary"]
         assert deep["units"] > shallow["units"]
-        assert 0 < deep["gathered_peak"] == shallow["gathered_peak"]
+        # at most the root, the unit running and `prefetch_size` elements ahead of it: the bound of the options, the
+        # same for both depths (where within it a peak lands depends on which units' checks were waited for late)
+        for run in (shallow, deep):
+            root, *units = run["unit_numels"]
+            assert 0 < run["gathered_peak"] <= 4 * (root + max(units) + run["prefetch_size"]), run
+        assert deep["gathered_peak"] > 4 * (root + 2 * max(units))  # two blocks at once: the prefetch did overlap
         assert deep["bucket_bytes"] == shallow["bucket_bytes"]
         deep_bytes = 4 * sum(p.numel() for p in rank["zero3_deep"]["params"].values())
         assert deep["gathered_peak"] < 0.5 * deep_bytes

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from lightning_zero.testing.launch import launch
 
 
@@ -21,19 +23,38 @@ def test_configure_model_never_materializes_the_full_model_and_validation_stays_
         assert math.isfinite(rank["val_loss"]) and rank["val_loss"] == ranks[0]["val_loss"]
 
 
-def test_ranks_running_different_units_fail_at_once_with_the_skipped_unit_named(tmp_path):
-    # rank 1 skips blocks.1 at step 2 under the default 30-minute process-group timeout: the lockstep check ends the
-    # job at the first unit where the ranks differ, on every rank, well within this test's bound
-    ranks = launch("diverge.py", 2, tmp_path, timeout=120)
+DIVERGENCES = {  # mode of tests/workers/diverge.py: what each rank was about to run, what rank 1 skipped
+    "forward": ("rank 0: the forward of stage 3 unit 'blocks.1'; rank 1: the forward of stage 3 unit 'blocks.2'",
+                "Rank 1 skipped 'blocks.1' (in the order of the first step's forward)"),
+    "unprefetched": ("rank 0: the forward of stage 3 unit 'blocks.1'; rank 1: the forward of stage 3 unit 'blocks.3'",
+                     "Rank 1 skipped 'blocks.1', 'blocks.2' (in the order of the first step's forward)"),
+    "backward": ("rank 0: the backward of stage 3 unit 'blocks.3'; rank 1: the backward of stage 3 unit 'blocks.2'",
+                 None),
+    "strict": ("rank 0: the forward of stage 3 unit 'blocks.1'; rank 1: the forward of stage 3 unit 'blocks.2'",
+               "Rank 1 skipped 'blocks.1' (in the order of the first step's forward)"),
+}
+
+
+@pytest.mark.parametrize("mode", list(DIVERGENCES))
+def test_ranks_running_different_units_fail_at_once_with_the_skipped_unit_named(tmp_path, mode):
+    # rank 1's control flow differs at step 2 under the default 30-minute process-group timeout: the lockstep check
+    # ends the job within one unit of where the ranks differ, on every rank, well within this test's bound. In
+    # "unprefetched" rank 1 waits for its check at once and rank 0 one unit later; in "backward" the forwards agree
+    # and rank 1's backward skips a unit, which rank 0 finds before its reduce-scatter
+    ranks = launch("diverge.py", 2, tmp_path, (mode,), timeout=120)
     errors = [rank["error"] for rank in ranks]
-    for error in errors:  # every rank stopped with the same error, at the same point, none by a broken connection
+    doing, skipped = DIVERGENCES[mode]
+    for error in errors:  # every rank stopped with the same error, none by a broken connection
         assert error and error.startswith("RanksOutOfStepError: ZeRO stage 3: the ranks ran different units"), errors
-        assert "rank 0: the forward of stage 3 unit 'blocks.1'; rank 1: the forward of stage 3 unit 'blocks.2'" in error
-        assert "Rank 1 skipped 'blocks.1' (in the order of the first step's forward)" in error, error
+        assert doing in error, error
+        assert skipped is None or skipped in error, error
         assert "different collectives" in error  # the hint: what to change
     assert errors[0] == errors[1]
     # teardown after the error: no collective, and stage 3's parameters are empty tensors, not views of freed memory
     assert all(rank["elements_left"] == 0 and math.isfinite(rank["state_sum"]) for rank in ranks), ranks
+    # once the forward order is known (step 1), only two checks per step are waited for where
+    # they are sent (the first unit of each pass); under "strict" every unit's is (five units with hooks, two passes)
+    assert all(rank["checks_at_once"][1] == (10 if mode == "strict" else 2) for rank in ranks), ranks
 
 
 def test_lockstep_check_names_each_ranks_unit_and_what_was_skipped():

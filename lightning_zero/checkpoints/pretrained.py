@@ -206,6 +206,8 @@ def fill_shards(root: nn.Module, storages: Sequence[ShardedStorage], runtime: An
     gc.collect()  # construction can leave whole units in reference cycles: free them before reading more
     for storage in storages:  # a host master may be the host parameter shard an upload still reads (params.py)
         storage.settle()
+    if runtime is not None:  # a gather started after the last step may still read the shards written below
+        runtime.land()
     dest = model_shards(root, list(storages), full_copies=True)
     done: set[int] = set()
     with torch.no_grad():

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -127,6 +127,8 @@ class GradientReducer:
         self.group = self.groups.shard
         self._divisor = layout.world_size * self.groups.replicas  # N: see [Note: averaging and accumulation]
         self.sink = sink
+        self.before_launch: Optional[Callable[[], None]] = None
+        """Called before each reduce-scatter is launched (stage 3 waits for its lockstep check there)."""
         self.quantize_block = quantize_block
         """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
         reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
@@ -289,6 +291,8 @@ class GradientReducer:
         return self._received[index] == self._expected[index]
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.before_launch is not None:
+            self.before_launch()
         slot = self._open.pop(bucket.index)
         self._next += 1
         data = slot.input(bucket, self.layout.world_size)

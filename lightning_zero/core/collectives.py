@@ -360,10 +360,22 @@ def job_group(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     return _JOB_GROUPS[full]
 
 
-def exchange_positions(values: list[int], group: Any) -> list[list[int]]:
-    """Every rank's few integers (the same count on each), on every rank, over ``group`` (from
-    :func:`make_lockstep_group`); synchronous, on the CPU. Control messages, not payload: not counted."""
-    mine = torch.tensor(values, dtype=torch.int64)
-    out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
-    _all_gather_single(out, mine, group=_pg(group))
-    return out.view(-1, len(values)).tolist()
+class PendingPositions:
+    """An exchange of every rank's few integers in flight (:func:`start_position_exchange`)."""
+
+    def __init__(self, values: list[int], group: Any) -> None:
+        self._width = len(values)
+        self._out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
+        self._work = _all_gather_single(self._out, torch.tensor(values, dtype=torch.int64), group=_pg(group),
+                                        async_op=True)
+
+    def result(self) -> list[list[int]]:
+        """Wait for the exchange; one row per rank."""
+        wait(self._work, "exchange stage 3's lockstep check")
+        return self._out.view(-1, self._width).tolist()
+
+
+def start_position_exchange(values: list[int], group: Any) -> PendingPositions:
+    """Start sending every rank's few integers (the same count on each) to every rank, over ``group`` (from
+    :func:`make_lockstep_group`), on the CPU. Control messages, not payload: not counted."""
+    return PendingPositions(values, group)

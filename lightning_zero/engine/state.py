@@ -134,6 +134,8 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
     parameters (and the gathered units of stage 3)."""
     for storage in engine.store.storages:  # a host master may be the host parameter shard an upload still reads
         storage.settle()
+    if engine.runtime is not None:  # a gather started after the last step may still read the shards written below
+        engine.runtime.land()
     dest = model_shards(engine.module, engine.store.storages, full_copies=True)
     if is_directory(checkpoint):
         check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],

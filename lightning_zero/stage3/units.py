@@ -14,8 +14,9 @@ without its hooks; the unit is gathered once in backward, by the hook on its out
 Every rank must issue the same all-gathers in the same order. The order of units in the first forward is recorded;
 afterwards the next units in that order (the previous ones in backward) are gathered asynchronously while the
 current one computes, up to ``prefetch_size`` elements in flight. A rank whose control flow runs a different unit
-than the others cannot be matched: every unit hook first checks that all ranks are about to run the same unit (see
-[Note: the lockstep check] in ``lockstep.py``), so every rank fails at the first unit where they differ, at once, and
+than the others cannot be matched: every unit hook sends the unit it is about to run to every rank (see [Note: the
+lockstep check] in ``lockstep.py``), and prefetches only from units that every rank has seen agree (see [Note: a
+check is waited for one unit late] there), so every rank fails within one unit of where they differ, together, and
 the error names the unit each rank ran and the units a rank skipped.
 
 [Note: a unit's state and the runtime's phase]
@@ -41,8 +42,9 @@ loading and the loop's own work between steps, as hooks on the forward could not
 (callbacks, a checkpoint, evaluation), so the root's parameters keep refusing reads until the gather is waited for
 (``Unit.start_gather(guarded=True)``, [Note: a released parameter raises, it never crashes] in ``guard.py``): what a
 callback sees between steps is what it saw before, and every path that reads the root (its forward hook,
-``gathered_parameters``, ``state_dict``, a refresh after ``load_state_dict``) waits for the gather first. The memory
-is the root's, held from the step's end instead of from the next forward's start: after the step's peak, not on it.
+``gathered_parameters``, ``state_dict``) waits for the gather first; ``load_state_dict``, a checkpoint load and
+``load_pretrained`` wait for it before they write the shards it reads (:meth:`UnitRuntime.land`). The memory is the
+root's, held from the step's end instead of from the next forward's start: after the step's peak, not on it.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -167,7 +169,7 @@ class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
     def __init__(self, plan: UnitPlan, storages: list["PartitionedStorage"], prefetch_size: int,
-                 lockstep_check: bool = True) -> None:
+                 lockstep_check: Union[bool, str] = True) -> None:
         self.plan = plan
         self.storages = storages
         self.prefetch_size = prefetch_size
@@ -179,7 +181,19 @@ class UnitRuntime:
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
         self._handles: list[Any] = []
-        self.lockstep = LockstepCheck(plan.names) if lockstep_check else None  # a collective: every rank makes it
+        # a collective: every rank makes it; with nobody to compare with, nothing to check
+        check = LockstepCheck(plan.names, strict=lockstep_check == "strict") if lockstep_check else None
+        self.lockstep = check if check is not None and check.active else None
+        self._unverified: Optional[tuple[int, int]] = None
+        """The unit and prefetch direction of the check in flight (see [Note: a check is waited for one unit late]
+        in ``lockstep.py``)."""
+        self._held_back: Optional[tuple[int, int]] = None
+        """Those of a check waited for whose prefetch is still to be issued (at the next :meth:`settle`)."""
+        self._last_pass: Optional[int] = None
+        self.checks_waited_at_once = 0
+        """Lockstep checks waited for at the hook that sent them (a unit not prefetched, a pass's first unit)."""
+        for storage in storages if self.lockstep is not None else ():
+            storage.reducer.before_launch = self.verify_in_flight  # a reduce-scatter follows from verified units
         for storage in storages:
             for j, p in enumerate(storage.params):
                 unit = storage.param_units[j]
@@ -192,7 +206,12 @@ class UnitRuntime:
 
     # ------------------------------------------------------------------ gather / free
     def gather(self, unit: int, wait: bool = True) -> None:
-        """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather."""
+        """All-gather ``unit`` (asynchronously unless ``wait``); waiting on a prefetched gather. A collective, for
+        code between steps: waits for the lockstep check in flight first."""
+        self.settle()
+        self._gather(unit, wait)
+
+    def _gather(self, unit: int, wait: bool = True) -> None:
         u = self.units[unit]
         if u.state is UnitState.SHARDED:
             backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
@@ -214,9 +233,10 @@ class UnitRuntime:
     def all_gathered(self) -> Iterator[None]:
         """Every unit gathered inside (a collective), so that every parameter holds its full value; the units that
         were not gathered before are freed after. A forward inside frees nothing."""
+        self.settle()
         before = {u.index for u in self.units if u.gathered}
         for unit in range(len(self.units)):
-            self.gather(unit)
+            self._gather(unit)
         previous, self.phase = self.phase, TrainingPhase.SUMMONED
         try:
             yield
@@ -236,6 +256,7 @@ class UnitRuntime:
 
     def end_backward(self, include_root: bool) -> None:
         """After a backward: the forward order is known from now on; free what is still gathered."""
+        self.settle()
         self.order_final = bool(self.forward_order)
         self.phase = TrainingPhase.IDLE
         self.release_all(include_root)
@@ -244,11 +265,19 @@ class UnitRuntime:
         """After an optimizer step: start the root's gather for the next forward (see [Note: the root is gathered
         ahead of the next step]). A collective, as the step is; nothing before the forward order is known, with
         prefetching off, or when the root is still gathered (a step inside manual optimization)."""
+        self.settle()
         root = self.units[ROOT]
         if not self.order_final or self.prefetch_size <= 0 or root.state is not UnitState.SHARDED:
             return
         root.start_gather(compute=True, guarded=True)
         self._track_peak()
+
+    def land(self) -> None:
+        """Wait for every gather in flight (the units stay gathered): before code that writes the shards they read."""
+        self.settle()
+        for u in self.units:
+            if u.state is UnitState.GATHERING:
+                u.wait()
 
     def _track_peak(self) -> None:
         """Record the gathered bytes now if they are the most so far (after a gather starts)."""
@@ -257,6 +286,7 @@ class UnitRuntime:
 
     def end_step(self) -> None:
         """After an evaluation step or a manual-optimization training step: free everything, the root too."""
+        self.settle()
         self.phase = TrainingPhase.IDLE
         self.release_all(include_root=True)
 
@@ -271,6 +301,7 @@ class UnitRuntime:
 
     def refresh(self) -> None:
         """After an optimizer step the gathered units hold old values: gather them again from the new shards."""
+        self.settle()
         self._drop_secondary()
         for u in self.units:
             if u.state is UnitState.GATHERING:
@@ -284,6 +315,8 @@ class UnitRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for storage in self.storages:
+            storage.reducer.before_launch = None
 
     # ------------------------------------------------------------------ hooks
     def _enter_forward(self) -> bool:
@@ -297,13 +330,7 @@ class UnitRuntime:
     def _pre_forward_hook(self, unit: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             recompute = self._enter_forward()
-            self._check_lockstep(unit, RECOMPUTE if recompute else FORWARD)
-            if torch.is_grad_enabled() and not recompute and not self.order_final and unit not in self.forward_order:
-                self.forward_order.append(unit)
-            self.gather(unit)
-            # a recomputed forward (activation checkpointing) runs inside backward: prefetch the units backward
-            # needs next, not the ones after this unit, which backward has already finished with
-            self._prefetch(unit, step=-1 if recompute else 1)
+            self._arrive(unit, RECOMPUTE if recompute else FORWARD, record=torch.is_grad_enabled() and not recompute)
 
         return eager_hook(hook, "stage 3's pre-forward hook (gathers the unit)")
 
@@ -337,9 +364,7 @@ class UnitRuntime:
         def hook(grad: torch.Tensor) -> None:
             if self.phase is not TrainingPhase.SUMMONED:
                 self.phase = TrainingPhase.BACKWARD
-            self._check_lockstep(unit, BACKWARD)
-            self.gather(unit)
-            self._prefetch(unit, step=-1)
+            self._arrive(unit, BACKWARD)
 
         return eager_hook(hook, "stage 3's pre-backward hook (gathers the unit)")
 
@@ -353,34 +378,79 @@ class UnitRuntime:
 
         return eager_hook(hook, "stage 3's gradient hook (frees the unit)")
 
-    def _check_lockstep(self, unit: int, phase: int) -> None:
-        """Fail on every rank at once if the ranks are about to run different units (see [Note: the lockstep check]).
+    def _arrive(self, unit: int, pass_: int, record: bool = False) -> None:
+        """A unit's hook: check it against the other ranks, gather it, prefetch the ones after it (before it in
+        backward, and in a forward recomputed inside backward: those are the ones backward needs next). ``record``:
+        a training forward, whose order is recorded until the first backward ends."""
+        step = 1 if pass_ == FORWARD else -1
+        self.settle()  # the previous unit's check: from here on, it is agreed
+        # prefetched from agreed units: its gather issues no collective. A pass's first unit waits for its check and
+        # prefetches from itself: the check before it was of another pass, which says nothing of what comes next
+        ahead = self.units[unit].gathered and self._last_pass == pass_
+        self._last_pass = pass_
+        if self.lockstep is not None:
+            self.lockstep.start(unit, pass_, self.forward_order)
+        if record and not self.order_final and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        if self.lockstep is not None and ahead and not self.lockstep.strict:
+            self._unverified = (unit, step)  # waited for at the next hook, which prefetches from it
+            self._gather(unit)
+            return
+        if self.lockstep is not None:
+            self.checks_waited_at_once += 1
+            self._verify()
+        self._gather(unit)
+        self._prefetch(unit, step)
 
-        The prefetches in flight were issued by every rank alike (the check before them passed), so they complete:
-        they are waited for before the error leaves, because teardown frees the buffers they write into."""
-        if self.lockstep is None:
+    def settle(self) -> None:
+        """Wait for the lockstep check in flight, then prefetch from its unit what it held back: the units after its
+        successor (see [Note: a check is waited for one unit late] in ``lockstep.py``). A collective."""
+        self.verify_in_flight()
+        if self._held_back is not None:
+            (unit, step), self._held_back = self._held_back, None
+            self._prefetch(unit, step, beyond_next=True)
+
+    def verify_in_flight(self) -> None:
+        """Wait for the lockstep check in flight, and leave its prefetch to the next hook (before a reduce-scatter,
+        inside the unit's backward: its prefetch there would hold one unit more at once)."""
+        if self._unverified is None:
+            return
+        self._held_back, self._unverified = self._unverified, None
+        self._verify()
+
+    def _verify(self) -> None:
+        """Wait for the lockstep check in flight: every rank fails together if the ranks sent different units.
+
+        What is in flight was issued by every rank alike (from agreed checks only), so it completes: it is waited
+        for before the error leaves, because teardown frees the buffers the gathers write into."""
+        if self.lockstep is None or not self.lockstep.in_flight:
             return
         try:
-            self.lockstep.check(unit, phase, self.forward_order)
+            self.lockstep.finish()
         except RanksOutOfStepError:
             for u in self.units:
                 u.drain()
             raise
 
-    def _prefetch(self, unit: int, step: int) -> None:
-        if unit not in self.forward_order or self.prefetch_size <= 0:
+    def _prefetch(self, unit: int, step: int, beyond_next: bool = False) -> None:
+        """Gather the units after ``unit`` in the recorded order (``step`` -1: before it, in backward's order), up to
+        ``prefetch_size`` elements; ``beyond_next``: counted from the next unit instead (the next one too, on top of
+        the budget)."""
+        order = self.forward_order if step > 0 else self.forward_order[::-1]
+        if unit not in order or self.prefetch_size <= 0:
             return
-        position = self.forward_order.index(unit) + step
-        budget = self.prefetch_size
-        while 0 <= position < len(self.forward_order):
-            candidate = self.forward_order[position]
-            size = sum(storage.unit_numel(candidate) for storage in self.storages)
+        ahead = order[order.index(unit) + 1:]
+        budget = self.prefetch_size + (self._numel(ahead[0]) if beyond_next and ahead else 0)
+        for candidate in ahead:
+            size = self._numel(candidate)
             if size > budget:
                 return
             if not self.units[candidate].gathered:
-                self.gather(candidate, wait=False)
+                self._gather(candidate, wait=False)
             budget -= size
-            position += step
+
+    def _numel(self, unit: int) -> int:
+        return sum(storage.unit_numel(unit) for storage in self.storages)
 
 
 def _in_backward() -> bool:

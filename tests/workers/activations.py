@@ -64,6 +64,9 @@ class Probe(L.Callback):
             "bucket_bytes": sum(e.reducer.peak_buffer_bytes for e in strategy.storages),  # freed before each step
             "gathered_peak": runtime.peak_gathered_bytes if runtime is not None else 0,
             "units": len(runtime.plan.names) if runtime is not None else 0,
+            "prefetch_size": PREFETCH,
+            "unit_numels": [sum(s.unit_numel(u) for s in runtime.storages) for u in range(len(runtime.units))]
+            if runtime is not None else [],
             "grad_shards": [e.reducer.grad_shard is not None for e in strategy.storages],
         }
 
