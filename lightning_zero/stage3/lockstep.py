@@ -15,11 +15,12 @@ counted in the engine's ``traffic`` (control messages, not payload).
 [Note: a check is waited for one unit late]
 Waiting for each check where it is sent would make every unit a barrier: each rank would wait for the slowest at
 every unit, in every pass (issue 23 measured 8% of zero3's step time on two CPU ranks). So a check is waited for at
-the next hook instead (:meth:`UnitRuntime.settle` in ``units.py``), one unit's compute later, and the collectives
+the next hook instead (``UnitRuntime._catch_up`` in ``units.py``), one unit's compute later, and the collectives
 that depend on it wait with it: what a hook prefetches comes from the *verified* previous unit (its successors in
-the recorded order), never from the unit the hook is about to run. A hook whose unit is not already gathered by such
-a prefetch, or that starts a pass, waits for its own check before it gathers (its gather depends on this rank's
-control flow alone), and so does any reduce-scatter (before it is launched) and every runtime call between steps.
+the recorded order), never from the unit the hook is about to run; at the end of a pass nothing more is prefetched
+from it (:meth:`UnitRuntime.settle`). A hook whose unit is not already gathered by such a prefetch, or that starts a
+pass, waits for its own check before it gathers (its gather depends on this rank's control flow alone), and so does
+any reduce-scatter (before it is launched) and every runtime call between steps.
 So every data collective a rank issues follows from checks that every rank has seen agree, and when two ranks
 diverge, what each has in flight was issued by all of them alike: they wait for it (it completes) and fail at most
 one unit after the divergence, with the same error. At most one check is in flight per rank, sent only once the one

@@ -188,7 +188,7 @@ class UnitRuntime:
         """The unit and prefetch direction of the check in flight (see [Note: a check is waited for one unit late]
         in ``lockstep.py``)."""
         self._held_back: Optional[tuple[int, int]] = None
-        """Those of a check waited for whose prefetch is still to be issued (at the next :meth:`settle`)."""
+        """Those of a check waited for whose prefetch is still to be issued (at the next unit's hook)."""
         self._last_pass: Optional[int] = None
         self.checks_waited_at_once = 0
         """Lockstep checks waited for at the hook that sent them (a unit not prefetched, a pass's first unit)."""
@@ -383,7 +383,7 @@ class UnitRuntime:
         backward, and in a forward recomputed inside backward: those are the ones backward needs next). ``record``:
         a training forward, whose order is recorded until the first backward ends."""
         step = 1 if pass_ == FORWARD else -1
-        self.settle()  # the previous unit's check: from here on, it is agreed
+        self._catch_up()  # the previous unit's check: from here on, it is agreed
         # prefetched from agreed units: its gather issues no collective. A pass's first unit waits for its check and
         # prefetches from itself: the check before it was of another pass, which says nothing of what comes next
         ahead = self.units[unit].gathered and self._last_pass == pass_
@@ -403,8 +403,14 @@ class UnitRuntime:
         self._prefetch(unit, step)
 
     def settle(self) -> None:
-        """Wait for the lockstep check in flight, then prefetch from its unit what it held back: the units after its
-        successor (see [Note: a check is waited for one unit late] in ``lockstep.py``). A collective."""
+        """Between passes and steps: wait for the lockstep check in flight, and drop the prefetch it held back (the
+        pass it was for is over). A collective."""
+        self.verify_in_flight()
+        self._held_back = None
+
+    def _catch_up(self) -> None:
+        """At a unit's hook: wait for the lockstep check in flight, then prefetch from its unit what it held back:
+        the units after its successor (see [Note: a check is waited for one unit late] in ``lockstep.py``)."""
         self.verify_in_flight()
         if self._held_back is not None:
             (unit, step), self._held_back = self._held_back, None
