@@ -130,7 +130,10 @@ def _mapping_of(tensor: Tensor) -> Optional[tuple[mmap.mmap, int, int, str]]:
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return None
     address = tensor.data_ptr()
-    for base, (size, ref, where) in tuple(_MAPPINGS.items()):  # a copy: another thread may add or drop one
+    # [Note: copy the mappings in one call] `tuple(_MAPPINGS.items())` allocates a pair per entry, and an allocation
+    # may run the garbage collector, whose `weakref.finalize` of a dropped mapping pops an entry mid-iteration
+    # ("dictionary changed size during iteration"); `dict.copy` copies without running Python code
+    for base, (size, ref, where) in _MAPPINGS.copy().items():
         if base <= address < base + size:
             mapping = ref()
             if mapping is None:
