@@ -71,7 +71,7 @@ class ZeroConfig:
     CPU message per unit and pass, waited for at the next unit), so ranks whose control flow differs fail together
     within one unit, naming it, instead of at the process group's timeout (see [Note: the lockstep check] in
     ``stage3/lockstep.py``). ``"strict"``: each unit waits for every rank before it runs, also catching a divergence
-    before a collective of the model's own inside the unit (8% slower on two CPU ranks). ``False`` saves the messages
+    before a collective of the model's own inside the unit (about 5% slower on two CPU ranks). ``False`` saves the messages
     once the model's control flow is known to be the same on every rank."""
     bucket_buffers: int = 2
     """How many bucket-sized buffers may be in flight at once (constant memory: this times the bucket size)."""

@@ -126,6 +126,14 @@ def test_offload_params_below_stage3_is_an_error(stage, offload_optimizer):
     assert ZeroConfig(stage=stage, offload_params=False).offload_params is False
 
 
+def test_lockstep_check_takes_a_bool_or_strict():
+    assert ZeroConfig(stage=3, lockstep_check="strict").lockstep_check == "strict"
+    assert ZeroStrategy(stage=3, lockstep_check=False).config.lockstep_check is False
+    for wrong in ("lagged", 1, None):
+        with pytest.raises(TypeError, match=r"`lockstep_check` must be True, False or 'strict'"):
+            ZeroConfig(stage=3, lockstep_check=wrong)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"stage": 3, "unit_classes": ["Block"], "prefetch_size": 0, "persistence_threshold": 0},
     {"stage": 2},

@@ -52,8 +52,8 @@ def test_ranks_running_different_units_fail_at_once_with_the_skipped_unit_named(
     assert errors[0] == errors[1]
     # teardown after the error: no collective, and stage 3's parameters are empty tensors, not views of freed memory
     assert all(rank["elements_left"] == 0 and math.isfinite(rank["state_sum"]) for rank in ranks), ranks
-    # once the forward order is known (step 1), only two checks per step are waited for where
-    # they are sent (the first unit of each pass); under "strict" every unit's is (five units with hooks, two passes)
+    # once the forward order is known (step 1), only two checks per step are waited for where they are sent (the
+    # first unit of each pass); under "strict" every unit's is (five units with hooks, two passes)
     assert all(rank["checks_at_once"][1] == (10 if mode == "strict" else 2) for rank in ranks), ranks
 
 
