@@ -361,7 +361,9 @@ def job_group(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
 
 
 class PendingPositions:
-    """An exchange of every rank's few integers in flight (:func:`start_position_exchange`)."""
+    """Every rank's few integers (the same count on each) on their way to every rank, over ``group`` (from
+    :func:`make_lockstep_group`), on the CPU: made when sent, :meth:`result` waits. Control messages, not payload:
+    not counted."""
 
     def __init__(self, values: list[int], group: Any) -> None:
         self._width = len(values)
@@ -373,9 +375,3 @@ class PendingPositions:
         """Wait for the exchange; one row per rank."""
         wait(self._work, "exchange stage 3's lockstep check")
         return self._out.view(-1, self._width).tolist()
-
-
-def start_position_exchange(values: list[int], group: Any) -> PendingPositions:
-    """Start sending every rank's few integers (the same count on each) to every rank, over ``group`` (from
-    :func:`make_lockstep_group`), on the CPU. Control messages, not payload: not counted."""
-    return PendingPositions(values, group)

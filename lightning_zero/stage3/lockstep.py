@@ -55,7 +55,7 @@ class LockstepCheck:
         self.strict = strict
         """Whether every check is waited for where it is sent (``lockstep_check="strict"``)."""
         self.group: Optional[Any] = collectives.make_lockstep_group()
-        self._in_flight: Optional[tuple[collectives.PendingPositions, list[int]]] = None
+        self._in_flight: Optional[collectives.PendingPositions] = None
 
     @property
     def active(self) -> bool:
@@ -73,22 +73,22 @@ class LockstepCheck:
             return
         assert self._in_flight is None, "one lockstep check in flight at a time"
         position = forward_order.index(unit) if unit in forward_order else -1
-        order = list(forward_order)
-        self._in_flight = (collectives.start_position_exchange([phase, unit, position], self.group), order)
+        self._in_flight = collectives.PendingPositions([phase, unit, position], self.group)
 
-    def finish(self) -> None:
-        """Wait for the check in flight (if any); raise on every rank if any rank sent another unit or pass."""
+    def finish(self, forward_order: Sequence[int]) -> None:
+        """Wait for the check in flight (if any); raise on every rank if any rank sent another unit or pass.
+        ``forward_order``: the recorded order (it only grows, so the positions sent with the check still hold)."""
         if self._in_flight is None:
             return
-        (pending, order), self._in_flight = self._in_flight, None
+        pending, self._in_flight = self._in_flight, None
         rows = pending.result()
         if any(row != rows[0] for row in rows):
-            raise RanksOutOfStepError(self.describe(rows, order))
+            raise RanksOutOfStepError(self.describe(rows, forward_order))
 
     def check(self, unit: int, phase: int, forward_order: Sequence[int]) -> None:
         """Collective: :meth:`start` and :meth:`finish` at once."""
         self.start(unit, phase, forward_order)
-        self.finish()
+        self.finish(forward_order)
 
     def describe(self, rows: list[list[int]], forward_order: Sequence[int]) -> str:
         """What each rank was about to run, and which units a rank skipped (see :meth:`skipped`)."""

@@ -388,15 +388,16 @@ class UnitRuntime:
         # prefetches from itself: the check before it was of another pass, which says nothing of what comes next
         ahead = self.units[unit].gathered and self._last_pass == pass_
         self._last_pass = pass_
-        if self.lockstep is not None:
-            self.lockstep.start(unit, pass_, self.forward_order)
+        check = self.lockstep
+        if check is not None:
+            check.start(unit, pass_, self.forward_order)
         if record and not self.order_final and unit not in self.forward_order:
             self.forward_order.append(unit)
-        if self.lockstep is not None and ahead and not self.lockstep.strict:
+        if check is not None and ahead and not check.strict:
             self._unverified = (unit, step)  # waited for at the next hook, which prefetches from it
             self._gather(unit)
             return
-        if self.lockstep is not None:
+        if check is not None:
             self.checks_waited_at_once += 1
             self._verify()
         self._gather(unit)
@@ -432,7 +433,7 @@ class UnitRuntime:
         if self.lockstep is None or not self.lockstep.in_flight:
             return
         try:
-            self.lockstep.finish()
+            self.lockstep.finish(self.forward_order)
         except RanksOutOfStepError:
             for u in self.units:
                 u.drain()
