@@ -8,7 +8,9 @@ and counts the logical payload with ``lightning_zero.core.collectives``' rule: t
 of an all-gather, the tensor of an all-reduce or broadcast. DDP's C++ reducer does not go through Python, so the
 ``ddp`` run installs the stock ``allreduce_hook`` as its communication hook (:func:`counted_ddp_strategy`),
 which calls ``dist.all_reduce`` once per gradient bucket (registered by hand: Lightning does it on CUDA only); FSDP2 and DeepSpeed call the Python functions
-themselves. The counter runs only between the start and the end of a measured step.
+themselves. Point-to-point sends (``isend``, ``send``: lightning_zero's pairwise exchanges on gloo, see [Note:
+reduce-scatter and all-gather on gloo] in ``lightning_zero/core/collectives.py``) count as ``send``, the bytes this
+rank sent. The counter runs only between the start and the end of a measured step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ _PAYLOAD: dict[str, tuple[str, int, str]] = {
     "all_gather": ("all_gather", 0, "tensor_list"),
     "reduce_scatter": ("reduce_scatter", 1, "input_list"),
     "all_reduce_coalesced": ("all_reduce", 0, "tensors"),
+    "isend": ("send", 0, "tensor"),
+    "send": ("send", 0, "tensor"),
 }
 
 

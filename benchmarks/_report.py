@@ -7,7 +7,8 @@ with ratios against ``ddp``, a JSON file for machines, and a PNG plot (matplotli
 - peak / rank: the highest rank's peak (resident high-water mark on CPU, ``max_memory_allocated`` on GPU), and its
   growth above the level before ``fit`` (imports, interpreter), the part the training adds.
 - model states / rank: measured from live tensors after a backward (rank 0).
-- comm / step: bytes of collective payload one rank issued in one measured step, also in units of Ψ fp32 words.
+- comm / step: bytes of collective payload one rank issued in one measured step (plus the bytes it sent point to
+  point, see [Note: one traffic counter for everybody] in ``_probes.py``), also in units of Ψ fp32 words.
 """
 
 from __future__ import annotations

@@ -9,20 +9,26 @@ times ``(N - 1) / N``) and are not what is compared. A process group of one rank
 
 [Note: reduce-scatter and all-gather on gloo]
 gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are much slower than its all-reduce of the same
-buffer (timings: benchmarks/RESULTS.md, "Profile and fixes (part 5)", from ``benchmarks/gloo_collectives.py``), so on
-gloo both are carried out as one all-reduce each. A reduce-scatter all-reduces its
-input in place (the caller's bucket is scratch) and copies this rank's chunk out when the work is waited for; an
-all-gather zeros the other ranks' chunks of the output and all-reduces it. ``x + 0 == x`` exactly, so the gathered
-values are bit-identical (only a ``-0.0`` comes back as ``+0.0``); the reduced sums are DDP's own all-reduce. The
-memory is the same (in place), the counters still count the logical payload above, and the bytes on the wire of an
-all-gather double, which gloo's own algorithm costs in time anyway. Stage 3's unit gathers stay native: their order
-follows the model's control flow, and two ranks out of step must fail (an all-reduce would silently sum two units
-of the same size; an all-reduce of two different sizes even aborts the process inside gloo). gloo's own all-gather
-allocates a second, full-size output inside gloo and copies it out (its peak is a second copy of the output; an
-all-reduce of the same buffer adds next to nothing: benchmarks/RESULTS.md, "Where the overhead went"), so stage 3
-gathers a unit bucket by bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in
-``config.py``), not the unit's. Bucket reduce-scatters and the after-step gathers are issued in a fixed order by
-every rank. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
+buffer, and its all-reduce moves twice the bytes a reduce-scatter or an all-gather needs (timings:
+benchmarks/RESULTS.md, "Profile and fixes (part 5)" and "Pairwise exchanges on gloo", from
+``benchmarks/gloo_collectives.py``). So on gloo the two run as pairwise exchanges (:func:`_exchange_gather`,
+:func:`_exchange_reduce`): every rank sends each peer that peer's chunk and receives its own from each peer, point
+to point, straight into the output; a reduce-scatter then adds its own chunk to what it received. That is the least
+any algorithm moves, half of the all-reduce's, with no temporary: an all-gather receives into the output's chunks,
+and a reduce-scatter in a group of two receives into the output. A larger group's reduce-scatter would need a
+receive buffer per peer, so it stays one in-place all-reduce of its (scratch) input and a copy of this rank's chunk.
+The sum of two chunks is the same whichever rank adds it (``a + b == b + a`` exactly), so at N = 2 the reduced
+values are bit-identical to DDP's all-reduce. Each exchange has a tag of its own, counted per process group in the
+order every rank issues them (see [Note: lockstep] in ``buckets.py``).
+
+A point-to-point message whose size differs from the receive (two ranks out of step) aborts the process inside gloo,
+as an all-reduce of two sizes does. So a gather whose order follows the model's control flow (stage 3's units) takes
+the exchange only where stage 3's lockstep check has verified the unit on every rank before the gather is issued
+(``verified=True``; see [Note: a check is waited for one unit late] in ``stage3/lockstep.py``); otherwise it keeps
+gloo's own all-gather, which fails with an error. gloo's own all-gather allocates a second, full-size output inside
+gloo and copies it out (benchmarks/RESULTS.md, "Where the overhead went"), so stage 3 gathers a unit bucket by
+bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the
+unit's. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
 Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
 scope in the counters of the :class:`~lightning_zero.core.groups.ShardGroups` that owns it (see
@@ -168,53 +174,105 @@ class _CopyAfter:
         return True
 
 
-def _via_all_reduce(group: Optional[Any]) -> bool:
-    """Whether reduce-scatter and all-gather run as all-reduces (see [Note: reduce-scatter and all-gather on gloo])."""
+def _on_gloo(group: Optional[Any]) -> bool:
+    """Whether reduce-scatter and all-gather avoid gloo's own (see [Note: reduce-scatter and all-gather on gloo])."""
     return dist.get_backend(_pg(group)) == "gloo" and os.environ.get("LIGHTNING_ZERO_GLOO_NATIVE", "0") != "1"
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
     """Sum ``input`` (``world_size`` equal chunks) over ranks; this rank's chunk of the sum lands in ``output``.
 
-    ``input`` is scratch: on gloo it is overwritten with the full sum.
+    ``input`` is scratch: on gloo its contents are undefined afterwards.
     """
     if not is_distributed(group):
         output.copy_(input)
         return _DoneWork()
     _count("reduce_scatter", input, group)
-    if not _via_all_reduce(group):
+    if not _on_gloo(group):
         work = _reduce_scatter_single(output, input, group=_pg(group), async_op=async_op)
-        return work if async_op else _DoneWork()
-    n, r = output.numel(), rank(group)
-    work = _CopyAfter(dist.all_reduce(input, group=_pg(group), async_op=True), output, input[r * n : (r + 1) * n])
+    elif world_size(group) == 2:
+        work = _exchange_reduce(output, input, group)
+    else:
+        n, r = output.numel(), rank(group)
+        work = _CopyAfter(dist.all_reduce(input, group=_pg(group), async_op=True), output, input[r * n : (r + 1) * n])
     if not async_op:
         work.wait()
     return work
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False,
-               allow_all_reduce: bool = True) -> Any:
+               verified: bool = True) -> Any:
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's slice of ``output``.
 
-    ``allow_all_reduce=False`` keeps gloo's own all-gather: for gathers whose order follows the model's control flow
-    (stage 3 units), where two ranks out of step must fail, not sum two different units of the same size.
+    ``verified=False`` keeps gloo's own all-gather: for gathers whose order follows the model's control flow and that
+    no check has matched across ranks, where two ranks out of step must fail with an error (see [Note: reduce-scatter
+    and all-gather on gloo]).
     """
     if not is_distributed(group):
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _DoneWork()
     _count("all_gather", output, group)
-    if allow_all_reduce and _via_all_reduce(group):
-        n, r = input.numel(), rank(group)
-        mine = output[r * n : (r + 1) * n]
-        if mine.data_ptr() != input.data_ptr():
-            mine.copy_(input)
-        output[: r * n].zero_()
-        output[(r + 1) * n :].zero_()
-        work = dist.all_reduce(output, group=_pg(group), async_op=async_op)
-    else:
-        work = _all_gather_single(output, input, group=_pg(group), async_op=async_op)
+    if verified and _on_gloo(group):
+        work = _exchange_gather(output, input, group)
+        if not async_op:
+            work.wait()
+        return work
+    work = _all_gather_single(output, input, group=_pg(group), async_op=async_op)
     return work if async_op else _DoneWork()
+
+
+class _Exchange:
+    """The sends and receives of one pairwise exchange; ``wait`` waits for all of them, then runs ``then``."""
+
+    def __init__(self, works: list[Any], then: Optional[Callable[[], None]] = None) -> None:
+        self.works: Optional[list[Any]] = works
+        self.then = then
+
+    def wait(self) -> bool:
+        if self.works is not None:
+            works, self.works = self.works, None
+            for work in works:
+                work.wait()
+            if self.then is not None:
+                self.then()
+        return True
+
+
+_TAGS: dict[int, int] = {}
+
+
+def _next_tag(group: Optional[Any]) -> int:
+    """The tag of the next exchange over ``group``: every rank counts its exchanges over each process group in the
+    same order, so the tags match (see [Note: reduce-scatter and all-gather on gloo])."""
+    key = id(_pg(group) or dist.group.WORLD)
+    _TAGS[key] = tag = (_TAGS.get(key, 0) + 1) % (1 << 30)
+    return tag
+
+
+def _exchange_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any]) -> _Exchange:
+    """All-gather point to point: send ``input`` to every peer, receive each peer's chunk into its place in
+    ``output``; this rank's chunk is copied in if ``input`` is not already there."""
+    pg, n, r, size = _pg(group), input.numel(), rank(group), world_size(group)
+    tag, works = _next_tag(group), []
+    for step in range(1, size):
+        to, source = (r + step) % size, (r - step) % size
+        works.append(dist.isend(input, group=pg, group_dst=to, tag=tag))
+        works.append(dist.irecv(output[source * n : (source + 1) * n], group=pg, group_src=source, tag=tag))
+    mine = output[r * n : (r + 1) * n]
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input)
+    return _Exchange(works)
+
+
+def _exchange_reduce(output: torch.Tensor, input: torch.Tensor, group: Optional[Any]) -> _Exchange:
+    """Reduce-scatter in a group of two, point to point: send the peer its chunk of ``input``, receive the peer's
+    part of this rank's chunk into ``output``, and add this rank's own part when waited for."""
+    pg, n, r = _pg(group), output.numel(), rank(group)
+    tag, peer = _next_tag(group), 1 - r
+    works = [dist.isend(input[peer * n : (peer + 1) * n], group=pg, group_dst=peer, tag=tag),
+             dist.irecv(output, group=pg, group_src=peer, tag=tag)]
+    return _Exchange(works, lambda: output.add_(input[r * n : (r + 1) * n]))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None) -> None:

@@ -103,8 +103,8 @@ def all_gather_quantized(output: Tensor, input: Tensor, block: int, group: Optio
     codes, scales = quantize(input, block)
     all_codes = torch.empty(ranks * codes.numel(), dtype=torch.int8, device=input.device)
     all_scales = torch.empty(ranks * scales.numel(), dtype=torch.float32, device=input.device)
-    works = [collectives.all_gather(all_codes, codes, group=group, async_op=True, allow_all_reduce=False),
-             collectives.all_gather(all_scales, scales, group=group, async_op=True, allow_all_reduce=False)]
+    works = [collectives.all_gather(all_codes, codes, group=group, async_op=True, verified=False),
+             collectives.all_gather(all_scales, scales, group=group, async_op=True, verified=False)]
     return _Dequantize(works, output, all_codes, all_scales, ranks)
 
 

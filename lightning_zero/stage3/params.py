@@ -76,10 +76,11 @@ class ShardedParams:
                 offset = self.layout.offsets[j] - start
                 p.data = buffer[offset : offset + p.numel()].view(p.shape)
 
-    def gather(self, unit: int, quantize_block: Optional[int] = None) -> list[Any]:
+    def gather(self, unit: int, quantize_block: Optional[int] = None, verified: bool = False) -> list[Any]:
         """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles. With
         ``quantize_block``, as blockwise int8 (qwZ: see [Note: qwZ, the quantized all-gather of weights] in
-        ``core/quantize.py``)."""
+        ``core/quantize.py``). ``verified``: the lockstep check matched this gather on every rank (see
+        :func:`~lightning_zero.core.collectives.all_gather`)."""
         if unit not in self.buffers:
             return []
         buffer = self._allocate(unit)
@@ -94,9 +95,7 @@ class ShardedParams:
             if quantize_block is not None:
                 works.append(all_gather_quantized(output, source, quantize_block, group=self.group))
                 continue
-            # gloo's own all-gather: ranks whose control flow diverges must fail, not sum units (collectives.py)
-            works.append(collectives.all_gather(output, source, group=self.group, async_op=True,
-                                                allow_all_reduce=False))
+            works.append(collectives.all_gather(output, source, group=self.group, async_op=True, verified=verified))
         return works
 
     def allocate(self, unit: int) -> Tensor:

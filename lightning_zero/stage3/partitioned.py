@@ -39,6 +39,10 @@ class PartitionedStorage(ShardedStorage):
         """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self.weight_block = config.quantization_block_size if config.quantized_weights else None
         """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
+        self.gathers_verified = False
+        """Whether every unit gather follows from lockstep checks that all ranks have seen agree, or from a call that
+        all ranks make between steps (the runtime sets it when the check is on): gloo may then gather by pairwise
+        exchange (see [Note: reduce-scatter and all-gather on gloo] in ``core/collectives.py``)."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -97,7 +101,7 @@ class PartitionedStorage(ShardedStorage):
             with torch.no_grad():  # this rank's chunk in its place (an upload from a host master), then in place
                 chunk.copy_(self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size])
             works.append(collectives.all_gather(full[b0 - start : b1 - start], chunk, group=self.group,
-                                                async_op=True, allow_all_reduce=False))
+                                                async_op=True, verified=False))
         for work in works:
             collectives.wait(work, "gather a stage 3 unit's master values")
         return full
@@ -108,8 +112,8 @@ class PartitionedStorage(ShardedStorage):
         kept, otherwise from the primary shards as blockwise int8 under qwZ (see ``secondary.py`` and
         ``core/quantize.py``); otherwise exact, from the primary shards."""
         if compute and backward and self.secondary is not None and self.secondary.has(unit):
-            return self.secondary.gather(unit, self.sharded.allocate(unit))
-        return self.sharded.gather(unit, self.weight_block if compute else None)
+            return self.secondary.gather(unit, self.sharded.allocate(unit), self.gathers_verified)
+        return self.sharded.gather(unit, self.weight_block if compute else None, self.gathers_verified)
 
     def keep_secondary(self, unit: int) -> None:
         """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""

@@ -73,13 +73,13 @@ class SecondaryShards:
         """Whether ``unit`` has a secondary copy to gather from."""
         return unit in self.pieces
 
-    def gather(self, unit: int, buffer: Tensor) -> list[Any]:
-        """All-gather ``unit`` inside the secondary group into ``buffer`` (which holds memory); the work handles."""
+    def gather(self, unit: int, buffer: Tensor, verified: bool = False) -> list[Any]:
+        """All-gather ``unit`` inside the secondary group into ``buffer`` (which holds memory); the work handles.
+        ``verified``: as for the primary gathers (``ShardedParams.gather`` in ``params.py``)."""
         kept, works, at = self.pieces[unit], [], 0
         for b0, n in self._ranges(unit):
-            # gloo's own all-gather, as for the primary gathers: ranks out of step must fail, not sum (collectives.py)
             works.append(collectives.all_gather(buffer[b0 : b0 + n * self.size], kept[at : at + n], group=self.group,
-                                                async_op=True, allow_all_reduce=False))
+                                                async_op=True, verified=verified))
             at += n
         return works
 

@@ -194,6 +194,7 @@ class UnitRuntime:
         """Lockstep checks waited for at the hook that sent them (a unit not prefetched, a pass's first unit)."""
         for storage in storages if self.lockstep is not None else ():
             storage.reducer.before_launch = self.verify_in_flight  # a reduce-scatter follows from verified units
+            storage.gathers_verified = True  # so does every gather: gloo may exchange pairwise (collectives.py)
         for storage in storages:
             for j, p in enumerate(storage.params):
                 unit = storage.param_units[j]
