@@ -1,5 +1,6 @@
 """gloo's collectives on one buffer: why ``lightning_zero.core.collectives`` runs reduce-scatter and all-gather as
-all-reduces on CPU (see its [Note: reduce-scatter and all-gather on gloo]).
+pairwise exchanges on CPU, and a larger group's reduce-scatter as an all-reduce (see its [Note: reduce-scatter and
+all-gather on gloo]).
 
     python -m benchmarks.gloo_collectives --elements 23000000 --world-size 2 --repeats 5
     python -m benchmarks.gloo_collectives --elements 25000000 --world-size 4 --repeats 3 --bucket-sweep
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_zero.core import collectives
+
 
 def _ops(n: int, world_size: int, rank: int) -> dict[str, object]:
     x, full = torch.randn(n), torch.empty(n)
@@ -41,6 +44,8 @@ def _ops(n: int, world_size: int, rank: int) -> dict[str, object]:
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, chunk),
         "reduce-scatter as all-reduce + copy": lambda: (dist.all_reduce(x), chunk.copy_(x[mine])),
         "all-gather as zero + all-reduce": gather_as_all_reduce,
+        "lightning_zero reduce-scatter (pairwise exchange at N = 2)": lambda: collectives.reduce_scatter(chunk, x),
+        "lightning_zero all-gather (pairwise exchange)": lambda: collectives.all_gather(full, chunk),
         "copy (one pass)": lambda: full.copy_(x),
         "zero_": lambda: full.zero_(),
         "div_": lambda: full.div_(world_size),
