@@ -8,10 +8,10 @@ per rank, what each collective produced.
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,8 @@ def values(rank: int, round_: int, world_size: int) -> Tensor:
     return torch.randn(world_size * CHUNK, generator=generator)
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank, size = dist.get_rank(), dist.get_world_size()
+def exchange(rank: int, size: int) -> dict[str, Any]:
+    """Run the collectives; what each produced on this rank."""
     second = dist.new_group(list(range(size)))
     works, chunks, gathers, in_place = [], [], [], []
     for round_ in range(ROUNDS):  # issued interleaved over two groups, waited for in reverse
@@ -55,14 +53,12 @@ def main() -> None:
     dist.all_reduce(summed)  # gloo's own sum, for the bit-identity at N = 2
     native = torch.empty(size * CHUNK)
     collectives.all_gather(native, values(rank, 0, size)[:CHUNK], verified=False)
-    torch.save({"rank": rank, "chunks": chunks, "gathers": gathers, "in_place": in_place,
-                "all_reduce": summed[rank * CHUNK : (rank + 1) * CHUNK].clone(), "native": native},
-               out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    return {"rank": rank, "chunks": chunks, "gathers": gathers, "in_place": in_place,
+            "all_reduce": summed[rank * CHUNK : (rank + 1) * CHUNK].clone(), "native": native}
 
 
 if __name__ == "__main__":
-    main()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.save(exchange(dist.get_rank(), dist.get_world_size()), Path(sys.argv[1]) / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
