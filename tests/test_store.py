@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_zero import ZeroEngine
 from lightning_zero.core.optimizer import StepPhase
-from lightning_zero.stage3.units import IllegalUnitTransition, TrainingPhase, Unit, UnitState
+from lightning_zero.stage3.unit import IllegalUnitTransition, TrainingPhase, Unit, UnitState
 
 
 def _model() -> nn.Module:

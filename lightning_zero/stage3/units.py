@@ -1,4 +1,5 @@
-"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after.
+"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after; each
+unit and its state is a :class:`~lightning_zero.stage3.unit.Unit` (``unit.py``).
 
 [Note: gather, free, and autograd]
 Each unit's parameters are views of one flat buffer per storage; freeing resizes that buffer's *storage* to zero
@@ -19,20 +20,6 @@ lockstep check] in ``lockstep.py``), and prefetches only from units that every r
 check is waited for one unit late] there), so every rank fails within one unit of where they differ, together, and
 the error names the unit each rank ran and the units a rank skipped.
 
-[Note: a unit's state and the runtime's phase]
-Each unit is one :class:`Unit` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
-``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full values).
-The moves are ``SHARDED -> GATHERING`` (:meth:`Unit.start_gather`), ``GATHERING -> GATHERED`` (:meth:`Unit.wait`),
-``GATHERED -> GATHERING`` (:meth:`Unit.regather`, after a step wrote new shards) and ``GATHERED -> SHARDED``
-(:meth:`Unit.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping mistake fails where it is
-made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
-``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``) says what the hooks are inside: a unit is freed after its
-forward except when recomputing (backward needs it next) or ``SUMMONED`` (:meth:`UnitRuntime.all_gathered`).
-Whether a forward is a recomputation inside backward is read from autograd (``_current_graph_task_id``), the only
-thing that can tell: a reentrant checkpoint recomputes before any of our backward hooks ran (its first forward ran
-under ``no_grad``, so no unit output carried a hook), and a backward run outside the engine never tells the runtime
-that it started or ended.
-
 [Note: the root is gathered ahead of the next step]
 The root unit (the parameters outside every block: embeddings, final norm, head) is the first one a forward needs,
 and no unit before it can prefetch it: gathered at the root's pre-forward hook, its all-gather is the one stage 3
@@ -52,8 +39,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import Enum
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
@@ -63,106 +49,10 @@ from lightning_zero.core import collectives
 from lightning_zero.core.compiled import eager_hook
 from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
+from lightning_zero.stage3.unit import TrainingPhase, Unit, UnitState
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedStorage
-
-
-class UnitState(Enum):
-    """Where a unit's parameters are (see [Note: a unit's state and the runtime's phase])."""
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-class TrainingPhase(Enum):
-    """What the unit hooks are running inside (see [Note: a unit's state and the runtime's phase])."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    RECOMPUTE = "recompute"
-    BACKWARD = "backward"
-    SUMMONED = "summoned"
-
-
-class IllegalUnitTransition(RuntimeError):
-    """A unit was asked for a move its state does not allow (a bug in the runtime, never in user code)."""
-
-
-class Unit:
-    """One stage 3 unit: its gathers and frees over every storage holding its parameters, and its state."""
-
-    def __init__(self, index: int, name: str, storages: Sequence["PartitionedStorage"]) -> None:
-        self.index = index
-        self.name = name
-        self.storages = storages
-        self.state = UnitState.SHARDED
-        self.pending: list[Any] = []
-        """The all-gathers in flight (``GATHERING``)."""
-        self.grads_expected = 0
-        """Parameters of the unit whose gradient backward produces (the unit is freed once all of them have)."""
-        self.grads_seen = 0
-        self.guarded_while_gathering = False
-        """Whether the parameters refuse reads until :meth:`wait` (a gather started between steps)."""
-
-    def _move(self, allowed: UnitState, to: UnitState, what: str) -> None:
-        if self.state is not allowed:
-            raise IllegalUnitTransition(f"stage 3 unit '{self.name}': cannot {what} while {self.state.value} "
-                                        f"(only while {allowed.value}).")
-        self.state = to
-
-    def start_gather(self, compute: bool = False, backward: bool = False, guarded: bool = False) -> None:
-        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers. ``compute``: for a
-        forward or (``backward``) a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
-        :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards. ``guarded``: the
-        parameters keep refusing reads until :meth:`wait` (user code may run before the unit's next use)."""
-        self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
-        options = {"compute": True, "backward": backward} if compute else {}
-        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index, **options)]
-        if guarded:
-            self._guard(True)
-
-    def _guard(self, released: bool) -> None:
-        self.guarded_while_gathering = released
-        for storage in self.storages:
-            storage.guard_unit(self.index, released)
-
-    def regather(self) -> None:
-        """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
-        self._move(UnitState.GATHERED, UnitState.GATHERING, "gather again")
-        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
-
-    def wait(self) -> None:
-        """``GATHERING -> GATHERED``: wait for the all-gathers in flight."""
-        self._move(UnitState.GATHERING, UnitState.GATHERED, "wait for a gather")
-        pending, self.pending = self.pending, []
-        for work in pending:
-            collectives.wait(work, f"gather stage 3 unit '{self.name}'")
-        if self.guarded_while_gathering:
-            self._guard(False)
-
-    def release(self) -> None:
-        """``GATHERED -> SHARDED``: free the buffers."""
-        self._move(UnitState.GATHERED, UnitState.SHARDED, "release")
-        for storage in self.storages:
-            storage.release_unit(self.index)
-
-    def drain(self) -> None:
-        """Wait for the all-gathers in flight without raising (before an error leaves: teardown frees their
-        buffers)."""
-        for work in self.pending:
-            work.wait()
-        self.pending = []
-        if self.state is UnitState.GATHERING:
-            self.state = UnitState.GATHERED
-        if self.guarded_while_gathering:
-            self._guard(False)
-
-    @property
-    def gathered(self) -> bool:
-        """Whether its buffers hold memory (``GATHERING`` or ``GATHERED``)."""
-        return self.state is not UnitState.SHARDED
 
 
 class UnitRuntime:
@@ -321,8 +211,8 @@ class UnitRuntime:
 
     # ------------------------------------------------------------------ hooks
     def _enter_forward(self) -> bool:
-        """At a unit's forward: the phase it runs in (see [Note: a unit's state and the runtime's phase]); returns
-        whether it is a recomputation inside backward."""
+        """At a unit's forward: the phase it runs in (see [Note: a unit's state and the runtime's phase] in
+        ``unit.py``); returns whether it is a recomputation inside backward."""
         recompute = _in_backward()
         if self.phase is not TrainingPhase.SUMMONED:
             self.phase = TrainingPhase.RECOMPUTE if recompute else TrainingPhase.FORWARD
@@ -462,7 +352,8 @@ class UnitRuntime:
 
 
 def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (see [Note: a unit's state and the runtime's phase])."""
+    """Whether autograd is running a backward on this thread (see [Note: a unit's state and the runtime's phase] in
+    ``unit.py``)."""
     return torch._C._current_graph_task_id() != -1
 
 

@@ -1,0 +1,123 @@
+"""Stage 3: one unit, the parameters gathered and freed together, and the state it is in.
+
+[Note: a unit's state and the runtime's phase]
+Each unit is one :class:`Unit` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
+``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full values).
+The moves are ``SHARDED -> GATHERING`` (:meth:`Unit.start_gather`), ``GATHERING -> GATHERED`` (:meth:`Unit.wait`),
+``GATHERED -> GATHERING`` (:meth:`Unit.regather`, after a step wrote new shards) and ``GATHERED -> SHARDED``
+(:meth:`Unit.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping mistake fails where it is
+made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
+``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``; ``UnitRuntime`` in ``units.py``) says what the hooks are
+inside: a unit is freed after its forward except when recomputing (backward needs it next) or ``SUMMONED``
+(``UnitRuntime.all_gathered``). Whether a forward is a recomputation inside backward is read from autograd
+(``_current_graph_task_id``), the only thing that can tell: a reentrant checkpoint recomputes before any of our
+backward hooks ran (its first forward ran under ``no_grad``, so no unit output carried a hook), and a backward run
+outside the engine never tells the runtime that it started or ended.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Sequence
+
+from lightning_zero.core import collectives
+
+if TYPE_CHECKING:
+    from lightning_zero.stage3.partitioned import PartitionedStorage
+
+
+class UnitState(Enum):
+    """Where a unit's parameters are (see [Note: a unit's state and the runtime's phase])."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class TrainingPhase(Enum):
+    """What the unit hooks are running inside (see [Note: a unit's state and the runtime's phase])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    SUMMONED = "summoned"
+
+
+class IllegalUnitTransition(RuntimeError):
+    """A unit was asked for a move its state does not allow (a bug in the runtime, never in user code)."""
+
+
+class Unit:
+    """One stage 3 unit: its gathers and frees over every storage holding its parameters, and its state."""
+
+    def __init__(self, index: int, name: str, storages: Sequence["PartitionedStorage"]) -> None:
+        self.index = index
+        self.name = name
+        self.storages = storages
+        self.state = UnitState.SHARDED
+        self.pending: list[Any] = []
+        """The all-gathers in flight (``GATHERING``)."""
+        self.grads_expected = 0
+        """Parameters of the unit whose gradient backward produces (the unit is freed once all of them have)."""
+        self.grads_seen = 0
+        self.guarded_while_gathering = False
+        """Whether the parameters refuse reads until :meth:`wait` (a gather started between steps)."""
+
+    def _move(self, allowed: UnitState, to: UnitState, what: str) -> None:
+        if self.state is not allowed:
+            raise IllegalUnitTransition(f"stage 3 unit '{self.name}': cannot {what} while {self.state.value} "
+                                        f"(only while {allowed.value}).")
+        self.state = to
+
+    def start_gather(self, compute: bool = False, backward: bool = False, guarded: bool = False) -> None:
+        """``SHARDED -> GATHERING``: give the buffers their memory and start the all-gathers. ``compute``: for a
+        forward or (``backward``) a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
+        :meth:`PartitionedStorage.gather_unit`); otherwise exact, from the primary shards. ``guarded``: the
+        parameters keep refusing reads until :meth:`wait` (user code may run before the unit's next use)."""
+        self._move(UnitState.SHARDED, UnitState.GATHERING, "start a gather")
+        options = {"compute": True, "backward": backward} if compute else {}
+        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index, **options)]
+        if guarded:
+            self._guard(True)
+
+    def _guard(self, released: bool) -> None:
+        self.guarded_while_gathering = released
+        for storage in self.storages:
+            storage.guard_unit(self.index, released)
+
+    def regather(self) -> None:
+        """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
+        self._move(UnitState.GATHERED, UnitState.GATHERING, "gather again")
+        self.pending = [w for storage in self.storages for w in storage.gather_unit(self.index)]
+
+    def wait(self) -> None:
+        """``GATHERING -> GATHERED``: wait for the all-gathers in flight."""
+        self._move(UnitState.GATHERING, UnitState.GATHERED, "wait for a gather")
+        pending, self.pending = self.pending, []
+        for work in pending:
+            collectives.wait(work, f"gather stage 3 unit '{self.name}'")
+        if self.guarded_while_gathering:
+            self._guard(False)
+
+    def release(self) -> None:
+        """``GATHERED -> SHARDED``: free the buffers."""
+        self._move(UnitState.GATHERED, UnitState.SHARDED, "release")
+        for storage in self.storages:
+            storage.release_unit(self.index)
+
+    def drain(self) -> None:
+        """Wait for the all-gathers in flight without raising (before an error leaves: teardown frees their
+        buffers)."""
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+        if self.state is UnitState.GATHERING:
+            self.state = UnitState.GATHERED
+        if self.guarded_while_gathering:
+            self._guard(False)
+
+    @property
+    def gathered(self) -> bool:
+        """Whether its buffers hold memory (``GATHERING`` or ``GATHERED``)."""
+        return self.state is not UnitState.SHARDED
