@@ -245,7 +245,8 @@ _TAGS: dict[int, int] = {}
 def _next_tag(group: Optional[Any]) -> int:
     """The tag of the next exchange over ``group``: every rank counts its exchanges over each process group in the
     same order, so the tags match (see [Note: reduce-scatter and all-gather on gloo])."""
-    key = id(_pg(group) or dist.group.WORLD)
+    pg = _pg(group)
+    key = id(pg if pg is not None else dist.group.WORLD)
     _TAGS[key] = tag = (_TAGS.get(key, 0) + 1) % (1 << 30)
     return tag
 
