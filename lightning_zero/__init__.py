@@ -11,7 +11,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.core.collectives import Traffic
+from lightning_zero.core.traffic import Traffic
 from lightning_zero.config import ZeroConfig
 from lightning_zero.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint

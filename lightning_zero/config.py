@@ -71,8 +71,8 @@ class ZeroConfig:
     CPU message per unit and pass, waited for at the next unit), so ranks whose control flow differs fail together
     within one unit, naming it, instead of at the process group's timeout (see [Note: the lockstep check] in
     ``stage3/lockstep.py``). ``"strict"``: each unit waits for every rank before it runs, also catching a divergence
-    before a collective of the model's own inside the unit (about 5% slower on two CPU ranks). ``False`` saves the messages
-    once the model's control flow is known to be the same on every rank."""
+    before a collective of the model's own inside the unit (about 5% slower on two CPU ranks). ``False`` saves the
+    messages once the model's control flow is known to be the same on every rank."""
     bucket_buffers: int = 2
     """How many bucket-sized buffers may be in flight at once (constant memory: this times the bucket size)."""
     partition_whole_params: Optional[bool] = None

@@ -275,7 +275,7 @@ def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> N
 
 def count_tensor_parallel(module: nn.Module, tensor: collectives.Group) -> None:
     """Count the collectives of ``module``'s parallel layers over ``tensor``'s process group in ``tensor``'s traffic
-    (an engine does this at setup; see [Note: counted groups] in ``core/collectives.py``). Layers over another group,
+    (an engine does this at setup; see [Note: counted groups] in ``core/traffic.py``). Layers over another group,
     and :func:`copy_to_tensor_parallel` / :func:`reduce_from_tensor_parallel` called with a bare group, count
     nowhere."""
     for layer in module.modules():

@@ -75,6 +75,7 @@ def test_collective_buffers_do_not_grow_when_the_model_doubles(lightning_runs):
         for run in (shallow, deep):
             root, *units = run["unit_numels"]
             assert 0 < run["gathered_peak"] <= 4 * (root + max(units) + run["prefetch_size"]), run
+        root, *units = deep["unit_numels"]
         assert deep["gathered_peak"] > 4 * (root + 2 * max(units))  # two blocks at once: the prefetch did overlap
         assert deep["bucket_bytes"] == shallow["bucket_bytes"]
         deep_bytes = 4 * sum(p.numel() for p in rank["zero3_deep"]["params"].values())

@@ -68,7 +68,9 @@ def test_lockstep_check_names_each_ranks_unit_and_what_was_skipped():
     # in backward, or before the forward order is known, nothing is said about skipping
     assert "Rank 1 skipped" not in check.describe([[FORWARD, 2, 2], [BACKWARD, 3, 3]], order)
     assert "Rank 1 skipped" not in check.describe([[FORWARD, 2, -1], [FORWARD, 3, -1]], [])
-    check.check(1, FORWARD, order)  # one process: nothing to compare with
+    check.start(1, FORWARD, order)  # one process: nothing to compare with, nothing sent
+    assert not check.active and not check.in_flight
+    check.finish(order)
 
 
 def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():

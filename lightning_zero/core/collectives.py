@@ -1,11 +1,4 @@
-"""The only module that calls ``torch.distributed``; it counts what every collective moves.
-
-[Note: what the counters count]
-Each collective adds the *logical payload* it moves to its kind: the full input of a reduce-scatter, the full output
-of an all-gather, the tensor of an all-reduce or broadcast. That is the unit of the ZeRO paper's traffic column: a
-stage 1 or 2 step moves Ψ elements by reduce-scatter and Ψ by all-gather (2Ψ, the same as DDP's one all-reduce of
-Ψ), stage 3 adds a second all-gather. Bytes on the wire depend on the algorithm (a ring moves about twice the payload
-times ``(N - 1) / N``) and are not what is compared. A process group of one rank moves nothing and counts nothing.
+"""The only module that calls ``torch.distributed``; every collective counts what it moves (``traffic.py``).
 
 [Note: reduce-scatter and all-gather on gloo]
 gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are much slower than its all-reduce of the same
@@ -30,81 +23,23 @@ gloo and copies it out (benchmarks/RESULTS.md, "Where the overhead went"), so st
 bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the
 unit's. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
-Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
-scope in the counters of the :class:`~lightning_zero.core.groups.ShardGroups` that owns it (see
-[Note: counted groups]).
+Counting lives in ``traffic.py`` ([Note: what the counters count], [Note: counted groups]).
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from lightning_zero.core.traffic import Group
+
 
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _counts() -> defaultdict[str, int]:
-    """A count per collective kind (a named function, not a lambda: a strategy holding a ``Traffic`` pickles)."""
-    return defaultdict(int)
-
-
-@dataclass
-class Traffic:
-    """Payload moved per collective kind since the last :meth:`reset`, in bytes and in elements."""
-
-    bytes: dict[str, int] = field(default_factory=_counts)
-    elements: dict[str, int] = field(default_factory=_counts)
-    calls: dict[str, int] = field(default_factory=_counts)
-    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_counts))
-    """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``) and kind: see
-    [Note: hybrid sharding and its traffic] in ``groups.py``. ``elements`` is their sum over scopes."""
-
-    def add(self, kind: str, tensor: torch.Tensor, scope: str = "world") -> None:
-        """Count ``tensor`` as the payload of one ``kind`` collective under ``scope``."""
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
-        self.elements[kind] += tensor.numel()
-        self.calls[kind] += 1
-        self.scopes[scope][kind] += tensor.numel()
-
-    def reset(self) -> None:
-        """Start counting from zero."""
-        self.bytes.clear()
-        self.elements.clear()
-        self.calls.clear()
-        self.scopes.clear()
-
-    def snapshot(self) -> dict[str, Any]:
-        """A plain copy: ``{"bytes": {...}, "elements": {...}, "calls": {...}, "scopes": {scope: {...}}}``."""
-        return {"bytes": dict(self.bytes), "elements": dict(self.elements), "calls": dict(self.calls),
-                "scopes": {scope: dict(kinds) for scope, kinds in self.scopes.items()}}
-
-
-@dataclass(frozen=True, eq=False)
-class Group:
-    """A process group whose collectives count into ``traffic`` under ``scope``.
-
-    [Note: counted groups]
-    The counters belong to the communication object of one set of shard groups
-    (:class:`~lightning_zero.core.groups.ShardGroups`), not to the process: it hands out a :class:`Group` for each
-    of its process groups (``None`` here is the default group), all counting into its one :class:`Traffic`. Every
-    function of this module accepts a :class:`Group` wherever it takes a ``group``; a bare process group (or
-    ``None``) talks the same but counts nowhere, since nobody owns its counters. So the engine's collectives all go
-    over the groups of its ``ShardGroups`` (the module's tensor-parallel layers included: the engine binds them at
-    setup, see :func:`~lightning_zero.tensor_parallel.count_tensor_parallel`), and two engines, or two tests in
-    one process, never count into each other's counters.
-    """
-
-    process_group: Optional[Any]
-    scope: str
-    traffic: Traffic
 
 
 def _pg(group: Optional[Any]) -> Optional[Any]:
@@ -113,7 +48,8 @@ def _pg(group: Optional[Any]) -> Optional[Any]:
 
 
 def _count(kind: str, tensor: torch.Tensor, group: Optional[Any]) -> None:
-    """Count one ``kind`` collective of ``tensor`` if ``group`` is a :class:`Group` (see [Note: counted groups])."""
+    """Count one ``kind`` collective of ``tensor`` if ``group`` is a :class:`Group` (see [Note: counted groups] in
+    ``traffic.py``)."""
     if isinstance(group, Group):
         group.traffic.add(kind, tensor, group.scope)
 
@@ -179,7 +115,8 @@ def _on_gloo(group: Optional[Any]) -> bool:
     return dist.get_backend(_pg(group)) == "gloo" and os.environ.get("LIGHTNING_ZERO_GLOO_NATIVE", "0") != "1"
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
+                   async_op: bool = False) -> Any:
     """Sum ``input`` (``world_size`` equal chunks) over ranks; this rank's chunk of the sum lands in ``output``.
 
     ``input`` is scratch: on gloo its contents are undefined afterwards.
@@ -411,7 +348,7 @@ def job_group(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     ``fit``, engine or test in one process would leak them and ask every rank to agree on when. So this registry,
     keyed by the default group and what the groups are for, is process state by design; it holds process groups
     only. What is counted over them belongs to each :class:`~lightning_zero.core.groups.ShardGroups` (see
-    [Note: counted groups]).
+    [Note: counted groups] in ``traffic.py``).
     """
     full = (id(dist.group.WORLD), *key)
     if full not in _JOB_GROUPS:

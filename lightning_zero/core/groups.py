@@ -7,7 +7,7 @@ With ``shard_group_size=k`` (k divides N) the N ranks form N/k *shard groups* of
 default) and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
 :func:`make_shard_groups`. Model states are sharded over the shard group exactly as over N ranks without hybrid
 sharding and are replicated across the replica group. Per step and per rank, with Ψ the (padded) parameter count,
-the counters count (logical payload, see [Note: what the counters count] in ``collectives.py``):
+the counters count (logical payload, see [Note: what the counters count] in ``traffic.py``):
 
 - inside the shard group (scope ``"shard"``): reduce-scatter Ψ, all-gather Ψ (stages 1-2: the updated params; stage 3:
   twice, forward and backward), i.e. 2Ψ or 3Ψ as in the paper's table with k in place of N. A ring moves
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_zero.core import collectives
+from lightning_zero.core.traffic import Traffic
 from lightning_zero.core.layout import hybrid_rank_lists
 
 
@@ -37,8 +38,8 @@ made with ``None``, the world, under ``"world"``)."""
 @dataclass(frozen=True, eq=False)
 class ShardGroups:
     """The communication object of one engine: the process groups it shards over, replicates across and (under tensor
-    parallelism) leaves to the module, and the :class:`~lightning_zero.core.collectives.Traffic` their collectives
-    count into (see [Note: hybrid sharding and its traffic] and [Note: counted groups] in ``collectives.py``).
+    parallelism) leaves to the module, and the :class:`~lightning_zero.core.traffic.Traffic` their collectives
+    count into (see [Note: hybrid sharding and its traffic] and [Note: counted groups] in ``traffic.py``).
 
     Made with process groups (or ``None``); each field then holds a counted
     :class:`~lightning_zero.core.collectives.Group` over that process group, which every function of
@@ -65,7 +66,7 @@ class ShardGroups:
     """hpZ: the in-node group of ``secondary_shard_group_size`` consecutive ranks over which stage 3 keeps a
     secondary copy of each unit for backward's re-gather (see [Note: hpZ, the secondary partition] in
     ``stage3/secondary.py``); ``None``: off."""
-    traffic: collectives.Traffic = field(default_factory=collectives.Traffic)
+    traffic: Traffic = field(default_factory=Traffic)
     """What the collectives over these groups moved, by kind and scope; tests and benchmarks reset and read it
     around the steps they measure (a strategy's ``traffic`` is this object; a plain loop reads
     ``engine.shard_groups.traffic``)."""

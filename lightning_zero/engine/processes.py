@@ -25,6 +25,7 @@ from lightning_zero.config import (ZeroConfig, process_group_timeout, resolve_se
                                    resolve_shard_group_size)
 from lightning_zero.core.groups import ShardGroups, make_shard_groups
 from lightning_zero.core import collectives
+from lightning_zero.core.traffic import Traffic
 from lightning_zero.core.activations import ActivationCheckpointing
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.store import ShardedStorage
@@ -155,9 +156,9 @@ class ZeroProcesses:
         GUARD.raise_pending()
 
     @property
-    def traffic(self) -> collectives.Traffic:
+    def traffic(self) -> Traffic:
         """The payload of every collective of this strategy's engine, by kind and scope, since its last ``reset()``
-        (see [Note: what the counters count] in ``core/collectives.py``); made anew with the process group."""
+        (see [Note: what the counters count] in ``core/traffic.py``); made anew with the process group."""
         return self.shard_groups.traffic
 
     @property

@@ -85,11 +85,6 @@ class LockstepCheck:
         if any(row != rows[0] for row in rows):
             raise RanksOutOfStepError(self.describe(rows, forward_order))
 
-    def check(self, unit: int, phase: int, forward_order: Sequence[int]) -> None:
-        """Collective: :meth:`start` and :meth:`finish` at once."""
-        self.start(unit, phase, forward_order)
-        self.finish(forward_order)
-
     def describe(self, rows: list[list[int]], forward_order: Sequence[int]) -> str:
         """What each rank was about to run, and which units a rank skipped (see :meth:`skipped`)."""
         doing = "; ".join(f"rank {r}: the {_PASSES.get(phase, 'pass')} of stage 3 unit '{self.names[unit]}'"

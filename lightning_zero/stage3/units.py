@@ -208,6 +208,7 @@ class UnitRuntime:
         self._handles = []
         for storage in self.storages:
             storage.reducer.before_launch = None
+            storage.gathers_verified = False
 
     # ------------------------------------------------------------------ hooks
     def _enter_forward(self) -> bool:
