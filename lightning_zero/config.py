@@ -13,7 +13,6 @@ import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
-from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
 from lightning_zero.stages import STAGES, all_policies
@@ -350,67 +349,6 @@ def check_option_names(options: dict[str, Any]) -> None:
         raise TypeError(f"Unknown ZeRO option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
                         f"{' (' + hints + ')' if hints else ''}. The options are: {', '.join(known)} (see "
                         "lightning_zero.ZeroConfig).")
-
-
-def process_group_timeout(value: object) -> Optional[timedelta]:
-    """The ``timeout`` option as the :class:`~datetime.timedelta` ``torch.distributed`` wants: seconds (an int or a
-    float, as a YAML file gives them) or a ``timedelta``; ``None`` keeps torch's default."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise TypeError(f"`timeout` must be a number of seconds (e.g. `timeout=600`) or a datetime.timedelta, got "
-                        f"{value!r}.")
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
-                         f" got {value!r}. Leave it out for the default of 30 minutes.")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
-
-
-def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
-                             num_nodes: int, tensor_parallel_size: int = 1) -> int:
-    """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
-    the whole world; with tensor parallelism ``configured`` or the data-parallel size. Raises a ``ValueError`` if it
-    does not divide ``world_size`` (the data-parallel size)."""
-    t = tensor_parallel_size
-    if t > 1:
-        if world_size % t:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
-                             f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
-                             f"Pick one of {divisors} (e.g. the devices per node).")
-        d = world_size // t
-        if configured is not None and (configured < 1 or d % configured):
-            divisors = [k for k in range(1, d + 1) if d % k == 0]
-            raise ValueError(f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
-                             f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
-                             f"groups split the data dimension. Pick one of {divisors}, or leave it out (all {d}).")
-        return configured if configured is not None else d
-    k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
-    if k < 1 or world_size % k:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
-                         f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
-                         f"{divisors} (e.g. the devices per node), or leave it out.")
-    return k
-
-
-def resolve_secondary_group_size(configured: Optional[int], world_size: int, shard_group_size: int) -> Optional[int]:
-    """hpZ's group size of a job (``None``: off). Raises a ``ValueError`` if it does not divide ``world_size``, or
-    if the job shards over groups smaller than the world (hybrid sharding, e.g. by default on several nodes)."""
-    if configured is None:
-        return None
-    if world_size % configured:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"`secondary_shard_group_size={configured}` does not divide the world size {world_size}: the "
-                         f"ranks must split into equal secondary groups. Pick one of {divisors} (e.g. the devices "
-                         "per node), or leave it out.")
-    if shard_group_size != world_size:
-        raise ValueError(f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
-                         f"this job shards over groups of {shard_group_size} (hybrid sharding, the default on several "
-                         "nodes), which already keeps the all-gathers inside them. Set `shard_group_size` to the "
-                         "world size, or leave `secondary_shard_group_size` out.")
-    return configured
 
 
 def _check_stage(stage: object) -> None:

@@ -17,7 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_zero import ZeroConfig, ZeroStrategy, load_full_checkpoint
 from lightning_zero.core.traffic import Traffic
 from lightning_zero.core.groups import ShardGroups
-from lightning_zero.config import resolve_shard_group_size
+from lightning_zero.core.groups import resolve_shard_group_size
 from lightning_zero.core.layout import hybrid_rank_lists
 from tests.compare import relative, traffic_per_step
 from lightning_zero.testing.launch import launch

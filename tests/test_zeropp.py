@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.config import resolve_secondary_group_size
+from lightning_zero.core.groups import resolve_secondary_group_size
 from lightning_zero.core.quantize import QMAX, dequantize, quantize, quantized_bytes, reduce_scatter_quantized
 from lightning_zero.testing.launch import launch
 from tests.compare import assert_losses_close, assert_params_close, traffic_per_step

@@ -1,5 +1,6 @@
-"""Which ranks talk to which: the process groups one engine shards over, replicates across and (under tensor
-parallelism) leaves to the module, and how each group's traffic is counted. Every collective still goes through
+"""Which ranks talk to which: the sizes of a job's shard and secondary groups (resolved from the options), the
+process groups one engine shards over, replicates across and (under tensor parallelism) leaves to the module, and how
+each group's traffic is counted. Every collective still goes through
 ``collectives.py``.
 
 [Note: hybrid sharding and its traffic]
@@ -187,3 +188,49 @@ def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: 
     if shard is None:
         return ShardGroups(shard=data, tensor=tensor, mesh=mesh)
     return ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
+
+
+def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
+                             num_nodes: int, tensor_parallel_size: int = 1) -> int:
+    """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
+    the whole world; with tensor parallelism ``configured`` or the data-parallel size. Raises a ``ValueError`` if it
+    does not divide ``world_size`` (the data-parallel size)."""
+    t = tensor_parallel_size
+    if t > 1:
+        if world_size % t:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
+                             f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
+                             f"Pick one of {divisors} (e.g. the devices per node).")
+        d = world_size // t
+        if configured is not None and (configured < 1 or d % configured):
+            divisors = [k for k in range(1, d + 1) if d % k == 0]
+            raise ValueError(f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
+                             f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
+                             f"groups split the data dimension. Pick one of {divisors}, or leave it out (all {d}).")
+        return configured if configured is not None else d
+    k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
+    if k < 1 or world_size % k:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
+                         f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
+                         f"{divisors} (e.g. the devices per node), or leave it out.")
+    return k
+
+
+def resolve_secondary_group_size(configured: Optional[int], world_size: int, shard_group_size: int) -> Optional[int]:
+    """hpZ's group size of a job (``None``: off). Raises a ``ValueError`` if it does not divide ``world_size``, or
+    if the job shards over groups smaller than the world (hybrid sharding, e.g. by default on several nodes)."""
+    if configured is None:
+        return None
+    if world_size % configured:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"`secondary_shard_group_size={configured}` does not divide the world size {world_size}: the "
+                         f"ranks must split into equal secondary groups. Pick one of {divisors} (e.g. the devices "
+                         "per node), or leave it out.")
+    if shard_group_size != world_size:
+        raise ValueError(f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
+                         f"this job shards over groups of {shard_group_size} (hybrid sharding, the default on several "
+                         "nodes), which already keeps the all-gathers inside them. Set `shard_group_size` to the "
+                         "world size, or leave `secondary_shard_group_size` out.")
+    return configured

@@ -9,6 +9,7 @@ Fabric's are different classes with the same process API).
 from __future__ import annotations
 
 import faulthandler
+import math
 import sys
 
 from contextlib import AbstractContextManager
@@ -21,9 +22,9 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
-from lightning_zero.config import (ZeroConfig, process_group_timeout, resolve_secondary_group_size,
-                                   resolve_shard_group_size)
-from lightning_zero.core.groups import ShardGroups, make_shard_groups
+from lightning_zero.config import ZeroConfig
+from lightning_zero.core.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
+                                        resolve_shard_group_size)
 from lightning_zero.core import collectives
 from lightning_zero.core.traffic import Traffic
 from lightning_zero.core.activations import ActivationCheckpointing
@@ -212,3 +213,18 @@ class ZeroProcesses:
                     f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
                     description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
                 )
+
+
+def process_group_timeout(value: object) -> Optional[timedelta]:
+    """The ``timeout`` option as the :class:`~datetime.timedelta` ``torch.distributed`` wants: seconds (an int or a
+    float, as a YAML file gives them) or a ``timedelta``; ``None`` keeps torch's default."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
+        raise TypeError(f"`timeout` must be a number of seconds (e.g. `timeout=600`) or a datetime.timedelta, got "
+                        f"{value!r}.")
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
+                         f" got {value!r}. Leave it out for the default of 30 minutes.")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
