@@ -73,6 +73,18 @@ def test_report_ratios_and_table_come_from_the_records():
     assert cells[1:4] == ["300.0", "100.0–300.0", "1.50"] and cells[8] == "0.25"
 
 
+def test_check_speed_pairs_each_repeat_with_ddps():
+    """The ratio repeat by repeat divides by DDP's median of the same repeat, not by DDP's pooled median."""
+    from benchmarks.check_speed import medians, paired_ratios
+    records = [{**_record("ddp", [0.2, 0.2, 0.2], 1, 1, 1), "repeat": 0},
+               {**_record("zero3", [0.3, 0.3, 0.3], 1, 1, 1), "repeat": 0},
+               {**_record("ddp", [0.4, 0.4, 0.4], 1, 1, 1), "repeat": 1},  # a slow phase of the machine
+               {**_record("zero3", [0.4, 0.4, 0.4], 1, 1, 1), "repeat": 1}]
+    assert paired_ratios(records, "wall") == {"ddp": [1.0, 1.0], "zero3": [pytest.approx(1.5), 1.0]}
+    pooled = medians(records, "wall")
+    assert pooled["zero3"]["step"] / pooled["ddp"]["step"] == pytest.approx(0.35 / 0.3)
+
+
 @pytest.mark.timeout(300)
 def test_zeropp_loss_writes_every_mode(tmp_path):
     """``python -m benchmarks.zeropp_loss`` in its smallest form: two steps of each mode, the quantized ones send
