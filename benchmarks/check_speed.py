@@ -10,8 +10,9 @@ conditions a user's run has: glibc's own allocator settings (no ``MALLOC_MMAP_TH
 [Note: the mmap threshold costs time] in ``lightning_zero/core/host_memory.py``). It prints each strategy's median
 step time (``--metric wall``, the slowest rank's) or CPU time per step (``--metric cpu``, less sensitive to a shared
 machine), its ratio to DDP's, the ratio repeat by repeat (each repeat's median against DDP's in the same repeat: how
-far the machine's slow phases move it) and the page faults per step, and exits with status 1 when a ratio exceeds its limit
-(``--limit zero2=1.02`` overrides one). The machine's load average is printed: the idle limits assume an idle one.
+far the machine's slow phases move it) and the page faults per step, and exits with status 1 when a ratio exceeds
+its limit (``--limit zero2=1.02`` overrides one). The machine's load average is printed: the idle limits assume an
+idle one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Which ranks talk to which: the sizes of a job's shard and secondary groups (resolved from the options), the
 process groups one engine shards over, replicates across and (under tensor parallelism) leaves to the module, and how
-each group's traffic is counted. Every collective still goes through
-``collectives.py``.
+each group's traffic is counted. Every collective still goes through ``collectives.py``.
 
 [Note: hybrid sharding and its traffic]
 With ``shard_group_size=k`` (k divides N) the N ranks form N/k *shard groups* of k consecutive ranks (a node, by
