@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.core import collectives
+from lightning_zero.core.traffic import Group
 from lightning_zero.core.groups import make_shard_groups
 from lightning_zero.core.slices import mark_tensor_parallel, tensor_parallel_slice
 
@@ -93,11 +94,11 @@ def reduce_from_tensor_parallel(x: Tensor, group: Optional[Any]) -> Tensor:
 class _GroupRef:
     """A process group held by a layer: deep copies of the module (EMA callbacks, ``copy.deepcopy(model)``) share it
     (a process group cannot be copied). ``counted``: the same group as a counted
-    :class:`~lightning_zero.core.collectives.Group` of an engine, once :func:`count_tensor_parallel` bound it."""
+    :class:`~lightning_zero.core.traffic.Group` of an engine, once :func:`count_tensor_parallel` bound it."""
 
     def __init__(self, group: Optional[Any]) -> None:
         self.group = group
-        self.counted: Optional[collectives.Group] = None
+        self.counted: Optional[Group] = None
 
     @property
     def talks_over(self) -> Optional[Any]:
@@ -273,7 +274,7 @@ def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> N
         "leave `tensor_parallel_size` out.", UserWarning, stacklevel=4)
 
 
-def count_tensor_parallel(module: nn.Module, tensor: collectives.Group) -> None:
+def count_tensor_parallel(module: nn.Module, tensor: Group) -> None:
     """Count the collectives of ``module``'s parallel layers over ``tensor``'s process group in ``tensor``'s traffic
     (an engine does this at setup; see [Note: counted groups] in ``core/traffic.py``). Layers over another group,
     and :func:`copy_to_tensor_parallel` / :func:`reduce_from_tensor_parallel` called with a bare group, count

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_zero.core import collectives
-from lightning_zero.core.traffic import Traffic
+from lightning_zero.core.traffic import Group, Traffic
 from lightning_zero.core.layout import hybrid_rank_lists
 
 
@@ -42,7 +42,7 @@ class ShardGroups:
     count into (see [Note: hybrid sharding and its traffic] and [Note: counted groups] in ``traffic.py``).
 
     Made with process groups (or ``None``); each field then holds a counted
-    :class:`~lightning_zero.core.collectives.Group` over that process group, which every function of
+    :class:`~lightning_zero.core.traffic.Group` over that process group, which every function of
     ``collectives.py`` takes as its ``group``. The default (``ShardGroups()``) is plain ZeRO: the whole world
     shards (``shard`` counts under ``"world"``), nothing replicates.
     """
@@ -74,16 +74,16 @@ class ShardGroups:
     def __post_init__(self) -> None:
         for name in _COUNTED:
             group = getattr(self, name)
-            if isinstance(group, collectives.Group):
+            if isinstance(group, Group):
                 group = group.process_group
             if group is not None or name == "shard":
                 scope = name if group is not None else "world"
-                object.__setattr__(self, name, collectives.Group(group, scope, self.traffic))
+                object.__setattr__(self, name, Group(group, scope, self.traffic))
 
     @property
-    def world(self) -> collectives.Group:
+    def world(self) -> Group:
         """The default group, counted under ``"world"`` (the loss-scale overflow check, the signal agreement)."""
-        return collectives.Group(None, "world", self.traffic)
+        return Group(None, "world", self.traffic)
 
     @property
     def first_replica(self) -> bool:
@@ -97,7 +97,7 @@ class ShardGroups:
         return collectives.world_size(self.tensor) if self.tensor is not None else 1
 
     @property
-    def data_group(self) -> collectives.Group:
+    def data_group(self) -> Group:
         """The ranks that must start from the same weights (the world); under tensor parallelism the data-parallel
         group, since the tensor-parallel ranks hold different slices."""
         if self.tensor is None:
