@@ -44,7 +44,7 @@ def auto_bucket_elements(numel: int) -> int:
     return max(MIN_AUTO_BUCKET_ELEMENTS, min(MAX_AUTO_BUCKET_ELEMENTS, -(-numel // AUTO_BUCKET_FRACTION)))
 #: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
 #: ``activation_checkpointing=True`` at every stage).
-STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 100_000, "prefetch_size": 5_000_000}
+STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": None, "prefetch_size": 5_000_000}
 
 
 #: A number of elements: an int, or a float with a whole value as YAML gives ``1e6`` (taken as the int 1000000).
@@ -83,8 +83,10 @@ class ZeroConfig:
     unit_classes: tuple[Union[type, str], ...] = STAGE3_DEFAULTS["unit_classes"]
     """Stage 3: module classes (or class names) gathered as one unit; default: the children of ``nn.ModuleList`` and
     ``nn.Sequential`` and every other module with parameters."""
-    persistence_threshold: Elements = STAGE3_DEFAULTS["persistence_threshold"]
-    """Stage 3: units with at most this many elements join the root unit, gathered once per step."""
+    persistence_threshold: Optional[Elements] = STAGE3_DEFAULTS["persistence_threshold"]
+    """Stage 3: units with at most this many elements join the root unit, gathered once per step. ``None``: 100,000,
+    and the whole model for models of under 16M parameters whose shards stay on the device, which is faster (see
+    [Note: a small model is gathered whole] in ``stage3/plan.py``)."""
     prefetch_size: Elements = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
     host_mmap_threshold: Optional[Elements] = None
@@ -179,7 +181,7 @@ class ZeroConfig:
         object.__setattr__(self, "unit_classes", tuple(classes))
         for name in ("persistence_threshold", "prefetch_size", "host_mmap_threshold"):
             value = getattr(self, name)
-            if name == "host_mmap_threshold" and value is None:
+            if name in ("persistence_threshold", "host_mmap_threshold") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")

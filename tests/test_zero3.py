@@ -91,6 +91,40 @@ def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
     assert all(everything_small.unit(p) == ROOT for p in model.parameters())
 
 
+def test_persistence_threshold_none_gathers_a_small_model_whole_and_a_large_one_unit_by_unit():
+    # the default trades stage 3's saving on a small model's parameters for speed (see [Note: a small model is
+    # gathered whole] in stage3/plan.py); a large model, options acting on each unit's gathers, a number keep units
+    from torch import nn
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.stage3.plan import (DEFAULT_PERSISTENCE_THRESHOLD, WHOLE_MODEL_MAX_PARAMS, plan_units,
+                                            resolve_persistence_threshold)
+    from tests.models import TinyGPT
+
+    default = ZeroConfig(stage=3)
+    small = TinyGPT(width=64, depth=3)
+    numel = sum(p.numel() for p in small.parameters())
+    assert resolve_persistence_threshold(default, small) == numel
+    assert plan_units(small, persistence_threshold=numel).names == ["<root>"]
+    for option in ({"offload_params": True}, {"offload_params": "disk"}, {"quantized_weights": True},
+                   {"secondary_shard_group_size": 1}):
+        assert resolve_persistence_threshold(ZeroConfig(stage=3, **option), small) == DEFAULT_PERSISTENCE_THRESHOLD
+    assert resolve_persistence_threshold(ZeroConfig(stage=3, persistence_threshold=0), small) == 0
+    assert len(plan_units(small, persistence_threshold=0).names) > 1
+
+    side = math.isqrt(WHOLE_MODEL_MAX_PARAMS // 2)  # two blocks of half the size each: at the limit, not under it
+    large = nn.Sequential(nn.Linear(side, side, bias=False, device="meta"),
+                          nn.Linear(side, side, bias=False, device="meta"),
+                          nn.Linear(2 * side, 1, bias=False, device="meta"))
+    assert sum(p.numel() for p in large.parameters()) >= WHOLE_MODEL_MAX_PARAMS
+    assert resolve_persistence_threshold(default, large) == DEFAULT_PERSISTENCE_THRESHOLD
+    assert plan_units(large, persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD).names == ["<root>", "0", "1"]
+    # frozen parameters count: they are gathered too
+    lora = nn.ModuleDict({"base": nn.Linear(side, 3 * side, bias=False, device="meta").requires_grad_(False),
+                          "adapter": nn.Linear(side, 8, bias=False, device="meta")})
+    assert resolve_persistence_threshold(default, lora) == DEFAULT_PERSISTENCE_THRESHOLD
+
+
 def test_a_large_model_built_in_init_gets_a_warning(monkeypatch):
     import warnings
 

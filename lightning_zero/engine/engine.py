@@ -52,7 +52,7 @@ from lightning_zero.core.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
-from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units
+from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units, resolve_persistence_threshold
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
 from lightning_zero.engine.stepping import OptimizerSteps
 from lightning_zero.engine.summary import model_state_summary
@@ -135,7 +135,8 @@ class ZeroEngine(OptimizerSteps):
         then shard the model unit by unit."""
         warn_if_built_in_full(self.module)
         move_materialized(self.module, self.device)
-        self.unit_plan = plan_units(self.module, self.config.unit_classes, self.config.persistence_threshold)
+        self.unit_plan = plan_units(self.module, self.config.unit_classes,
+                                    resolve_persistence_threshold(self.config, self.module))
         if optimizers:
             self._add_optimizers(optimizers)
         elif any(p.requires_grad for p in self.module.parameters()):

@@ -7,7 +7,22 @@ module with parameters that contains no block (embeddings, heads, final norms); 
 classes instead. Whatever is left forms the *root* unit (unit 0): parameters owned directly by the LightningModule,
 parameters shared by two units (tied embeddings live in both the embedding and the head), and units smaller than
 ``persistence_threshold`` elements (norms and biases are not worth a collective each). The root unit is gathered
-once at the start of a step and kept until the step's backward is done.
+once per step, from the end of the optimizer step before it (see [Note: the root is gathered ahead of the next
+step] in ``units.py``), and kept until the step's backward is done.
+
+[Note: a small model is gathered whole]
+``persistence_threshold=None`` (the default) resolves per model (:func:`resolve_persistence_threshold`): 100,000
+elements, and for a model of fewer than :data:`WHOLE_MODEL_MAX_PARAMS` parameters (64 MiB in fp32; the frozen ones
+count, since they are gathered too) every unit joins the root, so the model is gathered whole once per step. This
+is a speed/memory trade-off (issue 23). Gathering unit by unit costs the time of each gather during the forward,
+beside the compute: on two CPU ranks the project's 5.3M-parameter GPT steps at 1.00-1.06x DDP's time unit by unit
+and at 0.95x gathered whole, faster in 6 of 6 repeats, with the same peak (629 against 634 MiB per rank;
+benchmarks/RESULTS.md, "A small model gathered whole"). What it gives back is stage 3's saving on the parameters
+from the optimizer step's end to backward's end, at most 64 MiB against a shard of 64/N, and the lockstep check
+has no unit to check. Larger models keep the unit-by-unit default, and so does a model under an option that acts on
+each unit's gathers (:data:`UNIT_BY_UNIT_OPTIONS`: ``offload_params``, whose device memory is what the user asked
+to save, and ZeRO++'s hpZ and qwZ, which the root's gather does not take). A number chooses for any model
+(``persistence_threshold=100_000`` gathers a small model unit by unit, a number above its size a large one whole).
 
 [Note: units and torch.compile]
 The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
@@ -26,14 +41,26 @@ too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from lightning_zero.core.blocks import compiled_inner, find_blocks, has_params
+from lightning_zero.core.host_memory import AUTO_FIXED_MIN_PARAMS
+
+if TYPE_CHECKING:
+    from lightning_zero.config import ZeroConfig
 
 ROOT = 0
+#: ``persistence_threshold=None``: units of at most this many elements join the root.
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+#: ``persistence_threshold=None``: models of fewer parameters are gathered whole (see
+#: [Note: a small model is gathered whole]); one size for "small" in both defaults that favour speed over memory
+#: (``host_memory.py``).
+WHOLE_MODEL_MAX_PARAMS = AUTO_FIXED_MIN_PARAMS
+#: Options that act on each unit's gathers: set, they keep a small model's units under ``persistence_threshold=None``.
+UNIT_BY_UNIT_OPTIONS = ("offload_params", "quantized_weights", "secondary_shard_group_size")
 
 
 @dataclass
@@ -49,7 +76,15 @@ class UnitPlan:
         return self.unit_of.get(id(param), ROOT)
 
 
-#: Modules whose ``forward`` is never called (containers): hooks on them never run.
+def resolve_persistence_threshold(config: "ZeroConfig", module: nn.Module) -> int:
+    """``config.persistence_threshold`` for ``module``: the number if one was given, else the default of [Note: a
+    small model is gathered whole]."""
+    if config.persistence_threshold is not None:
+        return config.persistence_threshold
+    numel = sum(p.numel() for p in module.parameters())
+    if numel < WHOLE_MODEL_MAX_PARAMS and not any(getattr(config, name) for name in UNIT_BY_UNIT_OPTIONS):
+        return numel
+    return DEFAULT_PERSISTENCE_THRESHOLD
 
 
 def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
