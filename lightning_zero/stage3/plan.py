@@ -15,9 +15,9 @@ step] in ``units.py``), and kept until the step's backward is done.
 elements, and for a model of fewer than :data:`WHOLE_MODEL_MAX_PARAMS` parameters (64 MiB in fp32; the frozen ones
 count, since they are gathered too) every unit joins the root, so the model is gathered whole once per step. This
 is a speed/memory trade-off (issue 23). Gathering unit by unit costs the time of each gather during the forward,
-beside the compute: on two CPU ranks the project's 5.3M-parameter GPT steps at 1.00-1.06x DDP's time unit by unit
-and at 0.95x gathered whole, faster in 6 of 6 repeats, with the same peak (629 against 634 MiB per rank;
-benchmarks/RESULTS.md, "A small model gathered whole"). What it gives back is stage 3's saving on the parameters
+beside the compute: on two CPU ranks the project's 5.3M-parameter GPT steps at 1.00-1.05x DDP's time unit by unit
+and at 0.95-0.98x gathered whole (faster in 10 of 12 interleaved repeats), with the same peak at N = 2 and 8% more
+at N = 4 (benchmarks/RESULTS.md, "A small model gathered whole"). What it gives back is stage 3's saving on the parameters
 from the optimizer step's end to backward's end, at most 64 MiB against a shard of 64/N, and the lockstep check
 has no unit to check. Larger models keep the unit-by-unit default, and so does a model under an option that acts on
 each unit's gathers (:data:`UNIT_BY_UNIT_OPTIONS`: ``offload_params``, whose device memory is what the user asked
