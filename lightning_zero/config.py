@@ -85,8 +85,8 @@ class ZeroConfig:
     ``nn.Sequential`` and every other module with parameters."""
     persistence_threshold: Optional[Elements] = STAGE3_DEFAULTS["persistence_threshold"]
     """Stage 3: units with at most this many elements join the root unit, gathered once per step. ``None``: 100,000,
-    and the whole model for models of under 16M parameters whose shards stay on the device, which is faster (see
-    [Note: a small model is gathered whole] in ``stage3/plan.py``)."""
+    and the whole model for models of under 16M parameters without ``offload_params``, hpZ or qwZ, which is faster
+    (see [Note: a small model is gathered whole] in ``stage3/plan.py``)."""
     prefetch_size: Elements = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
     host_mmap_threshold: Optional[Elements] = None

@@ -125,6 +125,35 @@ def test_persistence_threshold_none_gathers_a_small_model_whole_and_a_large_one_
     assert resolve_persistence_threshold(default, lora) == DEFAULT_PERSISTENCE_THRESHOLD
 
 
+def test_the_engine_gathers_a_small_model_whole_by_default_and_trains_it_as_unit_by_unit():
+    # blocks of 263k elements: units under the former default (100,000), one root under the new one; a step of
+    # each plan gives the same weights, bit for bit
+    import torch
+    from torch import nn
+
+    from lightning_zero import ZeroEngine
+
+    def train(**options: object) -> tuple[list[str], list[torch.Tensor], str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256)) for _ in range(3)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = ZeroEngine(model, [optimizer], stage=3, **options)
+        names, summary = list(engine.unit_plan.names), engine.summary()
+        model(torch.ones(4, 256)).sum().backward()
+        engine.step()
+        with engine.gathered_parameters():
+            weights = [p.detach().clone() for p in model.parameters()]
+        engine.teardown()
+        return names, weights, summary
+
+    whole, whole_weights, whole_summary = train()
+    units, unit_weights, unit_summary = train(persistence_threshold=100_000)
+    assert whole == ["<root>"] and units == ["<root>", "0", "1", "2"]
+    assert "gathered as one unit, once per step" in whole_summary and "one unit" not in unit_summary
+    for a, b in zip(whole_weights, unit_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_a_large_model_built_in_init_gets_a_warning(monkeypatch):
     import warnings
 
