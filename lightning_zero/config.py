@@ -25,8 +25,6 @@ SUPPORTED_STAGES = STAGES
 MIN_AUTO_BUCKET_ELEMENTS = 1_000_000
 MAX_AUTO_BUCKET_ELEMENTS = 4_000_000
 AUTO_BUCKET_FRACTION = 32
-#: Kept for callers that imported it: ``None`` now means "chosen from the model" (:func:`auto_bucket_elements`).
-DEFAULT_BUCKET_ELEMENTS = None
 
 
 def auto_bucket_elements(numel: int) -> int:

@@ -197,23 +197,20 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, devices
     t = tensor_parallel_size
     if t > 1:
         if world_size % t:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
                              f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
-                             f"Pick one of {divisors} (e.g. the devices per node).")
+                             f"Pick one of {_divisors(world_size)} (e.g. the devices per node).")
         d = world_size // t
         if configured is not None and (configured < 1 or d % configured):
-            divisors = [k for k in range(1, d + 1) if d % k == 0]
             raise ValueError(f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
                              f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
-                             f"groups split the data dimension. Pick one of {divisors}, or leave it out (all {d}).")
+                             f"groups split the data dimension. Pick one of {_divisors(d)}, or leave it out (all {d}).")
         return configured if configured is not None else d
     k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
     if k < 1 or world_size % k:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
                          f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
-                         f"{divisors} (e.g. the devices per node), or leave it out.")
+                         f"{_divisors(world_size)} (e.g. the devices per node), or leave it out.")
     return k
 
 
@@ -223,13 +220,17 @@ def resolve_secondary_group_size(configured: Optional[int], world_size: int, sha
     if configured is None:
         return None
     if world_size % configured:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"`secondary_shard_group_size={configured}` does not divide the world size {world_size}: the "
-                         f"ranks must split into equal secondary groups. Pick one of {divisors} (e.g. the devices "
-                         "per node), or leave it out.")
+                         f"ranks must split into equal secondary groups. Pick one of {_divisors(world_size)} (e.g. "
+                         "the devices per node), or leave it out.")
     if shard_group_size != world_size:
         raise ValueError(f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
                          f"this job shards over groups of {shard_group_size} (hybrid sharding, the default on several "
                          "nodes), which already keeps the all-gathers inside them. Set `shard_group_size` to the "
                          "world size, or leave `secondary_shard_group_size` out.")
     return configured
+
+
+def _divisors(n: int) -> list[int]:
+    """The group sizes ``n`` ranks split into evenly (what an error about a size that does not divide offers)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
