@@ -192,7 +192,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         return optimizer
 
     def _make_engine(self, module: Module, optimizers: list[Optimizer]) -> None:
-        recording = self._init_module.take()
+        recording = self._init_module.take(module)
         if self.engine is not None:
             raise RuntimeError("ZeroFabricStrategy sets up one model: call `fabric.setup` (or `setup_module`) once, "
                                "with every optimizer of the model.")
@@ -207,10 +207,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Under zero3 the model is built on the meta device and its construction recorded; setup replays it one unit
-        at a time, so no rank holds it whole and the values are those of eager construction. ``empty_init=True``
-        skips the ``torch.nn.init`` initializers as ``ddp`` does (and draws no random numbers for them), for code
-        that initializes the weights after the context (see [Note: what happens between init_module and setup] in
-        ``construction.py``). Stages 1 and 2 build on the device, as ``ddp``."""
+        at a time, so no rank holds it whole and the values are those of eager construction, initialized also under
+        ``empty_init=True`` (see [Note: empty_init under zero3] in ``engine/construction.py``). Stages 1 and 2 build
+        on the device; ``empty_init=True`` skips the initializers there, as ``ddp`` and ``deepspeed`` do."""
         if not self.policy.shards_params:
             return super().module_init_context(empty_init)
         return self._init_module.context(self.root_device, self.precision.module_init_context(), bool(empty_init))
