@@ -91,3 +91,56 @@ def test_trainer_init_module_under_zero3_with_empty_init_matches_ddp(empty_init_
         assert len(zero["losses"]) == 2 and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
         for name, value in ddp["end"].items():
             torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- several models on one Fabric
+GAN = ["zero1", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def gan_ranks(tmp_path_factory) -> list[dict]:
+    return launch("gan.py", 2, tmp_path_factory.mktemp("gan"), timeout=300)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+def test_two_models_on_one_fabric_match_ddp_step_for_step(gan_ranks, strategy):
+    for rank in gan_ranks:
+        ddp, zero = rank["ddp"], rank[strategy]
+        assert len(zero["losses"]) == 8 and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        assert [shape for _, shape in zero["norms"]] == [shape for _, shape in ddp["norms"]] == [()] * 4
+        assert [n for n, _ in zero["norms"]] == pytest.approx([n for n, _ in ddp["norms"]], rel=RTOL)
+        for name, value in ddp["end"].items():
+            torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+def test_two_models_resume_exactly_from_one_checkpoint(gan_ranks, strategy):
+    for rank in gan_ranks:
+        run = rank[strategy]
+        resumed = run["resumed"]
+        assert resumed["step"] == 2
+        assert resumed["losses"] == run["losses"][4:]  # bit for bit: the same run, interrupted
+        for name, value in run["end"].items():
+            assert torch.equal(resumed["end"][name], value), name
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+def test_the_checkpoint_of_two_models_inspects_and_consolidates(gan_ranks, strategy, tmp_path):
+    import lightning_zero
+    from lightning_zero.cli import main
+
+    run = gan_ranks[0][strategy]
+    summary = lightning_zero.inspect_checkpoint(run["ckpt"])
+    assert summary["optimizers"] == ["Adam", "SGD"] and summary["num_parameters"] == sum(v.numel() for v in run["saved"].values())
+    assert main(["inspect", run["ckpt"]]) == 0
+    out = tmp_path / "gan.ckpt"
+    assert main(["consolidate", run["ckpt"], str(out)]) == 0
+    full = torch.load(out, map_location="cpu", weights_only=True)
+    expected = {("g." if name.startswith("0.") else "d.") + name[2:]: v for name, v in run["saved"].items()}
+    assert full["state_dict"].keys() == expected.keys() and full["step"] == 2
+    for name, value in expected.items():
+        assert torch.equal(full["state_dict"][name], value), name
+    assert len(full["optimizer_states"]) == 2
