@@ -24,8 +24,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
-    from lightning_zero.core.optimizer import ShardedOptimizer
-    from lightning_zero.core.store import ShardedStorage
     from lightning_zero.engine.engine import ZeroEngine
 
 #: The checkpoint entry that lists the state keys of the models of a several-model checkpoint, in setup order.
@@ -34,7 +32,8 @@ MODELS_KEY = "zero_fabric_models"
 
 @dataclass
 class _Storages:
-    storages: list["ShardedStorage"]
+    storages: list[Any]
+    """The engines' ``ShardedStorage`` objects."""
 
 
 class _Runtimes:
@@ -65,12 +64,12 @@ class EngineGroup:
         self.engines = engines
         self.config, self.shard_groups, self.precision = engines[0].config, engines[0].shard_groups, engines[0].precision
         self.module = nn.ModuleDict({key: engine.module for key, engine in named.items()})
-        self.optimizers: list["ShardedOptimizer"] = [o for engine in engines for o in engine.optimizers]
+        self.optimizers: list[Any] = [o for engine in engines for o in engine.optimizers]
         self.store = _Storages([s for engine in engines for s in engine.store.storages])
         runtimes = [engine.runtime for engine in engines if engine.runtime is not None]
         self.runtime: Optional[_Runtimes] = _Runtimes(runtimes) if runtimes else None
 
-    def sharded(self, optimizer: Optimizer) -> "ShardedOptimizer":
+    def sharded(self, optimizer: Optimizer) -> Any:
         """The shards of ``optimizer``, from the engine that owns it."""
         return engine_of_optimizer(self.engines, optimizer).sharded(optimizer)
 
