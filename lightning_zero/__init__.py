@@ -3,7 +3,7 @@
 Importing the package registers ``zero1``, ``zero2``, ``zero3`` (and ``_spawn`` / ``_fork`` variants) with the
 Trainer and with Fabric, so that ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` work;
 :class:`ZeroEngine` runs the same steps from a plain PyTorch loop. Sharded checkpoints are read back with :func:`load_from_checkpoint`,
-:func:`consolidate` (or ``lightning-zero consolidate``) and, under other strategies, :class:`ZeroCheckpointIO`. :func:`load_pretrained` fills a model (sharded or not) from a
+:func:`consolidate` (or ``lightning-zero consolidate``), :func:`export_pretrained` (a Hugging Face directory, or ``lightning-zero export``) and, under other strategies, :class:`ZeroCheckpointIO`. :func:`load_pretrained` fills a model (sharded or not) from a
 Hugging Face ``save_pretrained`` directory, safetensors files or a ``torch.save`` state dict, a tensor at a time.
 """
 
@@ -15,6 +15,7 @@ from lightning_zero.core.traffic import Traffic
 from lightning_zero.config import ZeroConfig
 from lightning_zero.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
+from lightning_zero.checkpoints.export import ExportResult, export_pretrained
 from lightning_zero.engine.construction import sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
@@ -37,6 +38,8 @@ __all__ = [
     "CheckpointError",
     "ZeroCheckpointIO",
     "consolidate",
+    "export_pretrained",
+    "ExportResult",
     "inspect_checkpoint",
     "load_from_checkpoint",
     "load_full_checkpoint",

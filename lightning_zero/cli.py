@@ -21,6 +21,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 
 from lightning_zero.checkpoints.storage import CheckpointError, missing_message
+from lightning_zero.checkpoints.export import add_export_arguments, run_export
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
 from lightning_zero.estimate import (
     count_parameters,
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)")
     merge.set_defaults(run=_consolidate)
+
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face save_pretrained directory "
+                                 "(safetensors shards, config.json), a shard at a time")
+    add_export_arguments(export, DTYPES)
+    export.set_defaults(run=lambda args: print(run_export(args, DTYPES)))
     return parser
 
 

@@ -23,6 +23,7 @@ from lightning_zero.checkpoints.storage import (
     read_meta,
     save_file,
 )
+from lightning_zero.checkpoints.export import PRETRAINED
 from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
 from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.tensor_parallel import join
@@ -62,6 +63,8 @@ def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optiona
     load_sharded(path, shards, objects, collective=False)
     values = {**full, **objects, **_joined_slices(info, full)}
     meta["state_dict"] = {key: values[stored] for key, stored in info["model"].items()}
+    if PRETRAINED in info:  # the transformers configs, for `lightning-zero export` of the file
+        meta[KEY] = {PRETRAINED: info[PRETRAINED]}
     if weights_only:
         meta.pop("optimizer_states", None)
         meta.pop("lr_schedulers", None)

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from lightning_zero.core import collectives
 from lightning_zero.core.slices import tensor_parallel_slice
 from lightning_zero.checkpoints.errors import agree_on_failure
+from lightning_zero.checkpoints.export import PRETRAINED, pretrained_configs
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.sharded import (
     check_optimizer_count,
@@ -89,7 +90,10 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
     """Write ``checkpoint`` (``state_dict`` from :func:`model_state`, ``optimizer_states`` from
     :func:`optimizer_state`, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
     one file (rank 0); either appears complete or not at all."""
+    configs = pretrained_configs(engine.module)  # see [Note: configs recorded at save time] in export.py
     if engine.config.state_dict_type == "full":
+        if configs:
+            checkpoint = {**checkpoint, KEY: {PRETRAINED: configs}}
         failed = None
         if collectives.rank() == 0:
             try:
@@ -103,6 +107,8 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
             "precision": engine.precision.precision, "writer": writer,
             "num_parameters": sum(p.numel() * (engine.shard_groups.tensor_size if tensor_parallel_slice(p) else 1)
                                   for p in engine.module.parameters())}
+    if configs:
+        info[PRETRAINED] = configs
     objects, shards, meta = split_checkpoint(checkpoint, engine.optimizers, info)
     if not engine.shard_groups.first_replica:
         # [Note: one replica writes] Under hybrid sharding the replicas of a shard group hold the same pieces;
