@@ -168,8 +168,8 @@ def parse_shard_size(size: Union[int, str]) -> int:
 
 
 def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Names in order, cut into shards of at most ``max_bytes`` as ``huggingface_hub`` cuts them (a tensor larger
-    than the limit is a shard of its own)."""
+    """Names in order, cut into shards of at most ``max_bytes`` as ``huggingface_hub`` cuts them: a tensor larger
+    than the limit is a shard of its own, listed before the shard being filled when it came."""
     shards: list[list[str]] = []
     current: list[str] = []
     used = 0
