@@ -94,7 +94,7 @@ def test_the_command_exports_without_the_users_code(trained, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "lightning_zero", "export", str(out / "gpt2-zero3.ckpt"),
                            str(tmp_path / "hf"), "--max-shard-size", "40KB"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "wrote the attribute 'lm'" in done.stdout
     check_shards(tmp_path / "hf", 40_000)
