@@ -1,7 +1,7 @@
 """What users carry over from Lightning's ``fsdp`` and ``deepspeed`` strategies.
 
 ``empty_init``: under zero3, ``init_module(empty_init=True)`` builds the model sharded *and initialized* (a
-LitGPT-shaped model, tests/litgpt_shaped.py: in process, the recorded values against eager construction bit for bit;
+LitGPT's own model, or its shape in tests/litgpt_shaped.py where LitGPT is not installed (tests/litgpt_model.py): in process, the recorded values against eager construction bit for bit;
 on 2 ranks, tests/workers/empty_init.py, a Fabric loop and a Trainer fit against ``ddp`` building eagerly).
 """
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_zero.engine.construction import InitModuleRecording
 from lightning_zero.testing.launch import launch
-from tests.litgpt_shaped import GPT, Config
+from tests.litgpt_model import GPT, Config
 
 RTOL = 1e-5
 

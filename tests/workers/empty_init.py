@@ -1,4 +1,4 @@
-"""One rank of the ``empty_init`` suite (tests/test_carry.py): a LitGPT-shaped model (tests/litgpt_shaped.py) built
+"""One rank of the ``empty_init`` suite (tests/test_carry.py): LitGPT's model (tests/litgpt_model.py) built
 the way LitGPT's scripts build it for sharded strategies, ``init_module(empty_init=True)`` and no initialization after,
 and trained, against ``ddp`` building it eagerly on the same seed.
 
@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategies)
-from tests.litgpt_shaped import GPT, Config
+from tests.litgpt_model import GPT, Config
 
 warnings.filterwarnings("ignore")
 CONFIG = Config()
