@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 from lightning_zero.core.layout import FlatLayout
 from lightning_zero.core.offload import copy_to_device, pins
 from lightning_zero.core.quantize import all_gather_quantized
@@ -111,6 +111,7 @@ class ShardedParams:
         """Copy a host chunk to ``buffer[at:]`` on the device; returns the device chunk."""
         chunk = buffer[at : at + source.numel()]
         copy_to_device(chunk, source)  # asynchronous from pinned memory; a disk shard's pages evicted after
+        costs.count_copy(chunk)
         self._uploads_pending = self._uploads_pending or self.asynchronous
         self.uploaded_bytes += chunk.numel() * chunk.element_size()
         return chunk
