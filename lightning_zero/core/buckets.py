@@ -205,10 +205,13 @@ class GradientReducer:
                 self._written[bucket.index] = True
         return self.sink.shard() if self.sink is not None else self._shard()
 
-    def clear(self) -> None:
-        """Forget accumulated gradients without communicating (see [Note: the gradient shard is kept] in
-        ``store.py``): the next reduction of each bucket overwrites its slice of the shard."""
+    def clear(self, keep_shard: bool = True) -> None:
+        """Forget accumulated gradients without communicating: the next reduction of each bucket overwrites its slice
+        of the shard, which is kept unless ``keep_shard`` is false (see [Note: the gradient shard is kept] in
+        ``store.py``)."""
         self.wait()
+        if not keep_shard:
+            self.grad_shard = None
         self._free.extend(self._open.values())
         self._open.clear()
         self._got = [set() for _ in self.layout.buckets]

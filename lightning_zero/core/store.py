@@ -208,12 +208,14 @@ class ShardedStorage:
         if indices is None or len(set(indices)) == len(self.params):
             for p in self.params:
                 p.grad = None
-            # [Note: the gradient shard is kept] ``set_to_none`` frees each ``.grad``, but the gradient shard stays
-            # allocated: made again each step it would be a fresh allocation of 4Ψ/N bytes (in fp32), above glibc's
-            # mmap threshold from tens of millions of parameters on, so a page fault per 4 KiB of it every step.
-            # It costs 4Ψ/N bytes during forward, less than DDP's own reducer keeps for the whole run (its buckets,
-            # 4Ψ). Clearing only marks it unwritten: each bucket's next reduction overwrites its slice.
-            self.reducer.clear()
+            # [Note: the gradient shard is kept] ``set_to_none`` frees each ``.grad``, but under stages 2 and 3 the
+            # gradient shard stays allocated: made again each step it would be a fresh allocation of 4Ψ/N bytes (in
+            # fp32), above glibc's mmap threshold from tens of millions of parameters on, so a page fault per 4 KiB
+            # of it every step. It costs 4Ψ/N bytes during forward, less than DDP's own reducer keeps for the whole
+            # run (its buckets, 4Ψ). Clearing only marks it unwritten: each bucket's next reduction overwrites its
+            # slice. Stage 1 frees it (one allocation per step): its backward holds the full gradients, and the
+            # shard on top of them would exceed the paper's 4Ψ + 4Ψ + 8Ψ/N.
+            self.reducer.clear(keep_shard=self.policy.reduces_in_backward)
             return
         for j in indices:
             self.params[j].grad = None
