@@ -53,6 +53,10 @@ SIZES = {
     "medium": GPTSize(width=512, depth=6),
     "large": GPTSize(width=768, depth=12),
     "states": GPTSize(width=512, depth=8, vocab=512, seq=32, batch=2),  # 25.3M; activations negligible (issue 12)
+    # the sizes of the speed table (benchmarks/speed_table.py): 18.2M, 44.7M, 84.3M
+    "gpt19m": GPTSize(width=448, depth=6),
+    "gpt45m": GPTSize(width=640, depth=8),
+    "gpt85m": GPTSize(width=768, depth=11),
     # GPU sizes (issue 27): GPT-2-medium-shaped 336M and a 1B model, at sequence 1024
     "gpt336m": GPTSize(width=1024, depth=24, vocab=32768, seq=1024, batch=8),
     "gpt1b": GPTSize(width=2048, depth=18, vocab=32768, seq=1024, batch=4),

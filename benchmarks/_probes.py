@@ -219,6 +219,8 @@ class StepTimer:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._faults0
         self.last = elapsed
         """The step just timed, warm-up or not."""
+        self.measured_last = self._step >= self.warmup
+        """Whether the step just timed was measured (past warm-up)."""
         if self._step >= self.warmup:
             self.traffic.append(traffic_stop())
             self.times.append(elapsed)

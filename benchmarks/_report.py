@@ -7,6 +7,11 @@ with ratios against ``ddp``, a JSON file for machines, and a PNG plot (matplotli
 - peak / rank: the highest rank's peak (resident high-water mark on CPU, ``max_memory_allocated`` on GPU), and its
   growth above the level before ``fit`` (imports, interpreter), the part the training adds.
 - model states / rank: measured from live tensors after a backward (rank 0).
+- faults / step: the median of the slowest rank's minor page faults per measured step (fresh pages the kernel
+  mapped: memory freed and made again shows here, whoever made it).
+- allocs / step, copied / step: ZeRO only, ``ZeroEngine.step_costs()`` (``lightning_zero/core/costs.py``): the
+  engine's own large allocations per measured step (0 once it owns its memory) and the bytes it copied, in units
+  of 4Ψ (one fp32 copy of the model).
 - comm / step: bytes of collective payload one rank issued in one measured step (plus the bytes it sent point to
   point, see [Note: one traffic counter for everybody] in ``_probes.py``), also in units of Ψ fp32 words.
 """
@@ -42,10 +47,20 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    peak_growth=max(r["peak_growth"] for r in ok),
                    model_states=ok[-1].get("model_states"), comm_bytes=ok[-1]["comm_bytes"],
                    comm_calls=ok[-1]["comm_calls"], comm_total=sum(ok[-1]["comm_bytes"].values()),
-                   loss=ok[-1].get("loss"))
+                   loss=ok[-1].get("loss"),
+                   faults=statistics.median([f for r in ok for f in r.get("step_faults", [])] or [0]),
+                   **_median_costs([c for r in ok for c in r.get("step_costs", [])]))
         rows.append(row)
     _add_ratios(rows)
     return rows
+
+
+def _median_costs(steps: list[dict[str, int]]) -> dict[str, Optional[float]]:
+    """The median per step of the engine's large allocations and copied bytes (``None`` without an engine)."""
+    if not steps:
+        return {"allocations": None, "copied": None}
+    return {"allocations": statistics.median(c["large_allocations"] for c in steps),
+            "copied": statistics.median(c["copied_bytes"] for c in steps)}
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -54,7 +69,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         ddp = base.get((row["world_size"], row["size"]))
         if ddp is None or "error" in row:
             continue
-        for key in ("step_median", "peak_memory", "peak_growth", "model_states", "comm_total"):
+        for key in ("step_median", "peak_memory", "peak_growth", "model_states", "comm_total", "faults"):
             if row.get(key) is not None and ddp.get(key):
                 row[f"{key}_vs_ddp"] = row[key] / ddp[key]
 
@@ -76,19 +91,23 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
         psi = next((r["params"] for r in group if r.get("params")), 0)
         out += [f"### {size} GPT ({psi / 1e6:.1f}M parameters), world size {world_size}", "",
                 "| strategy | step (ms) | range of repeats (ms) | vs ddp | peak / rank (MiB) | growth in fit (MiB) | "
-                "vs ddp | model states / rank (MiB) | vs ddp | comm / step (MiB) | comm / 4Ψ | collectives / step |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "vs ddp | model states / rank (MiB) | vs ddp | comm / step (MiB) | comm / 4Ψ | collectives / step | "
+                "faults / step | vs ddp | allocs / step | copied / 4Ψ |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in group:
             if "error" in r:
-                out.append(f"| {r['strategy']} | skipped: {str(r['error'])[:150]} |" + " |" * 10)
+                out.append(f"| {r['strategy']} | skipped: {str(r['error'])[:150]} |" + " |" * 14)
                 continue
             comm = r["comm_total"]
             calls = sum(r["comm_calls"].values())
+            copied = "–" if r.get("copied") is None or not psi else f"{r['copied'] / (4 * psi):.2f}"
             out.append(
                 f"| {r['strategy']} | {_fmt(r['step_median'], 1e-3)} | {_fmt(r['step_min'], 1e-3)}–"
                 f"{_fmt(r['step_max'], 1e-3)} | {_ratio(r, 'step_median')} | {_fmt(r['peak_memory'], MiB, 0)} | "
                 f"{_fmt(r['peak_growth'], MiB, 0)} | {_ratio(r, 'peak_growth')} | {_fmt(r['model_states'], MiB)} | "
-                f"{_ratio(r, 'model_states')} | {_fmt(comm, MiB)} | {comm / (4 * psi) if psi else 0:.2f} | {calls} |")
+                f"{_ratio(r, 'model_states')} | {_fmt(comm, MiB)} | {comm / (4 * psi) if psi else 0:.2f} | {calls} | "
+                f"{_fmt(r.get('faults'), 1, 0)} | {_ratio(r, 'faults')} | {_fmt(r.get('allocations'), 1, 0)} | "
+                f"{copied} |")
         out.append("")
     return "\n".join(out)
 

@@ -44,12 +44,20 @@ class Probe(L.Callback):
         self.profiler = profiler
         self.states: dict[str, int] = {}
         self.peak = 0
+        self.costs: list[dict[str, int]] = []
+        """ZeRO only: each measured step's ``ZeroEngine.step_costs()``."""
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.step_costs()  # counts from here
         self.timer.start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.timer.stop()
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None and self.timer.measured_last:  # the engine's own counts (see lightning_zero/core/costs.py)
+            self.costs.append(engine.step_costs())
         if self.profiler is not None:
             self.profiler.step()
         # in the rank's log as it goes, so a launch that dies in teardown still shows its steps (the launcher prints
@@ -152,7 +160,7 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
         profiler.__exit__(None, None, None)
         _write_profile(profiler, cfg, out)
     extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak}
-    return {**probe.timer.summary(), "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
+    return {**probe.timer.summary(), "step_costs": probe.costs, "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
             "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")),
             "disk_io": {"read": disk.COUNTERS.read, "written": disk.COUNTERS.written}, **extra}
 

@@ -6,6 +6,7 @@
     python -m benchmarks.compare --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
     python -m benchmarks.compare --world-sizes 2 --sizes medium --repeats 3 --steps 6 --warmup 2 \\
         --strategies ddp zero3 zero3:prefetch_size=0 zero3:overlap_comm=False zero3+OMP_NUM_THREADS=2   # A/B
+    python -m benchmarks.speed_table          # the speed and memory table at 5M-85M against DDP and FSDP2 (~20 min)
 
 Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``benchmarks._worker``, one process
 per rank with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, ``OMP_NUM_THREADS`` = cores // N), so each peak memory is
@@ -76,10 +77,9 @@ def environment(env: dict[str, str]) -> Iterator[None]:
 
 
 def _allocator_env() -> dict[str, str]:
-    """``os.environ`` for a rank, with the harness's allocator setting (``MALLOC_MMAP_THRESHOLD_=131072`` for every
-    strategy, none with ``BENCH_GLIBC_DEFAULTS=1``) unless the environment (a variant's ``+MALLOC_...``) sets one."""
-    default = {} if os.environ.get("BENCH_GLIBC_DEFAULTS") == "1" else {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    return {**default, **os.environ}
+    """``os.environ`` for a rank, as a user's run has it: no allocator setting of ours, for any strategy (a variant's
+    ``+MALLOC_...=`` may add one to its own launches, for an A/B run)."""
+    return dict(os.environ)
 
 
 def run_config(cfg: dict[str, Any], world_size: int, timeout: float, keep: Optional[Path] = None) -> dict[str, Any]:
@@ -124,7 +124,8 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     zero = ranks[0]
     cpu = [max(c) for c in zip(*(r.get("step_cpu", []) for r in ranks))]
     faults = [max(f) for f in zip(*(r.get("step_faults", []) for r in ranks))]
-    return {"step_times": steps, "step_cpu": cpu, "step_faults": faults,
+    costs = [{key: max(c[key] for c in step) for key in step[0]} for step in zip(*(r.get("step_costs", []) for r in ranks))]
+    return {"step_times": steps, "step_cpu": cpu, "step_faults": faults, "step_costs": costs,
             "peak_memory": max(r["peak_memory"] for r in ranks),
             "peak_growth": top["peak_memory"] - top["baseline_memory"],
             "model_states": zero["states"].get("model_states"), "states": zero["states"],

@@ -82,16 +82,15 @@ class ZeroConfig:
     """Stage 3: module classes (or class names) gathered as one unit; default: the children of ``nn.ModuleList`` and
     ``nn.Sequential`` and every other module with parameters."""
     persistence_threshold: Optional[Elements] = STAGE3_DEFAULTS["persistence_threshold"]
-    """Stage 3: units with at most this many elements join the root unit, gathered once per step. ``None``: 100,000,
-    and the whole model for models of under 16M parameters without ``offload_params``, hpZ or qwZ, which is faster
-    (see [Note: a small model is gathered whole] in ``stage3/plan.py``)."""
+    """Stage 3: units with at most this many elements join the root unit, gathered once per step. ``None``: 100,000
+    for every model (see [Note: one algorithm at every size] in ``stage3/plan.py``)."""
     prefetch_size: Elements = STAGE3_DEFAULTS["prefetch_size"]
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
     host_mmap_threshold: Optional[Elements] = None
-    """CPU runs on glibc: fix the allocator's mmap threshold at this many bytes so that freed tensors leave the
-    process (see [Note: glibc's dynamic mmap threshold] in ``host_memory.py``); 0 leaves the allocator alone.
-    ``None``: 128 KiB for models of 16M trainable parameters or more, and for smaller ones a heap that keeps freed
-    memory for reuse, which is faster (see [Note: the mmap threshold costs time])."""
+    """CPU runs on glibc, an escape hatch: fix the allocator's mmap threshold at this many bytes for the whole
+    process, so that freed tensors above it leave the process (lower peaks, more page faults and slower steps).
+    ``None`` or 0 (the default): glibc is left alone, as DDP has it (see [Note: no allocator setting decides speed
+    or memory] in ``core/host_memory.py``)."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
     in the form ``ddp`` writes."""

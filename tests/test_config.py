@@ -36,9 +36,9 @@ def test_config_rejects_bad_values(kwargs, error, match):
         ZeroStrategy(**kwargs)
 
 
-def test_host_mmap_threshold_default_follows_the_model(monkeypatch):
-    """``None`` (the default): the heap settings only for engines under the cut, never over the environment's
-    threshold, never after a large engine (see [Note: the mmap threshold costs time])."""
+def test_host_mmap_threshold_leaves_glibc_alone_by_default(monkeypatch):
+    """``None`` (the default) and 0 change nothing; a number fixes the threshold, never over the environment's (see
+    [Note: no allocator setting decides speed or memory] in core/host_memory.py)."""
     from lightning_zero.core import host_memory
 
     assert ZeroConfig().host_mmap_threshold is None
@@ -51,14 +51,14 @@ def test_host_mmap_threshold_default_follows_the_model(monkeypatch):
             calls.append((option, value))
             return 1
 
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
     monkeypatch.setattr(host_memory, "_glibc", lambda: FakeLibc())
-    monkeypatch.setattr(host_memory, "_large_engine", False)
-    assert not host_memory.settle_for_model(131_072, 1_000)  # an explicit threshold stays
-    assert host_memory.settle_for_model(None, host_memory.AUTO_FIXED_MIN_PARAMS - 1)
-    assert calls == [(-3, host_memory.HEAP_SETTINGS[0]), (-1, host_memory.HEAP_SETTINGS[1])]
+    assert not host_memory.release_freed_memory(None) and not host_memory.release_freed_memory(0) and not calls
+    assert host_memory.release_freed_memory(131_072)
+    assert calls == [(-3, 131_072), ("trim", 0)]
     calls.clear()
-    assert not host_memory.settle_for_model(None, host_memory.AUTO_FIXED_MIN_PARAMS)
-    assert not host_memory.settle_for_model(None, 1_000) and not calls  # a large engine keeps the fixed threshold
     assert host_memory.fix_threshold(FakeLibc(), host_memory.FIXED_THRESHOLD)
     assert calls == [(-3, host_memory.FIXED_THRESHOLD)]  # 128 KiB: the trim threshold stays glibc's
     calls.clear()

@@ -91,43 +91,29 @@ def test_units_blocks_leftovers_and_a_root_for_tied_and_owned_parameters():
     assert all(everything_small.unit(p) == ROOT for p in model.parameters())
 
 
-def test_persistence_threshold_none_gathers_a_small_model_whole_and_a_large_one_unit_by_unit():
-    # the default trades stage 3's saving on a small model's parameters for speed (see [Note: a small model is
-    # gathered whole] in stage3/plan.py); a large model, options acting on each unit's gathers, a number keep units
+def test_persistence_threshold_none_is_the_same_number_at_every_size():
+    # one algorithm at every size (see [Note: one algorithm at every size] in stage3/plan.py): a small model, a large
+    # one and every option get the same element threshold; a number chooses for any model
     from torch import nn
 
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.stage3.plan import (DEFAULT_PERSISTENCE_THRESHOLD, WHOLE_MODEL_MAX_PARAMS, plan_units,
-                                            resolve_persistence_threshold)
+    from lightning_zero.stage3.plan import DEFAULT_PERSISTENCE_THRESHOLD, plan_units, resolve_persistence_threshold
     from tests.models import TinyGPT
 
-    default = ZeroConfig(stage=3)
-    small = TinyGPT(width=64, depth=3)
-    numel = sum(p.numel() for p in small.parameters())
-    assert resolve_persistence_threshold(default, small) == numel
-    assert plan_units(small, persistence_threshold=numel).names == ["<root>"]
-    for option in ({"offload_params": True}, {"offload_params": "disk"}, {"quantized_weights": True},
-                   {"secondary_shard_group_size": 1}):
-        assert resolve_persistence_threshold(ZeroConfig(stage=3, **option), small) == DEFAULT_PERSISTENCE_THRESHOLD
-    assert resolve_persistence_threshold(ZeroConfig(stage=3, persistence_threshold=0), small) == 0
-    assert len(plan_units(small, persistence_threshold=0).names) > 1
-
-    side = math.isqrt(WHOLE_MODEL_MAX_PARAMS // 2)  # two blocks of half the size each: at the limit, not under it
-    large = nn.Sequential(nn.Linear(side, side, bias=False, device="meta"),
-                          nn.Linear(side, side, bias=False, device="meta"),
-                          nn.Linear(2 * side, 1, bias=False, device="meta"))
-    assert sum(p.numel() for p in large.parameters()) >= WHOLE_MODEL_MAX_PARAMS
-    assert resolve_persistence_threshold(default, large) == DEFAULT_PERSISTENCE_THRESHOLD
+    small = TinyGPT(width=128, depth=3)  # blocks of about 200k elements, 0.6M parameters in all
+    large = nn.Sequential(*(nn.Linear(4096, 4096, bias=False, device="meta") for _ in range(2)))  # 33.6M
+    for option in ({}, {"offload_params": True}, {"quantized_weights": True}, {"secondary_shard_group_size": 1}):
+        assert resolve_persistence_threshold(ZeroConfig(stage=3, **option)) == DEFAULT_PERSISTENCE_THRESHOLD
+    assert resolve_persistence_threshold(ZeroConfig(stage=3, persistence_threshold=0)) == 0
+    assert len(plan_units(small, persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD).names) > 1
     assert plan_units(large, persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD).names == ["<root>", "0", "1"]
-    # frozen parameters count: they are gathered too
-    lora = nn.ModuleDict({"base": nn.Linear(side, 3 * side, bias=False, device="meta").requires_grad_(False),
-                          "adapter": nn.Linear(side, 8, bias=False, device="meta")})
-    assert resolve_persistence_threshold(default, lora) == DEFAULT_PERSISTENCE_THRESHOLD
+    numel = sum(p.numel() for p in small.parameters())
+    assert plan_units(small, persistence_threshold=numel).names == ["<root>"]  # a number above the size: whole
 
 
-def test_the_engine_gathers_a_small_model_whole_by_default_and_trains_it_as_unit_by_unit():
-    # blocks of 263k elements: units under the former default (100,000), one root under the new one; a step of
-    # each plan gives the same weights, bit for bit
+def test_a_model_gathered_whole_trains_as_unit_by_unit():
+    # blocks of 263k elements: units under the default (100,000), one root under a threshold above the model's size;
+    # a step of each plan gives the same weights, bit for bit
     import torch
     from torch import nn
 
@@ -146,8 +132,8 @@ def test_the_engine_gathers_a_small_model_whole_by_default_and_trains_it_as_unit
         engine.teardown()
         return names, weights, summary
 
-    whole, whole_weights, whole_summary = train()
-    units, unit_weights, unit_summary = train(persistence_threshold=100_000)
+    whole, whole_weights, whole_summary = train(persistence_threshold=10**7)
+    units, unit_weights, unit_summary = train()
     assert whole == ["<root>"] and units == ["<root>", "0", "1", "2"]
     assert "gathered as one unit, once per step" in whole_summary and "one unit" not in unit_summary
     for a, b in zip(whole_weights, unit_weights):

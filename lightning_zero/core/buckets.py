@@ -4,7 +4,9 @@
 A bucket needs a buffer only from its first gradient until its reduce-scatter completes. Buffers come from a small
 pool of ``bucket_buffers`` tensors of the largest bucket's size; when all are busy, the oldest reduce-scatter in
 flight is waited for and its buffer reused. Peak memory is therefore ``bucket_buffers`` (or the number of buckets
-filling at the same moment, if that is larger) times the bucket size, whatever the number of buckets.
+filling at the same moment, if that is larger) times the bucket size, whatever the number of buckets. The pool and
+the gradient shard are made on first use and kept from step to step (see [Note: the engine owns its memory] in
+``stage3/pool.py``): after the first step a reduction allocates nothing (``core/costs.py`` counts it).
 
 [Note: lockstep]
 Collectives are matched across ranks by the order in which they are issued, so every rank must launch the same
@@ -47,7 +49,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import Bucket, FlatLayout
@@ -94,7 +96,7 @@ class _Slot:
         """The side output of a reduce-scatter that must be added to the shard (gradient accumulation) or handed to
         the sink."""
         if self.out is None:
-            self.out = torch.empty(self.bucket.numel() // world_size, dtype=self.bucket.dtype, device=self.bucket.device)
+            self.out = costs.empty(self.bucket.numel() // world_size, self.bucket.dtype, self.bucket.device)
         return self.out[: bucket.chunk_size]
 
 
@@ -162,6 +164,7 @@ class GradientReducer:
         """Copy the gradient of one parameter into its bucket(s); launch the buckets that are full, in order."""
         flat = grad.detach().reshape(-1)
         self._pending = True
+        costs.count_copy(flat)
         for bucket, start, length, offset in self._param_parts[param_index]:
             view = self._slot_for(bucket).input(bucket, self.layout.world_size)
             _scaled_copy(view[offset : offset + length], flat[start : start + length], self._divisor)
@@ -202,17 +205,19 @@ class GradientReducer:
                 self._written[bucket.index] = True
         return self.sink.shard() if self.sink is not None else self._shard()
 
-    def clear(self) -> None:
-        """Forget accumulated gradients without communicating and free the shard (see [Note: the gradient shard is
-        freed at zero_grad] in ``store.py``)."""
+    def clear(self, keep_shard: bool = True) -> None:
+        """Forget accumulated gradients without communicating: the next reduction of each bucket overwrites its slice
+        of the shard, which is kept unless ``keep_shard`` is false (see [Note: the gradient shard is kept] in
+        ``store.py``)."""
         self.wait()
+        if not keep_shard:
+            self.grad_shard = None
         self._free.extend(self._open.values())
         self._open.clear()
         self._got = [set() for _ in self.layout.buckets]
         self._received = [0] * len(self.layout.buckets)
         self._next, self._pending = 0, False
         self._written = [False] * len(self.layout.buckets)
-        self.grad_shard = None
         if self.sink is not None:
             self.sink.clear()
 
@@ -233,10 +238,11 @@ class GradientReducer:
                             self._zero(at, at + pc.length)
 
     def release_buffers(self) -> None:
-        """Free the pooled bucket buffers (they are made again on demand)."""
+        """Free the pooled bucket buffers and the gradient shard (teardown; they are made again on demand)."""
         self.wait()
         self._free.clear()
         self.buffers_allocated = len(self._open)
+        self.grad_shard = None
 
     @property
     def buffer_bytes(self) -> int:
@@ -252,7 +258,7 @@ class GradientReducer:
         # unwritten, a large CPU allocation costs no resident memory until its pages are written, so the shard
         # grows bucket by bucket through backward (as activations are freed) instead of all at the first bucket.
         if self.grad_shard is None:
-            self.grad_shard = torch.empty(self.layout.shard_size, dtype=self.dtype, device=self.device)
+            self.grad_shard = costs.empty(self.layout.shard_size, self.dtype, self.device)
         return self.grad_shard
 
     def _slot_for(self, bucket: Bucket) -> _Slot:
@@ -271,7 +277,7 @@ class GradientReducer:
         if self._free:
             return self._free.pop()
         self.buffers_allocated += 1
-        slot = _Slot(torch.empty(self.layout.max_bucket_elements, dtype=self.dtype, device=self.device))
+        slot = _Slot(costs.empty(self.layout.max_bucket_elements, self.dtype, self.device))
         self._in_flight_peak(slot)
         return slot
 

@@ -197,9 +197,8 @@ class ShardedStorage:
                     self.reducer.add_grad(j, p.grad)
                     p.grad = None
         # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
-        shard = self.reducer.finalize(force=not self.policy.reduces_in_backward)
-        self.reducer.release_buffers()  # the step needs none: their memory is free for its temporaries
-        return shard
+        # the bucket buffers stay for the next step (see [Note: constant memory] in buckets.py)
+        return self.reducer.finalize(force=not self.policy.reduces_in_backward)
 
     def clear_grads(self, indices: Optional[Sequence[int]]) -> None:
         """Drop the gradients of ``params[j]`` for ``j`` in ``indices`` (``None``: all), master grads included."""
@@ -209,10 +208,14 @@ class ShardedStorage:
         if indices is None or len(set(indices)) == len(self.params):
             for p in self.params:
                 p.grad = None
-            # [Note: the gradient shard is freed at zero_grad] as ``set_to_none`` frees ``.grad``: Lightning calls
-            # zero_grad between forward and backward, so a kept shard (4Ψ/N bytes in fp32) would sit on top of the
-            # activations at the start of backward, the peak of a step; it is made again by the first reduction.
-            self.reducer.clear()
+            # [Note: the gradient shard is kept] ``set_to_none`` frees each ``.grad``, but under stages 2 and 3 the
+            # gradient shard stays allocated: made again each step it would be a fresh allocation of 4Ψ/N bytes (in
+            # fp32), above glibc's mmap threshold from tens of millions of parameters on, so a page fault per 4 KiB
+            # of it every step. It costs 4Ψ/N bytes during forward, less than DDP's own reducer keeps for the whole
+            # run (its buckets, 4Ψ). Clearing only marks it unwritten: each bucket's next reduction overwrites its
+            # slice. Stage 1 frees it (one allocation per step): its backward holds the full gradients, and the
+            # shard on top of them would exceed the paper's 4Ψ + 4Ψ + 8Ψ/N.
+            self.reducer.clear(keep_shard=self.policy.reduces_in_backward)
             return
         for j in indices:
             self.params[j].grad = None

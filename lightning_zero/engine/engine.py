@@ -25,10 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 from lightning_zero.core.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
                                         resolve_shard_group_size)
-from lightning_zero.core.host_memory import settle_for_model
 from lightning_zero.checkpoints import pretrained
 from lightning_zero.engine import module_state
 from lightning_zero.core.activations import ActivationCheckpointing, activations_from_config
@@ -109,7 +108,9 @@ class ZeroEngine(OptimizerSteps):
         self._root_hook: Optional[Any] = None
         self.torn_down = False
         self._state_hooks: list[Any] = []
+        self._costs_mark: dict[str, int] = {}
         self._setup(list(optimizers), recording)
+        self.step_costs()  # counts from the end of setup on
 
     # ------------------------------------------------------------------ setup
     def _setup(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
@@ -126,8 +127,6 @@ class ZeroEngine(OptimizerSteps):
             broadcast_module_states(self.module, self.shard_groups)
             self._add_optimizers(optimizers)
         pretrained.attach(self.module, self)  # `load_pretrained` after setup writes into the shards
-        if self.device.type == "cpu":  # see [Note: the mmap threshold costs time] in host_memory.py
-            settle_for_model(self.config.host_mmap_threshold, sum(sum(s.layout.numels) for s in self.store.storages))
         self._state_hooks = module_state.attach(self)  # `model.state_dict()` / `load_state_dict` after setup
 
     def _setup_sharded_params(self, optimizers: list[Optimizer], recording: Optional[Recording]) -> None:
@@ -136,7 +135,7 @@ class ZeroEngine(OptimizerSteps):
         warn_if_built_in_full(self.module)
         move_materialized(self.module, self.device)
         self.unit_plan = plan_units(self.module, self.config.unit_classes,
-                                    resolve_persistence_threshold(self.config, self.module))
+                                    resolve_persistence_threshold(self.config))
         if optimizers:
             self._add_optimizers(optimizers)
         elif any(p.requires_grad for p in self.module.parameters()):
@@ -255,6 +254,16 @@ class ZeroEngine(OptimizerSteps):
             self.runtime.end_step()
 
     # ------------------------------------------------------------------ reports and teardown
+    def step_costs(self) -> dict[str, int]:
+        """What this process spent since the last call (or setup), without a clock (see [Note: what a step costs] in
+        ``core/costs.py``): ``large_allocations`` and ``allocated_bytes`` of the engine's own buffers (0 per step
+        after warm-up), ``copied_bytes`` (about Ψ elements per step: the gradients into their buckets),
+        ``minor_faults`` of the process, and ``collectives`` issued by the engine. Call it once per step."""
+        now = {**costs.COSTS.snapshot(), "collectives": sum(self.shard_groups.traffic.calls.values())}
+        spent = costs.difference(now, self._costs_mark) if self._costs_mark else now
+        self._costs_mark = now
+        return spent
+
     def summary(self) -> str:
         """One line: what each rank holds, next to what DDP would hold (see :func:`model_state_summary`)."""
         return model_state_summary(self)

@@ -41,7 +41,7 @@ def model_state_summary(engine: "ZeroEngine") -> str:
     ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
     own = "" if t == 1 else " (this rank's tensor-parallel slices)"
     whole = ""
-    if config.stage == 3 and len(engine.unit_plan.names) == 1:  # see [Note: a small model is gathered whole]
+    if config.stage == 3 and len(engine.unit_plan.names) == 1:  # see [Note: one algorithm at every size] in plan.py
         whole = "; parameters gathered as one unit, once per step (see `persistence_threshold`)"
     return (f"ZeRO stage {config.stage} on {ranks}{hybrid}, precision {mode}: {psi:,} trainable parameters{own}; "
             f"model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)"

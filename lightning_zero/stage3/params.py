@@ -3,9 +3,11 @@
 [Note: stage 3 storage]
 Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per storage of the engine's parameter store (see
 ``core/store.py``), in the working dtype, covering the unit's adjacent buckets of the layout. Its parameters are
-views of that buffer from setup on; between uses the buffer's storage is resized to zero bytes, so the parameters
-keep their shapes but hold no memory. The only persistent copy is the working shard (this rank's chunk of every
-bucket, 2Ψ/N under mixed precision), which aliases the master shard when the working and master dtypes are the same.
+views of that buffer from setup on; between uses the buffer's storage holds zero bytes, so the parameters keep their
+shapes but hold no memory. A gather lends the storage a block of the pool and a release takes it back (see [Note:
+the engine owns its memory] in ``pool.py``): no allocation per gather. The only persistent copy of the values is the
+working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master shard when
+the working and master dtypes are the same.
 
 [Note: offloaded parameter shards]
 With ``offload_params=True`` the working shard lives in host memory (pinned on CUDA, see ``offload.py``) and the
@@ -26,11 +28,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 from lightning_zero.core.layout import FlatLayout
 from lightning_zero.core.offload import copy_to_device, pins
 from lightning_zero.core.quantize import all_gather_quantized
 from lightning_zero.stage3 import guard
+from lightning_zero.stage3.pool import BlockPool
 
 
 class ShardedParams:
@@ -55,6 +58,8 @@ class ShardedParams:
         """The parameters viewing each unit's buffer (released with it: see [Note: a released parameter raises, it
         never crashes] in ``guard.py``)."""
         self._live_bytes = 0
+        self.pool = BlockPool(self.device)
+        """The memory the unit buffers hold while gathered (see [Note: the engine owns its memory] in ``pool.py``)."""
         for j, p in enumerate(params):
             self.unit_params.setdefault(layout.param_units[j], []).append(p)
         for unit in sorted({b.unit for b in layout.buckets}):
@@ -106,6 +111,7 @@ class ShardedParams:
         """Copy a host chunk to ``buffer[at:]`` on the device; returns the device chunk."""
         chunk = buffer[at : at + source.numel()]
         copy_to_device(chunk, source)  # asynchronous from pinned memory; a disk shard's pages evicted after
+        costs.count_copy(chunk)
         self._uploads_pending = self._uploads_pending or self.asynchronous
         self.uploaded_bytes += chunk.numel() * chunk.element_size()
         return chunk
@@ -132,14 +138,13 @@ class ShardedParams:
         storage = buffer.untyped_storage()
         if storage.nbytes() == 0:
             self._live_bytes += buffer.numel() * buffer.element_size()
-            storage.resize_(buffer.numel() * buffer.element_size())
+            self.pool.lend(buffer)
             guard.restore(self.unit_params.get(unit, []))
         return buffer
 
     def _free(self, unit: int) -> None:
-        storage = self.buffers[unit].untyped_storage()
-        self._live_bytes -= storage.nbytes()
-        storage.resize_(0)
+        self._live_bytes -= self.buffers[unit].untyped_storage().nbytes()
+        self.pool.take_back(self.buffers[unit])
         guard.release(self.unit_params.get(unit, []))
 
     @property

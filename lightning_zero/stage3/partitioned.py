@@ -145,6 +145,7 @@ class PartitionedStorage(ShardedStorage):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         for unit in list(self.sharded.buffers):
             self.sharded.release(unit)
+        self.sharded.pool.clear()
         guard.restore(self.params)  # they hold storage of their own now
 
 

@@ -10,19 +10,14 @@ parameters shared by two units (tied embeddings live in both the embedding and t
 once per step, from the end of the optimizer step before it (see [Note: the root is gathered ahead of the next
 step] in ``units.py``), and kept until the step's backward is done.
 
-[Note: a small model is gathered whole]
-``persistence_threshold=None`` (the default) resolves per model (:func:`resolve_persistence_threshold`): 100,000
-elements, and for a model of fewer than :data:`WHOLE_MODEL_MAX_PARAMS` parameters (64 MiB in fp32; the frozen ones
-count, since they are gathered too) every unit joins the root, so the model is gathered whole once per step. This
-is a speed/memory trade-off (issue 23). Gathering unit by unit costs the time of each gather during the forward,
-beside the compute: on two CPU ranks the project's 5.3M-parameter GPT steps at 1.00-1.05x DDP's time unit by unit
-and at 0.95-0.98x gathered whole (faster in 10 of 12 interleaved repeats), with the same peak at N = 2 and 8% more
-at N = 4 (benchmarks/RESULTS.md, "A small model gathered whole"). What it gives back is stage 3's saving on the parameters
-from the optimizer step's end to backward's end, at most 64 MiB against a shard of 64/N, and the lockstep check
-has no unit to check. Larger models keep the unit-by-unit default, and so does a model under an option that acts on
-each unit's gathers (:data:`UNIT_BY_UNIT_OPTIONS`: ``offload_params``, whose device memory is what the user asked
-to save, and ZeRO++'s hpZ and qwZ, which the root's gather does not take). A number chooses for any model
-(``persistence_threshold=100_000`` gathers a small model unit by unit, a number above its size a large one whole).
+[Note: one algorithm at every size]
+``persistence_threshold=None`` (the default) is :data:`DEFAULT_PERSISTENCE_THRESHOLD` elements for every model,
+whatever its size (as DeepSpeed's ``param_persistence_threshold``): units of that many elements or fewer join the
+root, larger ones are gathered around their use. A default that gathered a small model whole once per step (as
+earlier versions did under 16M parameters) made the small benchmark fast by another algorithm and changed nothing
+at real sizes; with unit memory taken from the pool (see [Note: the engine owns its memory] in ``pool.py``) a gather
+unit by unit costs its collective and nothing else, at every size. A number above the model's size gathers it
+whole (one root unit), for a user who wants that trade.
 
 [Note: units and torch.compile]
 The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
@@ -47,20 +42,13 @@ import torch
 from torch import nn
 
 from lightning_zero.core.blocks import compiled_inner, find_blocks, has_params
-from lightning_zero.core.host_memory import AUTO_FIXED_MIN_PARAMS
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig
 
 ROOT = 0
-#: ``persistence_threshold=None``: units of at most this many elements join the root.
+#: ``persistence_threshold=None``: units of at most this many elements join the root, at every model size.
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000
-#: ``persistence_threshold=None``: models of fewer parameters are gathered whole (see
-#: [Note: a small model is gathered whole]); one size for "small" in both defaults that favour speed over memory
-#: (``host_memory.py``).
-WHOLE_MODEL_MAX_PARAMS = AUTO_FIXED_MIN_PARAMS
-#: Options that act on each unit's gathers: set, they keep a small model's units under ``persistence_threshold=None``.
-UNIT_BY_UNIT_OPTIONS = ("offload_params", "quantized_weights", "secondary_shard_group_size")
 
 
 @dataclass
@@ -76,14 +64,11 @@ class UnitPlan:
         return self.unit_of.get(id(param), ROOT)
 
 
-def resolve_persistence_threshold(config: "ZeroConfig", module: nn.Module) -> int:
-    """``config.persistence_threshold`` for ``module``: the number if one was given, else the default of [Note: a
-    small model is gathered whole]."""
+def resolve_persistence_threshold(config: "ZeroConfig") -> int:
+    """``config.persistence_threshold``, or :data:`DEFAULT_PERSISTENCE_THRESHOLD` for ``None``: the same for every
+    model (see [Note: one algorithm at every size])."""
     if config.persistence_threshold is not None:
         return config.persistence_threshold
-    numel = sum(p.numel() for p in module.parameters())
-    if numel < WHOLE_MODEL_MAX_PARAMS and not any(getattr(config, name) for name in UNIT_BY_UNIT_OPTIONS):
-        return numel
     return DEFAULT_PERSISTENCE_THRESHOLD
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import FlatLayout
 
@@ -61,12 +61,13 @@ class SecondaryShards:
         ranges = self._ranges(unit)
         kept = self.pieces.get(unit)
         if kept is None:
-            kept = torch.empty(sum(n for _, n in ranges), dtype=buffer.dtype, device=buffer.device)
+            kept = costs.empty(sum(n for _, n in ranges), buffer.dtype, buffer.device)
         at = 0
         with torch.no_grad():
             for b0, n in ranges:
                 kept[at : at + n].copy_(buffer[b0 + self.position * n : b0 + (self.position + 1) * n])
                 at += n
+        costs.count_copy(kept)
         self.pieces[unit] = kept
 
     def has(self, unit: int) -> bool:
