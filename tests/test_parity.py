@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_zero import load_full_checkpoint
-from tests.compare import FP16_ROUNDOFF, assert_losses_close, assert_params_close, mixed_precision_rtol
 from lightning_zero.testing.launch import launch
+from tests.compare import FP16_ROUNDOFF, assert_losses_close, assert_params_close, mixed_precision_rtol
 
 FP32_SCENARIOS = ["adamw", "gpt", "gpt_checkpointing", "sgd_value_clip", "adafactor", "gan_manual"]
 STAGES = ["zero1", "zero2", "zero3"]
