@@ -32,7 +32,7 @@ from lightning_zero.tensor_parallel import (
     parallelize,
     tensor_parallel_slice,
 )
-from tests.compare import relative, traffic_per_step
+from tests.compare import assert_model_close, mixed_precision_rtol, relative, traffic_per_step
 from lightning_zero.testing.launch import launch
 
 WORLD, T = 4, 2
@@ -145,11 +145,13 @@ def test_gathered_parameters_read_the_weights_between_steps(ranks, stage):
 
 
 def test_bf16_mixed_follows_fp32(ranks):
-    """zero2 under ``bf16-mixed`` with tensor parallelism: the bound of the other bf16 parity tests (1e-2 relative on
-    the losses) against the fp32 reference."""
+    """zero2 under ``bf16-mixed`` with tensor parallelism: the bounds of the other bf16 parity tests (1e-2 relative
+    on the losses, [Note: the mixed-precision bound on parameters] in compare.py on all the weights together) against
+    the fp32 reference."""
     for rank in ranks:
         losses, reference = rank["zero2_bf16"]["losses"], rank["ddp_tp"]["losses"]
         assert len(losses) == len(reference) and all(abs(a - e) <= 1e-2 * abs(e) for a, e in zip(losses, reference))
+        assert_model_close(rank["zero2_bf16"]["params"], rank["ddp_tp"]["params"], mixed_precision_rtol(STEPS))
 
 
 def test_the_tensor_parallel_reference_is_the_whole_model(ranks):

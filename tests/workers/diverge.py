@@ -5,7 +5,9 @@ and how many lockstep checks each step waited for where it sent them.
 The mode (argument 2): ``forward``, rank 1 skips block 1's forward; ``unprefetched``, it skips blocks 1 and 2 with
 one block prefetched, so that rank 1 waits for its check at once while rank 0 waits one unit later (see [Note: a
 check is waited for one unit late]); ``backward``, block 3's output reaches rank 1's loss detached, so that only
-its backward skips the block; ``strict``, ``forward`` with ``lockstep_check="strict"``."""
+its backward skips the block; ``strict``, ``forward`` with ``lockstep_check="strict"``; ``recompute``, ``forward``
+with every block under ``torch.utils.checkpoint`` in the model's forward, so that backward alternates between
+recomputed forwards and backwards, each pass starting with a check waited for where it is sent."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from lightning_zero import ZeroStrategy
 from tests.models import TinyGPT
@@ -37,7 +40,7 @@ class Divergent(TinyGPT):
             if diverging and self.mode == "backward" and i == 3:
                 x = x + 0 * block(x).detach()
             elif not (diverging and self.mode != "backward" and i in skipped):
-                x = block(x)
+                x = checkpoint(block, x, use_reentrant=False) if self.mode == "recompute" else block(x)
         return self.lm_head(self.ln_f(x))
 
 

@@ -43,7 +43,7 @@ def make_model(scenario: str, runner: str) -> L.LightningModule:
     if scenario in ("adamw", "adamw_separate"):
         return TinyLM(frozen=True)
     if scenario == "bf16_mixed":
-        return TinyLM(scheduler=False)
+        return TinyLM(scheduler=False, lr=1e-2)  # as test_parity.py's bf16 scenario (tests/compare.py's bound)
     return TinyGPT(meta_init=True)  # built in configure_model below (sharded under zero3)
 
 

@@ -199,8 +199,10 @@ def scenarios(out: Path) -> dict[str, dict[str, Any]]:
         "shared_adafactor": {n: (lambda n=n: run(n, SharedOptimizers(third="adafactor"), max_steps=8))
                              for n in ["ddp", "zero2+offload", "zero3+offload", "zero3+offload+params",
                                        "zero2+disk", "zero3+disk+pdisk"]},
-        "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False), precision="bf16-mixed", probe=n != "ddp",
-                                            max_steps=4)) for n in ["ddp", *offloaded, *params, *on_disk]},
+        # lr 1e-2: the learning rate of test_parity.py's bf16 scenario (see tests/compare.py's bound on parameters)
+        "bf16_mixed": {n: (lambda n=n: run(n, TinyLM(scheduler=False, lr=1e-2), precision="bf16-mixed",
+                                            probe=n != "ddp", max_steps=4))
+                       for n in ["ddp", *offloaded, *params, *on_disk]},
         "fp16_overflow": {"zero2+offload": lambda: run("zero2+offload", OverflowOnRank1(scheduler=False),
                                                        precision=fp16(), max_steps=6)},
         "round_trip": {"zero": lambda: round_trip(out)},

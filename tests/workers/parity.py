@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 import lightning_zero
 from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy
@@ -38,7 +39,7 @@ def strategy(name: str, **kwargs: Any) -> Any:
 
 
 def run(name: str, model: L.LightningModule, world_size: int, precision: Any = "32-true", **trainer_kwargs: Any) -> dict:
-    plugins = [precision] if isinstance(precision, ZeroPrecision) else None
+    plugins = [precision] if isinstance(precision, Precision) else None
     trainer = L.Trainer(
         strategy=strategy(name, reduce_bucket_size=bucket_size(model)),
         accelerator="cpu", devices=world_size, precision=None if plugins else precision, plugins=plugins,
@@ -59,6 +60,23 @@ def run_fp16_overflow(name: str, world_size: int) -> dict:
     precision = ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))
     result = run(name, OverflowOnRank1(scheduler=False), world_size, precision=precision, max_steps=6)
     result["scaler"] = precision.scaler.state_dict()
+    return result
+
+
+def run_fp16_overflow_whole(name: str, world_size: int) -> dict:
+    """Adafactor (stepped in one call on whole tensors) under ``16-mixed``, rank 1 overflowing at step 2; DDP runs
+    Lightning's own ``16-mixed`` with a ``GradScaler`` of the same settings as the oracle."""
+    if name == "ddp":
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+        precision: Any = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    else:
+        precision = ZeroPrecision("16-mixed", loss_scaler=LossScaler(init_scale=1024.0, growth_interval=3))
+    result = run(name, OverflowOnRank1(optimizer="adafactor", scheduler=False), world_size, precision=precision,
+                 max_steps=6)
+    if name == "ddp":
+        result["scaler"] = {"scale": scaler.get_scale(), "skipped_steps": None}
+    else:
+        result["scaler"] = precision.scaler.state_dict()
     return result
 
 
@@ -99,8 +117,11 @@ def scenarios(world_size: int) -> dict[str, Any]:
                                         gradient_clip_val=0.01, gradient_clip_algorithm="value"),
         "adafactor": lambda s: run(s, TinyLM(optimizer="adafactor"), world_size, **fit),
         "gan_manual": lambda s: run(s, TinyGAN(), world_size, max_steps=10),
-        "bf16_mixed": lambda s: run(s, TinyLM(scheduler=False), world_size, precision="bf16-mixed", max_steps=6),
+        # lr 1e-2: one update is several bf16 roundings of a weight, so a working copy that misses one shows
+        "bf16_mixed": lambda s: run(s, TinyLM(scheduler=False, lr=1e-2), world_size, precision="bf16-mixed",
+                                    max_steps=6),
         "fp16_overflow": lambda s: run_fp16_overflow(s, world_size),
+        "fp16_overflow_whole": lambda s: run_fp16_overflow_whole(s, world_size),
         "checkpoint_adamw": lambda s: run_checkpoint(s, world_size, OUT, "adamw"),
         "checkpoint_adafactor": lambda s: run_checkpoint(s, world_size, OUT, "adafactor"),
     }
