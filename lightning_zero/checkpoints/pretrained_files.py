@@ -27,6 +27,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoints.trust import torch_load
+
 #: The most bytes of a file read (and kept mapped) at once; a row larger than this is read one row at a time.
 READ_BLOCK_BYTES = 64 * 2**20
 
@@ -139,7 +141,7 @@ def _headers(path: Path) -> dict[str, TensorInfo]:
 def _torch_load(path: Path) -> dict[str, Tensor]:
     """A ``torch.save`` state dict, memory-mapped (no tensor data is read until it is used)."""
     try:
-        state: Any = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        state: Any = torch_load(path, path, mmap=True)  # data only: see [Note: a checkpoint is data, never code]
     except RuntimeError as error:
         raise ValueError(
             f"Could not memory-map {str(path)!r} as a torch.save file ({error}). Pretrained weights are read "

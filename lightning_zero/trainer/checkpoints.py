@@ -55,10 +55,11 @@ class CheckpointHooks:
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A file is read whole (``ddp``'s form); a directory gives its ``meta.pt`` after every file was checked,
-        and the tensors are read later, straight into this rank's shards."""
+        and the tensors are read later, straight into this rank's shards. Only data is unpickled unless
+        ``weights_only=False`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``)."""
         if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta = engine_state.read(Path(checkpoint_path))
+        meta = engine_state.read(Path(checkpoint_path), trusted=weights_only is False)
         if meta[KEY].get("writer") == "fabric":
             # Fabric's loop state is the user's own entries: the Trainer's loops start afresh, with no schedulers
             meta.setdefault("lr_schedulers", [])

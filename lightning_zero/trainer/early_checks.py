@@ -15,7 +15,9 @@ what its checkpoint connector's ``_select_ckpt_path`` returns ("last", "best" an
   would have to be read whole.
 
 Every rank checks and the ranks agree (one all-gather of the error, if any), so all of them raise the same error at
-the same point.
+the same point. The checks read ``meta.pt`` as data (see [Note: a checkpoint is data, never code] in
+``checkpoints/trust.py``) and do not know the ``weights_only`` given to ``fit``: a ``meta.pt`` that holds other
+types is left to the load, which refuses it, or reads it if the user passed ``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 from lightning_zero.checkpoints.errors import CheckpointError, agree_on_check
 from lightning_zero.checkpoints.sharded import check_model_keys
 from lightning_zero.checkpoints.storage import KEY, check_files, missing_message, read_meta
+from lightning_zero.checkpoints.trust import UntrustedCheckpointError
 
 _SELECTED = "lightning_zero_ckpt_path"
 _MARK = "__lightning_zero_records_ckpt_path__"
@@ -74,7 +77,9 @@ def _check_path(path: Path) -> None:
                               "checkpoint is a directory, e.g. checkpoints/last.ckpt), or leave `ckpt_path` out to "
                               "start from scratch.")
     if path.is_dir():
-        check_files(path, read_meta(path), verify=False)
+        meta = _read_meta_as_data(path)
+        if meta is not None:
+            check_files(path, meta, verify=False)
 
 
 def check_shapes(path: Optional[Path], module: nn.Module, strict: bool) -> None:
@@ -84,8 +89,19 @@ def check_shapes(path: Optional[Path], module: nn.Module, strict: bool) -> None:
         agree_on_check(lambda: _check_shapes(path, module, strict))
 
 
+def _read_meta_as_data(path: Path) -> Optional[dict[str, Any]]:
+    """``meta.pt`` of ``path``, or ``None`` if it holds types only a trusted load reads (the load decides)."""
+    try:
+        return read_meta(path)
+    except UntrustedCheckpointError:
+        return None
+
+
 def _check_shapes(path: Path, module: nn.Module, strict: bool) -> None:
-    info = read_meta(path)[KEY]
+    meta = _read_meta_as_data(path)
+    if meta is None:
+        return
+    info = meta[KEY]
     if info.get("tensor_parallel_size", 1) != 1 or getattr(module, "_device_mesh", None) is not None:
         return  # local slices: the load compares them, with the mesh
     saved = {key: tuple(info["tensors"][stored][0]) for key, stored in info["model"].items()
