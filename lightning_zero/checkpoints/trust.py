@@ -8,10 +8,14 @@ is called (a check of the result after unpickling would come too late: the paylo
 
 - ``meta.pt``, the objects DCP stores pickled (non-tensor optimizer values, empty tensors) and single checkpoint
   files: ``torch.load(weights_only=True)`` (tensors, numbers, strings, ``None``, lists, tuples, dicts, sets,
-  ``torch.Size``, dtypes, devices) inside ``torch.serialization.safe_globals`` of :data:`DATA_TYPES` (the path
-  types Lightning keeps in hyperparameters and callback states) and of the types an adapter admits with
-  :func:`admit` (Lightning's ``AttributeDict``). Types a user registered with ``torch.serialization.
-  add_safe_globals`` are admitted too: that is torch's own switch, and the user's decision.
+  ``torch.Size``, dtypes, devices) inside ``torch.serialization.safe_globals`` of :data:`DATA_TYPES`, the path
+  types Lightning keeps in hyperparameters and callback states. That is all the project writes: its own metadata
+  is dicts, lists, tuples, strings and numbers, and Lightning's checkpoint dict (loops, callbacks, schedulers,
+  ``hyper_parameters`` as a plain ``dict``) is data too. Types a user registered with ``torch.serialization.
+  add_safe_globals`` are admitted as well: that is torch's own switch, and the user's decision. Lightning's
+  ``AttributeDict`` (``model.hparams``, when a Fabric user saves it as it is) is not admitted: torch's
+  weights-only reader fills no ``dict`` subclass, so it is refused by name like any other type; save
+  ``dict(model.hparams)``, or load with ``weights_only=False``.
 - DCP's ``.metadata``, a plain pickle that ``FileSystemReader`` would unpickle without restriction:
   :class:`SafeFileSystemReader` reads it with :class:`_MetadataUnpickler`, which resolves DCP's own metadata
   classes (:data:`METADATA_GLOBALS`), ``torch.Size``, dtypes, layouts and paths, and nothing else.
@@ -59,7 +63,6 @@ METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
        for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")]
 )
 
-_admitted: list[type] = []
 _SourceFile = Union[Path, bytes, IO[bytes]]
 
 
@@ -75,15 +78,10 @@ class UntrustedCheckpointError(CheckpointError):
         self.refused = refused
 
 
-def admit(*types: type) -> None:
-    """Admit ``types`` (plain data classes of a layer above, e.g. Lightning's ``AttributeDict``) in every load."""
-    _admitted.extend(t for t in types if t not in _admitted)
-
-
 def safe_types() -> list[type]:
     """The types a load admits beyond torch's ``weights_only`` defaults (see [Note: a checkpoint is data, never
     code])."""
-    return [*DATA_TYPES, *_admitted]
+    return list(DATA_TYPES)
 
 
 def torch_load(source: _SourceFile, file: Union[Path, str], trusted: bool = False, mmap: bool = False) -> Any:
@@ -109,7 +107,8 @@ def _refused_globals(source: _SourceFile, error: Exception) -> list[str]:
             io.BytesIO(source) if isinstance(source, bytes) else source)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - the error torch raised still names the type
         found = []
-    return sorted(found) or re.findall(r"GLOBAL ([\w.]+)", str(error))[:1]
+    return sorted(found) or re.findall(r"GLOBAL ([\w.]+)", str(error))[:1] or re.findall(
+        r"WeightsUnpickler error: (.+)", str(error))[:1]
 
 
 class _Refused(pickle.UnpicklingError):

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.plugins.io import torch_io
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.core import saving
 
 from lightning_zero.checkpoints import trust
@@ -51,9 +50,7 @@ def _reads_directories(load: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Wrap ``pl_load`` where Lightning's ``load_from_checkpoint`` and ``TorchCheckpointIO`` call it (once), and
-    admit Lightning's ``AttributeDict`` (a plain ``dict`` with attribute access) in the loads of checkpoints."""
-    trust.admit(AttributeDict)
+    """Wrap ``pl_load`` where Lightning's ``load_from_checkpoint`` and ``TorchCheckpointIO`` call it (once)."""
     for module in (saving, torch_io):
         if not getattr(module.pl_load, _MARK, False):
             module.pl_load = _reads_directories(module.pl_load)
