@@ -36,7 +36,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -111,13 +110,18 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         self.shards = shards
         self.source = source
         self.trusted = trusted
+        self.refused: Optional[CheckpointError] = None
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """A pickled object, read as data (DCP's own ``load_bytes`` unpickles anything: see [Note: a checkpoint is
         data, never code] in ``trust.py``)."""
         fqn = read_item.dest_index.fqn
         where = f"{self.source} (its object {fqn!r}, in a .distcp file)"
-        self.state_dict[fqn] = torch_load(value.getvalue(), where, self.trusted)
+        try:
+            self.state_dict[fqn] = torch_load(value.getvalue(), where, self.trusted)
+        except CheckpointError as error:  # DCP wraps it: kept to be raised as it is (see ``load_sharded``)
+            self.refused = error
+            raise
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
@@ -297,13 +301,13 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
     alone = not collective or not collectives.is_distributed()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        reader, planner = SafeFileSystemReader(path, trusted), _ShardLoadPlanner(shards, Path(path), trusted)
         try:
-            dcp.load(objects, storage_reader=SafeFileSystemReader(path, trusted),
-                     planner=_ShardLoadPlanner(shards, Path(path), trusted), no_dist=alone)
-        except CheckpointException as error:  # DCP wraps every rank's failure: a refusal of ours is raised as it is
-            ours = [exc for exc, _ in error.failures.values() if isinstance(exc, CheckpointError)]
-            if ours:
-                raise ours[0] from None
+            dcp.load(objects, storage_reader=reader, planner=planner, no_dist=alone)
+        except BaseException:
+            refused = reader.refused or planner.refused  # what DCP wrapped into its own errors, as it was
+            if refused is not None:
+                raise refused from None
             raise
 
 

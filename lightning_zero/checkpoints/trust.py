@@ -33,7 +33,7 @@ import pathlib
 import pickle
 import re
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -145,16 +145,22 @@ def load_dcp_metadata(stream: IO[bytes], file: Path, trusted: bool = False) -> M
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's ``FileSystemReader`` reading ``.metadata`` through :func:`load_dcp_metadata` (see [Note: a checkpoint
-    is data, never code])."""
+    is data, never code]). DCP wraps what ``read_metadata`` raises into errors of its own (it then tries a
+    rank-local index, and reports both): the refusal is kept in ``refused`` for the caller to raise as it is."""
 
     def __init__(self, path: Union[str, Path], trusted: bool = False) -> None:
         super().__init__(path)
         self.trusted = trusted
+        self.refused: Optional[CheckpointError] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_dcp_metadata(stream, path, self.trusted)
+            try:
+                metadata = load_dcp_metadata(stream, path, self.trusted)
+            except CheckpointError as error:
+                self.refused = self.refused or error
+                raise
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
