@@ -8,6 +8,7 @@ One process throughout (world size 1): the loads are the same functions at any w
 
 from __future__ import annotations
 
+import ast
 import datetime
 import io
 import pickle
@@ -353,3 +354,22 @@ def test_a_flipped_byte_in_a_shard_is_refused_by_default(current, tmp_path, load
     path = _flip_a_tensor_byte(current["trainer"], tmp_path / "flipped.ckpt")
     with pytest.raises(CheckpointError, match="does not match its checksum"):
         LOADS[load](path, tmp_path)
+
+
+# ---------------------------------------------------------------------- one door
+def test_every_unpickling_in_the_package_goes_through_trust_py():
+    """A new load path cannot bypass the allow-list: ``torch.load``, ``pickle``'s loaders and DCP's reader are called
+    in ``checkpoints/trust.py`` only, and ``dcp.load`` in ``storage.py`` only, with the reader of ``trust.py``."""
+    package = Path(__file__).resolve().parent.parent / "lightning_zero"
+    calls = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name in ("torch.load", "pickle.load", "pickle.loads", "pickle.Unpickler", "dcp.FileSystemReader",
+                            "FileSystemReader", "dcp.load", "torch.distributed.checkpoint.load"):
+                    calls.append((path.relative_to(package).as_posix(), name, ast.unparse(node)))
+    outside = [c for c in calls if c[0] != "checkpoints/trust.py" and c[1] != "dcp.load"]
+    assert not outside, outside
+    loads = [c for c in calls if c[1] == "dcp.load"]
+    assert [c[0] for c in loads] == ["checkpoints/storage.py"] and "storage_reader=reader" in loads[0][2], loads
