@@ -236,7 +236,8 @@ def test_a_payload_in_a_checkpoint_file_never_runs(current, tmp_path, load):
     message = str(refusal.value)
     assert REFUSED in message, message
     if load not in TORCH_READS:
-        assert str(path) in message and "weights_only=False" in message, message
+        hint = "state dict of tensors only" if load == "load_pretrained" else "weights_only=False"
+        assert str(path) in message and hint in message, message
     assert not marker.exists(), f"the payload ran on `{load}`"
 
 
@@ -269,6 +270,12 @@ def test_a_type_outside_the_allow_list_loads_only_when_the_user_trusts_that_load
         trainer.fit(Regressor(**HPARAMS), ckpt_path=path)
     trainer = _trainer()
     trainer.fit(Regressor(**HPARAMS), ckpt_path=path, weights_only=False)
+    assert trainer.global_step == 3
+    consolidated = tmp_path / "out.ckpt"  # a file under zero3: torch reads it, with the trust given to `fit`
+    with pytest.raises(pickle.UnpicklingError, match=r"datetime\.date"):
+        _trainer().fit(Regressor(**HPARAMS), ckpt_path=consolidated)
+    trainer = _trainer()
+    trainer.fit(Regressor(**HPARAMS), ckpt_path=consolidated, weights_only=False)
     assert trainer.global_step == 3
     fabric, model, optimizer = _fabric_model()
     assert fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=False)["global_step"] == 2

@@ -45,7 +45,8 @@ from lightning_zero.checkpoints.errors import CheckpointError
 TRUST_HINT = (
     "If you trust whoever wrote it, load it with `weights_only=False` (Trainer's `fit/validate/test(ckpt_path=...)`, "
     "Fabric's `load`, `load_from_checkpoint`), `trust_code=True` (`load_full_checkpoint`, `consolidate`, "
-    "`inspect_checkpoint`) or `--trust-code` (`lightning-zero inspect/consolidate`)."
+    "`inspect_checkpoint`), `trusted=True` (the engine's `state.read`) or `--trust-code` (`lightning-zero "
+    "inspect/consolidate`)."
 )
 
 #: Types beyond torch's ``weights_only`` defaults that a checkpoint of ours may hold: paths, which Lightning keeps
@@ -70,10 +71,10 @@ class UntrustedCheckpointError(CheckpointError):
     """A checkpoint file that names a function or class outside the allow-list (``refused``): it was not loaded,
     and nothing in it ran."""
 
-    def __init__(self, file: Union[Path, str], refused: list[str]) -> None:
+    def __init__(self, file: Union[Path, str], refused: list[str], hint: str = TRUST_HINT) -> None:
         kinds = ", ".join(f"`{name}`" for name in refused) or "a type outside the allow-list"
         super().__init__(f"{file} holds {kinds}, which a checkpoint may not hold: unpickling it could run code. "
-                         f"Nothing was loaded and nothing in it ran. {TRUST_HINT}")
+                         f"Nothing was loaded and nothing in it ran. {hint}")
         self.file = file
         self.refused = refused
 
@@ -84,9 +85,11 @@ def safe_types() -> list[type]:
     return list(DATA_TYPES)
 
 
-def torch_load(source: _SourceFile, file: Union[Path, str], trusted: bool = False, mmap: bool = False) -> Any:
+def torch_load(source: _SourceFile, file: Union[Path, str], trusted: bool = False, mmap: bool = False,
+               hint: str = TRUST_HINT) -> Any:
     """``torch.load`` of ``source`` (a path, bytes or a file object; ``file`` is its name in errors) admitting only
-    data (see [Note: a checkpoint is data, never code]); ``trusted``: anything, as the user asked for this load."""
+    data (see [Note: a checkpoint is data, never code]); ``trusted``: anything, as the user asked for this load.
+    ``hint``: what a refusal tells the user to do."""
     data = io.BytesIO(source) if isinstance(source, bytes) else source
     if trusted:
         return torch.load(data, map_location="cpu", weights_only=False, mmap=mmap)  # type: ignore[arg-type]
@@ -94,7 +97,7 @@ def torch_load(source: _SourceFile, file: Union[Path, str], trusted: bool = Fals
         try:
             return torch.load(data, map_location="cpu", weights_only=True, mmap=mmap)  # type: ignore[arg-type]
         except pickle.UnpicklingError as error:
-            raise UntrustedCheckpointError(file, _refused_globals(source, error)) from None
+            raise UntrustedCheckpointError(file, _refused_globals(source, error), hint) from None
 
 
 def _refused_globals(source: _SourceFile, error: Exception) -> list[str]:

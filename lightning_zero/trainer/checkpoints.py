@@ -58,10 +58,11 @@ class CheckpointHooks:
         """A file is read whole (``ddp``'s form); a directory gives its ``meta.pt`` after every file was checked,
         and the tensors are read later, straight into this rank's shards. Only data is unpickled unless
         ``weights_only=False`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``)."""
-        if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        # see [Note: the Trainer's weights_only reaches a strategy that restores after setup] in early_checks.py
         trusted = weights_only is False or (weights_only is None and early_checks.requested_trust(
-            self.lightning_module))  # see [Note: the Trainer's weights_only reaches a strategy that restores ...]
+            self.lightning_module))
+        if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, False if trusted else weights_only)
         meta = engine_state.read(Path(checkpoint_path), trusted=trusted)
         if meta[KEY].get("writer") == "fabric":
             # Fabric's loop state is the user's own entries: the Trainer's loops start afresh, with no schedulers
