@@ -116,11 +116,11 @@ class ZeroConfig:
     """With ``offload_optimizer="disk"`` or ``offload_params="disk"``: a local directory for this rank's files (made
     if missing; the files have no name, so nothing is left there on any exit: see [Note: the files have no name] in
     ``disk.py``). ``None``: the system's temporary directory."""
-    shard_group_size: Optional[int] = None
-    """Hybrid sharding: shard model states over groups of this many ranks and replicate them across the groups (see
-    [Note: hybrid sharding and its traffic] in ``groups.py``). ``None``: the devices of one node when
-    ``num_nodes > 1``, else the whole world (with ``tensor_parallel_size``: the whole data dimension, which it must
-    divide). Must divide the world size."""
+    shard_group_size: Optional[Union[int, Literal["node"]]] = None
+    """Hybrid sharding: shard model states over groups of this many ranks (``"node"``: the devices of one node) and
+    replicate them across the groups (see [Note: hybrid sharding and its traffic] in ``groups.py``). ``None``: all
+    ranks, the paper's N, on any number of nodes (with ``tensor_parallel_size``: the whole data dimension, which it
+    must divide). Must divide the world size."""
     tensor_parallel_size: int = 1
     """ZeRO with tensor parallelism: the ranks form a (data x tensor) mesh with this many ranks per tensor group;
     ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
@@ -154,7 +154,10 @@ class ZeroConfig:
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
-        if self.shard_group_size is not None:
+        if self.shard_group_size is not None and self.shard_group_size != "node":
+            if isinstance(self.shard_group_size, str):
+                raise TypeError(f"`shard_group_size` must be a number of ranks or 'node' (a node's devices), got "
+                                 f"{self.shard_group_size!r}.")
             _check_positive_int("shard_group_size", self.shard_group_size, "ranks")
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size, "ranks")
         if self.tensor_parallel_size > 1 and self.state_dict_type == "full":

@@ -20,7 +20,7 @@ from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.groups import resolve_shard_group_size
 from lightning_zero.core.layout import hybrid_rank_lists
 from tests.compare import relative, traffic_per_step
-from lightning_zero.testing.launch import launch
+from lightning_zero.testing.launch import launch, launch_nodes
 from tests.models import TinyGPT
 
 WORLD, K = 4, 2
@@ -42,13 +42,22 @@ def test_groups_are_consecutive_ranks_and_their_positions(world, k, shards, repl
 
 
 @pytest.mark.parametrize(("configured", "world", "per_node", "nodes", "expected"), [
-    (None, 8, 4, 2, 4),  # several nodes: one node's devices
+    (None, 8, 4, 2, 8),  # several nodes: every rank, the paper's N
     (None, 4, 4, 1, 4),  # one node: the whole world
+    ("node", 8, 4, 2, 4),  # hybrid: one node's devices
+    ("node", 4, 4, 1, 4),
     (2, 4, 4, 1, 2),
-    (8, 8, 4, 2, 8),  # the whole world across nodes: plain ZeRO
+    (4, 8, 4, 2, 4),
 ])
-def test_the_default_group_is_one_node(configured, world, per_node, nodes, expected):
+def test_the_default_group_is_every_rank(configured, world, per_node, nodes, expected):
     assert resolve_shard_group_size(configured, world, per_node, nodes) == expected
+
+
+def test_node_with_tensor_parallelism_is_a_node_of_data_parallel_rows():
+    assert resolve_shard_group_size("node", 16, 8, 2, tensor_parallel_size=2) == 4
+    assert resolve_shard_group_size(None, 16, 8, 2, tensor_parallel_size=2) == 8
+    with pytest.raises(ValueError, match="whole tensor groups inside a node"):
+        resolve_shard_group_size("node", 12, 3, 4, tensor_parallel_size=2)
 
 
 def test_a_group_size_that_does_not_divide_the_world_fails_before_launch():
@@ -60,9 +69,10 @@ def test_a_group_size_that_does_not_divide_the_world_fails_before_launch():
         hybrid_rank_lists(4, 3)
 
 
-@pytest.mark.parametrize(("value", "error", "match"), [(0, ValueError, "positive number of ranks"),
+@pytest.mark.parametrize(("value", "error", "match"), [("nodes", TypeError, "number of ranks or 'node'"),
+                                                       (0, ValueError, "positive number of ranks"),
                                                        (-2, ValueError, "positive number of ranks"),
-                                                       ("2", TypeError, "positive int"),
+                                                       ("2", TypeError, "number of ranks or 'node'"),
                                                        (True, TypeError, "positive int")])
 def test_a_bad_group_size_fails_at_construction(value, error, match):
     with pytest.raises(error, match=f"shard_group_size.*{match}"):
@@ -80,13 +90,15 @@ def test_plain_zero_has_one_group_and_counts_the_world():
     assert traffic.snapshot()["scopes"] == {"world": {"all_reduce": 3}}
 
 
-def test_yaml_sets_the_group_size(tmp_path):
+@pytest.mark.parametrize(("value", "expected"), [("2", 2), ("node", 4)])
+def test_yaml_sets_the_group_size(tmp_path, value, expected):
     config = tmp_path / "hybrid.yaml"
-    config.write_text("trainer:\n  accelerator: cpu\n  devices: 4\n  strategy:\n"
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 4\n  num_nodes: 2\n  strategy:\n"
                       "    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      stage: 3\n"
-                      "      shard_group_size: 2\n")
+                      f"      shard_group_size: {value}\n")
     cli = LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
-    assert cli.trainer.strategy.config.shard_group_size == 2 and cli.trainer.strategy.shard_group_size == 2
+    assert cli.trainer.strategy.config.shard_group_size == (2 if value == "2" else "node")
+    assert cli.trainer.strategy.shard_group_size == expected
 
 
 # ---------------------------------------------------------------------- the 4-rank launch
@@ -166,3 +178,30 @@ def test_checkpoints_cross_layouts_both_ways(ranks):
         assert len(chained) == len(ddp) == 2 * MICRO
         for a, e in zip(chained, ddp):
             assert abs(a - e) <= RTOL * abs(e), (chained, ddp)
+
+
+# ---------------------------------------------------------------------- two nodes, as Lightning launches them
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory) -> list[dict]:
+    return launch_nodes("nodes.py", 2, tmp_path_factory.mktemp("nodes"), timeout=300)
+
+
+@pytest.mark.timeout(360)
+def test_two_nodes_shard_over_every_rank_unless_told(nodes):
+    """2 nodes x 2 ranks (tests/workers/nodes.py): zero3 shards over all 4 ranks by default and over each node's 2
+    with ``shard_group_size="node"``; the summary names the layout; both follow DDP step for step."""
+    assert [(r["ddp"]["global_rank"], r["ddp"]["node_rank"], r["ddp"]["world_size"]) for r in nodes] == [
+        (0, 0, 4), (1, 0, 4), (2, 1, 4), (3, 1, 4)]
+    for rank in nodes:
+        default, node = rank["default"], rank["node"]
+        assert (default["shard_group_size"], default["replicas"]) == (4, 1)
+        assert (node["shard_group_size"], node["replicas"]) == (2, 2)
+        assert default["padded"] == 4 * default["shard"] and node["padded"] == 2 * node["shard"]
+        assert "ZeRO stage 3 on 4 ranks (sharded over all 4)" in default["summary"], default["summary"]
+        assert "(hybrid: sharded over groups of 2, replicated 2x)" in node["summary"], node["summary"]
+        for run in (default, node):
+            assert len(run["losses"]) == len(rank["ddp"]["losses"]) == 3
+            for a, e in zip(run["losses"], rank["ddp"]["losses"]):
+                assert abs(a - e) <= RTOL * abs(e), (run["losses"], rank["ddp"]["losses"])
+            for name, expected in rank["ddp"]["params"].items():
+                assert relative(run["params"][name], expected) <= RTOL, name

@@ -3,8 +3,8 @@ process groups one engine shards over, replicates across and (under tensor paral
 each group's traffic is counted. Every collective still goes through ``collectives.py``.
 
 [Note: hybrid sharding and its traffic]
-With ``shard_group_size=k`` (k divides N) the N ranks form N/k *shard groups* of k consecutive ranks (a node, by
-default) and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
+With ``shard_group_size=k`` (k divides N; ``"node"``: a node's devices) the N ranks form N/k *shard groups* of k
+consecutive ranks and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
 :func:`make_shard_groups`. Model states are sharded over the shard group exactly as over N ranks without hybrid
 sharding and are replicated across the replica group. Per step and per rank, with Ψ the (padded) parameter count,
 the counters count (logical payload, see [Note: what the counters count] in ``traffic.py``):
@@ -23,7 +23,7 @@ everything counts under ``"world"``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_zero.core import collectives
 from lightning_zero.core.traffic import Group, Traffic
@@ -189,11 +189,12 @@ def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: 
     return ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
 
 
-def resolve_shard_group_size(configured: Optional[int], world_size: int, devices_per_node: int,
+def resolve_shard_group_size(configured: Optional[Union[int, str]], world_size: int, devices_per_node: int,
                              num_nodes: int, tensor_parallel_size: int = 1) -> int:
-    """The shard group size of a job: ``configured``, or by default one node's devices when ``num_nodes > 1``, else
-    the whole world; with tensor parallelism ``configured`` or the data-parallel size. Raises a ``ValueError`` if it
-    does not divide ``world_size`` (the data-parallel size)."""
+    """The shard group size of a job: ``configured`` (a number of ranks, or ``"node"``: one node's devices), by
+    default the whole world (the paper's N, whatever ``num_nodes`` is); with tensor parallelism the data-parallel
+    size, ``"node"`` then being one node's data-parallel rows. Raises a ``ValueError`` if it does not divide
+    ``world_size`` (the data-parallel size)."""
     t = tensor_parallel_size
     if t > 1:
         if world_size % t:
@@ -201,22 +202,29 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, devices
                              f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
                              f"Pick one of {_divisors(world_size)} (e.g. the devices per node).")
         d = world_size // t
+        if configured == "node":
+            if devices_per_node % t:
+                raise ValueError(f"`shard_group_size='node'` with `tensor_parallel_size={t}` needs whole tensor "
+                                 f"groups inside a node, but a node has {devices_per_node} device(s). Pick a "
+                                 f"`tensor_parallel_size` that divides {devices_per_node}, or a number of ranks.")
+            configured = devices_per_node // t
         if configured is not None and (configured < 1 or d % configured):
             raise ValueError(f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
                              f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
                              f"groups split the data dimension. Pick one of {_divisors(d)}, or leave it out (all {d}).")
         return configured if configured is not None else d
-    k = configured if configured is not None else (devices_per_node if num_nodes > 1 else world_size)
+    k = devices_per_node if configured == "node" else configured if configured is not None else world_size
+    assert isinstance(k, int)
     if k < 1 or world_size % k:
         raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
                          f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
-                         f"{_divisors(world_size)} (e.g. the devices per node), or leave it out.")
+                         f"{_divisors(world_size)}, or 'node' (the devices per node), or leave it out (all ranks).")
     return k
 
 
 def resolve_secondary_group_size(configured: Optional[int], world_size: int, shard_group_size: int) -> Optional[int]:
     """hpZ's group size of a job (``None``: off). Raises a ``ValueError`` if it does not divide ``world_size``, or
-    if the job shards over groups smaller than the world (hybrid sharding, e.g. by default on several nodes)."""
+    if the job shards over groups smaller than the world (hybrid sharding, ``shard_group_size``)."""
     if configured is None:
         return None
     if world_size % configured:
@@ -225,9 +233,9 @@ def resolve_secondary_group_size(configured: Optional[int], world_size: int, sha
                          "the devices per node), or leave it out.")
     if shard_group_size != world_size:
         raise ValueError(f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
-                         f"this job shards over groups of {shard_group_size} (hybrid sharding, the default on several "
-                         "nodes), which already keeps the all-gathers inside them. Set `shard_group_size` to the "
-                         "world size, or leave `secondary_shard_group_size` out.")
+                         f"this job shards over groups of {shard_group_size} (hybrid sharding), which already keeps the "
+                         "all-gathers inside them. Leave `shard_group_size` out (all ranks), or leave "
+                         "`secondary_shard_group_size` out.")
     return configured
 
 

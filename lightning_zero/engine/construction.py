@@ -1,6 +1,7 @@
 """Building a model for stage 3 without holding it whole, as the adapters use it: the Trainer's
 ``configure_model`` (:func:`sharded_construction`) and Fabric's ``init_module`` -> changes -> ``setup``
-(:class:`InitModuleRecording`); the recording and its replay are ``stage3/construction.py``'s."""
+(:class:`InitModuleRecording`, also the Trainer's ``init_module(empty_init=True)``); the recording and its replay
+are ``stage3/construction.py``'s."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Optional
 
 import torch
-from lightning.fabric.utilities.init import _EmptyInit
 from torch import nn
 
 from lightning_zero.checkpoints import pretrained
-from lightning_zero.stage3.construction import PendingRecording, Recording, record_construction
+from lightning_zero.stage3.construction import PendingRecording, Recording, record_construction, storage_key
 from lightning_zero.stage3.materialize import drop_meta, move_materialized
 
 
@@ -28,23 +28,44 @@ def sharded_construction(device: torch.device, recording: Optional[Recording] = 
 
 
 class InitModuleRecording:
-    """Fabric's ``init_module()``: the construction recorded inside, and what the user does to the model after it
-    until ``setup`` (see [Note: what happens between init_module and setup] in ``stage3/construction.py``)."""
+    """``init_module()`` under zero3 (Fabric's, and the Trainer's with ``empty_init=True``): the construction
+    recorded inside, and what the user does to the model after it until ``setup`` (see [Note: what happens between
+    init_module and setup] in ``stage3/construction.py``).
+
+    [Note: empty_init under zero3]
+    Under a sharded strategy ``empty_init=True`` means "do not materialize the whole model", never "leave it
+    uninitialized": FSDP re-initializes after sharding and DeepSpeed's ``zero.Init`` initializes while sharding, and
+    client code (LitGPT) builds under ``init_module(empty_init=True)`` and never initializes again. Here the
+    construction is recorded on the meta device whatever ``empty_init`` says, initializers included, so setup gives
+    every unit the values of eager construction on the same seed, no rank holding the model whole. With
+    ``empty_init=True`` the random generators are then put back to their state before the context, as skipped
+    initializers leave them under ``ddp``: code that initializes again after the context (LitGPT's pretraining)
+    draws exactly ``ddp``'s numbers, and so does the training after. A parameter that construction never writes
+    (``torch.empty`` and nothing after) would come out of setup as uninitialized memory: :meth:`check` refuses it.
+    Stages 1 and 2 build on the device and skip the initializers under ``empty_init=True``, as Lightning's
+    ``deepspeed`` strategy does at those stages.
+    """
 
     def __init__(self) -> None:
         self._pending: Optional[PendingRecording] = None
         self.recording: Optional[Recording] = None
         """What setup replays (``None`` when nothing was built under ``init_module``)."""
+        self.empty_init = False
+        """Whether a context of this recording was asked for ``empty_init=True`` (the model must come out
+        initialized: see :meth:`check`)."""
 
     @contextmanager
     def context(self, device: torch.device, init_context: AbstractContextManager,
                 empty_init: bool) -> Iterator[None]:
-        """The ``init_module`` context; ``empty_init`` skips ``torch.nn.init`` as ``ddp``'s does."""
+        """The ``init_module`` context (see [Note: empty_init under zero3])."""
         earlier = self.stop()
+        self.empty_init = self.empty_init or empty_init
         with ExitStack() as stack:
             stack.enter_context(init_context)
+            if empty_init:
+                devices = [device.index if device.index is not None else 0] if device.type == "cuda" else []
+                stack.enter_context(torch.random.fork_rng(devices, device_type=device.type))
             recording = stack.enter_context(sharded_construction(device, earlier))
-            stack.enter_context(_EmptyInit(enabled=empty_init))
             yield
         self._pending = PendingRecording(recording).start()
 
@@ -55,10 +76,48 @@ class InitModuleRecording:
             self._pending = None
         return self.recording
 
-    def take(self) -> Optional[Recording]:
-        """The recording, handed to the engine once (it is replayed once)."""
+    def take(self, module: nn.Module) -> Optional[Recording]:
+        """The recording of ``module``, handed to the engine once (it is replayed once), after :meth:`check`."""
         recording, self.recording = self.stop(), None
+        if recording is not None:
+            self.check(module, recording)
+        self.empty_init = False
         return recording
+
+    def check(self, module: nn.Module, recording: Recording) -> None:
+        """Under ``empty_init=True``, refuse a parameter that construction never wrote (see [Note: empty_init under
+        zero3]), naming it."""
+        if not self.empty_init:
+            return
+        names = uninitialized_parameters(module, recording)
+        if names:
+            raise RuntimeError(
+                f"zero3 builds the model of `init_module(empty_init=True)` sharded and initialized, but its "
+                f"construction never initializes {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''} "
+                "(made with `torch.empty` and never written), so setup would give it uninitialized memory. Initialize "
+                "it where it is made (e.g. `nn.init.normal_` in `__init__` or `reset_parameters`), or build under "
+                "`init_module(empty_init=False)` and load the weights after setup.")
+
+
+#: Factories that allocate without writing a value.
+_EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
+          torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_like.default}
+
+
+def uninitialized_parameters(module: nn.Module, recording: Recording) -> list[str]:
+    """The names of ``module``'s meta parameters whose storage only an ``empty`` factory of ``recording`` made: no
+    recorded operation ever wrote a value there."""
+    written: dict[int, bool] = {}
+    for op in recording.ops:
+        for key in op.writes:
+            written[key] = written.get(key, False) or op.func not in _EMPTY
+    names = []
+    for name, param in module.named_parameters():
+        if param.is_meta and param.numel():
+            alias = recording.recorded.get(id(param), param)
+            if not written.get(storage_key(alias), True):
+                names.append(name)
+    return names
 
 
 def place_module(module: nn.Module, device: torch.device, shards_params: bool) -> None:

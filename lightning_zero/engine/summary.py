@@ -35,7 +35,9 @@ def model_state_summary(engine: "ZeroEngine") -> str:
             zero, host, files = expected_disk_bytes(psi, k, config.stage, mode, config.offload_params == "disk")
             where = (f" on the device + {human_bytes(host)} in host memory + {human_bytes(files)} in files under "
                      f"{config.offload_path or 'the temporary directory'} ({', '.join(moved)})")
-    hybrid = f" (sharded over groups of {k}, replicated {n // k}x)" if k != n else ""
+    # the layout that runs: the paper's N (every data-parallel rank), or hybrid sharding (`shard_group_size`)
+    hybrid = (f" (hybrid: sharded over groups of {k}, replicated {n // k}x)" if k != n
+              else f" (sharded over all {n})" if n > 1 else "")
     ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
     own = "" if t == 1 else " (this rank's tensor-parallel slices)"
     whole = ""

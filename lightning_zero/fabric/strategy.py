@@ -3,7 +3,9 @@
 A thin adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`: ``fabric.setup`` makes the engine,
 ``fabric.backward`` and ``optimizer.step()`` are the engine's, ``fabric.save`` / ``fabric.load`` write and read the
 Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``engine/state.py``), and
-``fabric.init_module()`` under zero3 builds the model sharded, as the Trainer's ``configure_model`` does.
+``fabric.init_module()`` under zero3 builds the model sharded, as the Trainer's ``configure_model`` does. Each
+``fabric.setup`` gives its own engine (several models: see [Note: several models in one checkpoint] in
+``several.py``).
 
 [Note: the Fabric state dict in the Trainer's format]
 ``fabric.save(path, {"model": model, "optimizer": opt, "step": 7})`` writes the module under ``state_dict`` and the
@@ -45,6 +47,8 @@ from lightning_zero.engine.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.construction import InitModuleRecording, place_module
 from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.fabric import several
+from lightning_zero.fabric.several import MODELS_KEY, EngineGroup
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
 PRECISION_KEY = "ZeroPrecision"
@@ -138,6 +142,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl()
         self._init_module = InitModuleRecording()
         """Stage 3: the recording still on between ``init_module()`` and ``setup()``."""
+        self.engines: list[ZeroEngine] = []
+        """One engine per ``fabric.setup`` / ``setup_module``, in setup order, over the same process groups (see
+        [Note: several models in one checkpoint] in ``several.py``); :attr:`engine` is the last."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -188,16 +195,17 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if self.engine is None:
             raise RuntimeError("Set up the model first: `model = fabric.setup_module(model)`, then create the "
                                "optimizer from its parameters and call `fabric.setup_optimizers(optimizer)`.")
-        self.engine.add_optimizers([optimizer])
+        several.engine_of_params(self.engines, optimizer).add_optimizers([optimizer])
         return optimizer
 
     def _make_engine(self, module: Module, optimizers: list[Optimizer]) -> None:
-        recording = self._init_module.take()
-        if self.engine is not None:
-            raise RuntimeError("ZeroFabricStrategy sets up one model: call `fabric.setup` (or `setup_module`) once, "
-                               "with every optimizer of the model.")
+        recording = self._init_module.take(module)
+        if any(engine.module is module for engine in self.engines):
+            raise RuntimeError("This model is already set up: call `fabric.setup` (or `setup_module`) once per model, "
+                               "with every optimizer of it.")
         self.engine = ZeroEngine(module, optimizers, precision=self.precision.mode, device=self.root_device,
                                  config=self.config, recording=recording, shard_groups=self.shard_groups)
+        self.engines.append(self.engine)
 
     @override
     def module_to_device(self, module: Module) -> None:
@@ -207,10 +215,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Under zero3 the model is built on the meta device and its construction recorded; setup replays it one unit
-        at a time, so no rank holds it whole and the values are those of eager construction. ``empty_init=True``
-        skips the ``torch.nn.init`` initializers as ``ddp`` does (and draws no random numbers for them), for code
-        that initializes the weights after the context (see [Note: what happens between init_module and setup] in
-        ``construction.py``). Stages 1 and 2 build on the device, as ``ddp``."""
+        at a time, so no rank holds it whole and the values are those of eager construction, initialized also under
+        ``empty_init=True`` (see [Note: empty_init under zero3] in ``engine/construction.py``). Stages 1 and 2 build
+        on the device; ``empty_init=True`` skips the initializers there, as ``ddp`` and ``deepspeed`` do."""
         if not self.policy.shards_params:
             return super().module_init_context(empty_init)
         return self._init_module.context(self.root_device, self.precision.module_init_context(), bool(empty_init))
@@ -222,7 +229,15 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ the step
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        self._engine().backward(tensor, *args, **kwargs)
+        """The engine's backward; with several models the loss may flow through any of them (a GAN's generator loss
+        through the discriminator), so every engine finishes its backward after it."""
+        engine = self._engine()
+        if len(self.engines) == 1:
+            engine.backward(tensor, *args, **kwargs)
+            return
+        engine.precision.scale_loss(tensor).backward(*args, **kwargs)
+        for each in self.engines:
+            each.finish_backward()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -232,17 +247,19 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        output = self._engine().step(optimizer, zero_grad=False, **kwargs)
+        output = several.engine_of_optimizer(self.engines, optimizer).step(optimizer, zero_grad=False, **kwargs)
         return loss if closure is not None else output
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
-        return self._engine().clip_grad_norm(float(max_norm), optimizer, float(norm_type), error_if_nonfinite)
+        engine = several.engine_of_optimizer(self.engines, optimizer)
+        norm = engine.clip_grad_norm(float(max_norm), optimizer, float(norm_type), error_if_nonfinite)
+        return norm.reshape(())  # a scalar, as under the other strategies
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        self._engine().clip_grad_value(float(clip_val), optimizer)
+        several.engine_of_optimizer(self.engines, optimizer).clip_grad_value(float(clip_val), optimizer)
 
     def _engine(self) -> ZeroEngine:
         if self.engine is None:
@@ -267,16 +284,17 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if filter:
             raise ValueError("ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
                              "any world size and stage): remove `filter=` from `fabric.save`.")
-        engine = self._engine()
+        self._engine()
         modules = [obj for obj in state.values() if isinstance(obj, Module)]
         if not modules:
             raise ValueError("`fabric.save` under ZeroFabricStrategy needs the model in the state: "
                              "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
-        for module in modules:
-            self._check_module(module)
+        engine = self._engine_of(state)
         optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
         checkpoint = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj for key, obj in state.items()
                       if not isinstance(obj, (Module, Optimizer))}
+        if isinstance(engine, EngineGroup):
+            checkpoint[MODELS_KEY] = list(engine.module.keys())
         checkpoint.update(engine_state.states_entries(engine, optimizers))
         checkpoint[PRECISION_KEY] = self.precision.state_dict()
         engine_state.save(engine, checkpoint, Path(path), writer="fabric")
@@ -294,18 +312,33 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             if path.is_dir():
                 return load_full_checkpoint(path, trust_code=trusted)
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        engine = self._engine()
+        self._engine()
         checkpoint = engine_state.read(path, trusted)
         if isinstance(state, Module):
-            self._check_module(state)
-            engine_state.load_model(engine, checkpoint, strict)
+            engine_state.load_model(several.engine_of_module(self.engines, state), checkpoint, strict)
             return {}
         if isinstance(state, Optimizer):
-            engine_state.load_one_optimizer(engine, state, checkpoint)
+            engine_state.load_one_optimizer(several.engine_of_optimizer(self.engines, state), state, checkpoint)
             return {}
+        engine = self._engine_of(state)
+        saved_models = checkpoint.get(MODELS_KEY)
+        models = list(engine.module.keys()) if isinstance(engine, EngineGroup) else None
+        if saved_models != models:
+            raise ValueError(f"The checkpoint {path} holds the model(s) {saved_models or 'of one model'} and the "
+                             f"state passed to `fabric.load` has {models or 'one model'}: pass the models (and their "
+                             "optimizers) under the keys they were saved with.")
         return self._restore(engine, checkpoint, state, strict)
 
-    def _restore(self, engine: ZeroEngine, checkpoint: dict[str, Any], state: dict[str, Any],
+    def _engine_of(self, state: dict[str, Any]) -> Any:
+        """The engine of the one model in ``state``, or an :class:`EngineGroup` of its several models (see [Note:
+        several models in one checkpoint] in ``several.py``)."""
+        named = {key: several.engine_of_module(self.engines, obj) for key, obj in state.items()
+                 if isinstance(obj, Module)}
+        if len(named) == 1:
+            return next(iter(named.values()))
+        return EngineGroup(named)
+
+    def _restore(self, engine: Any, checkpoint: dict[str, Any], state: dict[str, Any],
                  strict: bool) -> dict[str, Any]:
         modules = [key for key, obj in state.items() if isinstance(obj, Module)]
         optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
@@ -317,8 +350,6 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if strict and missing:
             raise KeyError(f"The requested state contains keys that are not present in the checkpoint: {missing}. "
                            "Pass `strict=False` to load what is there.")
-        for key in modules:  # one module: the engine's
-            self._check_module(state[key])
         if modules:
             engine_state.load_model(engine, checkpoint, strict)
         if optimizers:
@@ -331,18 +362,21 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                     obj.load_state_dict(checkpoint[key])
                 else:
                     state[key] = checkpoint[key]
-        used = set(engine_state.INTERNAL_KEYS) | set(others) | {PRECISION_KEY}
+        used = set(engine_state.INTERNAL_KEYS) | set(others) | {PRECISION_KEY, MODELS_KEY}
         return {key: value for key, value in checkpoint.items() if key not in used}
-
-    def _check_module(self, module: Module) -> None:
-        if module is not self._engine().module:
-            raise ValueError("ZeroFabricStrategy saves and loads the model it set up: pass the module returned by "
-                             "`fabric.setup`.")
 
     # ------------------------------------------------------------------ teardown and registration
     @override
     def teardown(self) -> None:
         self._init_module.stop()  # a model built under init_module and never set up: stop recording it
-        if self.engine is not None:
-            self.engine.teardown(gather=True)
+        for engine in self.engines:
+            engine.teardown(gather=True)
         super().teardown()
+
+    @override
+    def gathered_parameters(self) -> AbstractContextManager:
+        """Every parameter of every set-up model whole inside, on every rank (a collective); see
+        :meth:`ZeroEngine.gathered_parameters`."""
+        if not self.engines:
+            raise RuntimeError("`gathered_parameters()` needs the model set up: use it after `fabric.setup`.")
+        return several.all_gathered(self.engines)

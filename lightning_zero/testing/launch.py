@@ -8,6 +8,7 @@ the test after ``timeout`` seconds instead of eating CI's time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -63,6 +64,33 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
     return [torch_load(out_dir / f"rank{r}.pt", out_dir / f"rank{r}.pt", trusted=True) for r in range(world_size)]
 
 
+def launch_nodes(script: str, nodes: int, out_dir: Path, timeout: float = 300) -> list[Any]:
+    """Run ``tests/workers/<script>`` as a user runs a job of ``nodes`` nodes, on this machine: one launcher per node
+    (``python script OUT`` with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``, no rank variables), whose
+    Lightning script launcher starts that node's other ranks; return what each global rank saved to
+    ``out_dir/rank{r}.pt`` (the script sets ``num_nodes`` and ``devices``, and so the world size)."""
+    port = str(free_port())
+    launcher_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
+    base = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PL_DISABLE_FORK="1", **ZYGOTE_ENV)
+    procs = [ZYGOTE.spawn([str(ROOT / "tests" / "workers" / script), str(out_dir)], dict(base, NODE_RANK=str(node)),
+                          ROOT, out_dir / f"node{node}.log", session=True) for node in range(nodes)]
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{script} on {nodes} nodes did not finish in {timeout}s:\n{_tail(out_dir, 'node')}")
+    finally:
+        for p in procs:  # each launcher leads its session: the node's ranks Lightning started go with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    if any(codes):
+        raise AssertionError(f"{script} on {nodes} nodes failed with exit codes {codes}:\n{_tail(out_dir, 'node')}")
+    return [torch_load(path, path, trusted=True)  # the reports of this test run's workers
+            for path in sorted(out_dir.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))]
+
+
 def wait_all(procs: list[Any], timeout: float) -> list[int]:
     """Wait for every process (``TimeoutExpired`` past ``timeout`` seconds in all), then make sure none is left."""
     deadline = time.monotonic() + timeout
@@ -96,9 +124,9 @@ def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path
             proc.wait()
 
 
-def _tail(out_dir: Path, lines: int = 60) -> str:
+def _tail(out_dir: Path, prefix: str = "rank", lines: int = 60) -> str:
     parts = []
-    for log in sorted(out_dir.glob("rank*.log")):
+    for log in sorted(out_dir.glob(f"{prefix}*.log")):
         text = log.read_text().splitlines()
         parts.append(f"--- {log.name}\n" + "\n".join(text[-lines:]))
     return "\n".join(parts)

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.engine.construction import abandon_construction, sharded_construction
+from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.processes import StartMethod, ZeroProcesses
 from lightning_zero.trainer import early_checks
@@ -77,6 +77,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
                          precision_plugin=precision_plugin)
         self.num_nodes = 1
         self._ranks_in_step = True
+        self._init_module = InitModuleRecording()
+        """Stage 3: the recording of ``trainer.init_module(empty_init=True)``, on until setup."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -143,9 +145,10 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             self.model_to_device()
         if fitting:
             super().setup_optimizers(trainer)
+        recording = self._recording if self._recording is not None else self._init_module.take(self.lightning_module)
         self.engine = ZeroEngine(self.lightning_module, self.optimizers if fitting else [],
                                  precision=self.precision_plugin.mode, device=self.root_device, config=self.config,
-                                 recording=self._recording, shard_groups=self.shard_groups)
+                                 recording=recording, shard_groups=self.shard_groups)
         self._recording = None  # construction is replayed once; the log holds no memory worth keeping
         self.precision_plugin.engine = self.engine
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
@@ -168,9 +171,24 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         if not self.policy.shards_params:
             yield
             return
-        with sharded_construction(self.root_device) as recording:
+        earlier = self._init_module.take(self.lightning_module) if self.lightning_module is not None else None
+        with sharded_construction(self.root_device, earlier) as recording:  # continues `init_module`'s
             yield
         self._recording = recording
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` under zero3 builds the model sharded and initialized, as Fabric's
+        ``init_module`` (see [Note: empty_init under zero3] in ``engine/construction.py``); anything else is
+        Lightning's: on the device, ``empty_init=True`` skipping the initializers (as ``ddp`` and ``deepspeed`` at
+        stages 1-2)."""
+        if not (self.policy.shards_params and empty_init):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self._init_module.context(self.root_device, self.precision_plugin.tensor_init_context(), True):
+            yield
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -180,6 +198,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._init_module.stop()  # a model built under init_module and never set up: stop recording it
         # see [Note: teardown after an exception] in engine.py: a single rank, and a checkpoint every rank refused,
         # still gather
         if self.engine is not None:

@@ -1,0 +1,146 @@
+"""What users carry over from Lightning's ``fsdp`` and ``deepspeed`` strategies.
+
+``empty_init``: under zero3, ``init_module(empty_init=True)`` builds the model sharded *and initialized* (a
+LitGPT-shaped model, tests/litgpt_shaped.py: in process, the recorded values against eager construction bit for bit;
+on 2 ranks, tests/workers/empty_init.py, a Fabric loop and a Trainer fit against ``ddp`` building eagerly).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.engine.construction import InitModuleRecording
+from lightning_zero.testing.launch import launch
+from tests.litgpt_shaped import GPT, Config
+
+RTOL = 1e-5
+
+
+# ---------------------------------------------------------------------- empty_init under zero3
+def recorded_values(build, empty_init: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """What setup would give the module ``build()`` makes under zero3's ``init_module(empty_init=...)``, and the CPU
+    generator's state right after the context."""
+    init = InitModuleRecording()
+    with init.context(torch.device("cpu"), nullcontext(), empty_init):
+        module = build()
+    after = torch.get_rng_state()
+    recording = init.take(module)
+    assert recording is not None
+    recording.keep(module)
+    named = [*module.named_parameters(), *((f"buffer:{n}", b) for n, b in module.named_buffers())]
+    values = recording.values_of([t for _, t in named])
+    return {n: v for (n, _), v in zip(named, values)}, after
+
+
+@pytest.mark.parametrize("config", [Config(), Config(n_layer=3, n_query_groups=4, rotary_percentage=0.5, bias=True)])
+def test_litgpt_shaped_empty_init_equals_eager_bit_for_bit(config):
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    values, after = recorded_values(lambda: GPT(config))
+    assert torch.equal(after, before)  # as ddp's skipped initializers: no draw left a trace on the generator
+    torch.manual_seed(0)
+    eager = GPT(config)
+    expected = dict(eager.named_parameters()) | {f"buffer:{n}": b for n, b in eager.named_buffers()}
+    assert values.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(values[name], value), name
+        assert values[name].isfinite().all(), name
+
+
+class _Uninitialized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.empty(4))  # nothing ever writes it
+        self.register_buffer("cache", torch.empty(4), persistent=False)  # a buffer forward fills: allowed
+
+
+def test_a_parameter_construction_never_writes_is_refused_by_name():
+    with pytest.raises(RuntimeError, match=r"never initializes 'scale' \(made with `torch.empty`"):
+        recorded_values(_Uninitialized)
+    recorded_values(_Uninitialized, empty_init=False)  # without empty_init: eager's values, garbage or not, as ddp
+
+
+@pytest.fixture(scope="module")
+def empty_init_ranks(tmp_path_factory) -> list[dict]:
+    return launch("empty_init.py", 2, tmp_path_factory.mktemp("empty_init"), timeout=300)
+
+
+@pytest.mark.timeout(360)
+def test_fabric_loop_under_zero3_with_empty_init_matches_ddp(empty_init_ranks):
+    for rank in empty_init_ranks:
+        ddp, zero = rank["fabric_ddp"], rank["fabric_zero3"]
+        assert zero["start"].keys() == ddp["start"].keys()
+        for name, value in ddp["start"].items():
+            assert torch.equal(zero["start"][name], value), name
+        assert all(torch.isfinite(torch.as_tensor(n)) for n in zero["norms"])
+        assert zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        assert [float(n) for n in zero["norms"]] == pytest.approx([float(n) for n in ddp["norms"]], rel=RTOL)
+        for name, value in ddp["end"].items():
+            torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.timeout(360)
+def test_trainer_init_module_under_zero3_with_empty_init_matches_ddp(empty_init_ranks):
+    for rank in empty_init_ranks:
+        ddp, zero = rank["trainer_ddp"], rank["trainer_zero3"]
+        assert len(zero["losses"]) == 2 and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        for name, value in ddp["end"].items():
+            torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- several models on one Fabric
+GAN = ["zero1", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def gan_ranks(tmp_path_factory) -> list[dict]:
+    return launch("gan.py", 2, tmp_path_factory.mktemp("gan"), timeout=300)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+def test_two_models_on_one_fabric_match_ddp_step_for_step(gan_ranks, strategy):
+    for rank in gan_ranks:
+        ddp, zero = rank["ddp"], rank[strategy]
+        assert len(zero["losses"]) == 8 and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        assert [shape for _, shape in zero["norms"]] == [shape for _, shape in ddp["norms"]] == [()] * 4
+        assert [n for n, _ in zero["norms"]] == pytest.approx([n for n, _ in ddp["norms"]], rel=RTOL)
+        for name, value in ddp["end"].items():
+            torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+def test_two_models_resume_exactly_from_one_checkpoint(gan_ranks, strategy):
+    for rank in gan_ranks:
+        run = rank[strategy]
+        resumed = run["resumed"]
+        assert resumed["step"] == 2
+        assert resumed["losses"] == run["losses"][4:]  # bit for bit: the same run, interrupted
+        for name, value in run["end"].items():
+            assert torch.equal(resumed["end"][name], value), name
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+def test_the_checkpoint_of_two_models_inspects_and_consolidates(gan_ranks, strategy, tmp_path):
+    import lightning_zero
+    from lightning_zero.cli import main
+
+    run = gan_ranks[0][strategy]
+    summary = lightning_zero.inspect_checkpoint(run["ckpt"])
+    assert summary["optimizers"] == ["Adam", "SGD"] and summary["num_parameters"] == sum(v.numel() for v in run["saved"].values())
+    assert main(["inspect", run["ckpt"]]) == 0
+    out = tmp_path / "gan.ckpt"
+    assert main(["consolidate", run["ckpt"], str(out)]) == 0
+    full = torch.load(out, map_location="cpu", weights_only=True)
+    expected = {("g." if name.startswith("0.") else "d.") + name[2:]: v for name, v in run["saved"].items()}
+    assert full["state_dict"].keys() == expected.keys() and full["step"] == 2
+    for name, value in expected.items():
+        assert torch.equal(full["state_dict"][name], value), name
+    assert len(full["optimizer_states"]) == 2
