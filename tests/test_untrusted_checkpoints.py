@@ -31,6 +31,7 @@ from lightning_zero.checkpoints.storage import KEY
 from lightning_zero.checkpoints.trust import UntrustedCheckpointError, torch_load
 from lightning_zero.cli import main as cli
 from lightning_zero.engine import state as engine_state
+from lightning_zero.testing.launch import launch
 from tests.checkpoint_fixtures import HPARAMS, Regressor, write_fabric_checkpoint, write_trainer_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
@@ -208,6 +209,20 @@ def test_a_payload_in_a_checkpoint_directory_never_runs(current, tmp_path, where
                  "object": f"{path} (its object 'optimizer/0/0/step'"}[where]
         assert named in message and REFUSED in message and "weights_only=False" in message, message
     assert not marker.exists(), f"the payload ran on `{load}`"
+
+
+def test_at_two_ranks_every_rank_refuses_what_dcps_coordinator_refused(current, tmp_path):
+    """DCP reads ``.metadata`` and the objects on its coordinator and sends the result (or the failure) to the other
+    ranks: every rank raises the same refusal, and the payload runs nowhere."""
+    marker = tmp_path / "PAYLOAD-RAN"
+    paths = [evil_metadata(current["trainer"], tmp_path / "metadata.ckpt", marker),
+             evil_object(current["trainer"], tmp_path / "object.ckpt", marker)]
+    for rank, reports in enumerate(launch("untrusted.py", 2, tmp_path, args=tuple(map(str, paths)), timeout=300)):
+        for path, where in zip(paths, (str(paths[0] / ".metadata"), f"{paths[1]} (its object 'optimizer/0/0/step'")):
+            report = reports[path.name]
+            assert report["type"] in ("UntrustedCheckpointError", "CheckpointError"), (rank, report)
+            assert where in report["message"] and REFUSED in report["message"], (rank, report)
+    assert not marker.exists()
 
 
 FILE_LOADS: dict[str, Callable[[Path, Path], Any]] = {

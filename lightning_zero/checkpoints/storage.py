@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -304,11 +305,17 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
         reader, planner = SafeFileSystemReader(path, trusted), _ShardLoadPlanner(shards, Path(path), trusted)
         try:
             dcp.load(objects, storage_reader=reader, planner=planner, no_dist=alone)
-        except BaseException:
-            refused = reader.refused or planner.refused  # what DCP wrapped into its own errors, as it was
-            if refused is not None:
+        except BaseException as error:
+            refused = reader.refused or planner.refused or _refusal_on_another_rank(error)
+            if refused is not None:  # what DCP wrapped into its own errors, as it was
                 raise refused from None
             raise
+
+
+def _refusal_on_another_rank(error: BaseException) -> Optional[CheckpointError]:
+    """A refusal of ours that DCP's coordinator sent to this rank inside its ``CheckpointException``."""
+    failures = getattr(error, "failures", {}) if isinstance(error, CheckpointException) else {}
+    return next((exc for exc, _ in failures.values() if isinstance(exc, CheckpointError)), None)
 
 
 def missing_message(path: Path) -> str:

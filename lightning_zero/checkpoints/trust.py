@@ -77,6 +77,10 @@ class UntrustedCheckpointError(CheckpointError):
                          f"Nothing was loaded and nothing in it ran. {hint}")
         self.file = file
         self.refused = refused
+        self.hint = hint
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP sends a rank's failure to the others pickled
+        return (type(self), (self.file, self.refused, self.hint))
 
 
 def safe_types() -> list[type]:
