@@ -36,7 +36,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -305,17 +304,11 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
         reader, planner = SafeFileSystemReader(path, trusted), _ShardLoadPlanner(shards, Path(path), trusted)
         try:
             dcp.load(objects, storage_reader=reader, planner=planner, no_dist=alone)
-        except BaseException as error:
-            refused = reader.refused or planner.refused or _refusal_on_another_rank(error)
+        except BaseException:
+            refused = reader.refused or planner.refused  # every rank reads the index and its own objects
             if refused is not None:  # what DCP wrapped into its own errors, as it was
                 raise refused from None
             raise
-
-
-def _refusal_on_another_rank(error: BaseException) -> Optional[CheckpointError]:
-    """A refusal of ours that DCP's coordinator sent to this rank inside its ``CheckpointException``."""
-    failures = getattr(error, "failures", {}) if isinstance(error, CheckpointException) else {}
-    return next((exc for exc, _ in failures.values() if isinstance(exc, CheckpointError)), None)
 
 
 def missing_message(path: Path) -> str:
