@@ -304,7 +304,8 @@ def test_lightnings_attribute_dict_in_a_fabric_state_is_refused_by_name(current,
     meta["hparams"] = AttributeDict(meta["hparams"])
     _rewrite(path, meta)
     fabric, model, optimizer = _fabric_model()
-    with pytest.raises(UntrustedCheckpointError, match=r"meta\.pt holds `lightning\.fabric\.utilities\.data\.AttributeDict`"):
+    refused = r"meta\.pt holds `lightning\.fabric\.utilities\.data\.AttributeDict`"
+    with pytest.raises(UntrustedCheckpointError, match=refused):
         fabric.load(path, {"model": model, "optimizer": optimizer})
     assert fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=False)["hparams"] == HPARAMS
 

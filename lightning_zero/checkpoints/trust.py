@@ -33,7 +33,7 @@ import pathlib
 import pickle
 import re
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Callable, Optional, Union, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -83,7 +83,7 @@ class UntrustedCheckpointError(CheckpointError):
         return (type(self), (self.file, self.refused, self.hint))
 
 
-def safe_types() -> list[type]:
+def safe_types() -> list[Callable[..., Any]]:
     """The types a load admits beyond torch's ``weights_only`` defaults (see [Note: a checkpoint is data, never
     code])."""
     return list(DATA_TYPES)
@@ -164,11 +164,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         path = Path(self._get_metadata_path(kwargs.get("rank")))
         with self.fs.create_stream(path, "rb") as stream:
             try:
-                metadata = load_dcp_metadata(stream, path, self.trusted)
+                metadata = load_dcp_metadata(cast(IO[bytes], stream), path, self.trusted)
             except CheckpointError as error:
                 self.refused = self.refused or error
                 raise
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

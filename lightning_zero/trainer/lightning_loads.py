@@ -7,9 +7,11 @@ checkpoint with ``pl_load`` (``torch.load`` of one file) where no code of ours r
 ``trainer.fit(model, ckpt_path=dir)``). Both failed with a bare ``IsADirectoryError``. Importing ``lightning_zero``
 wraps the ``pl_load`` those two modules call: a local directory is read as ``load_full_checkpoint`` reads it (every
 file checked first, the checkpoint assembled in ``ddp``'s form in this process's memory); anything else goes to
-Lightning's ``pl_load`` unchanged. A directory that is not a checkpoint gets a ``CheckpointError`` saying what it
-is instead. Its files are unpickled as data unless the caller passed ``weights_only=False`` (see [Note: a checkpoint
-is data, never code] in ``checkpoints/trust.py``), the same rule torch applies to a file. Under a ZeRO strategy a directory never reaches ``pl_load``: each rank reads only its pieces.
+Lightning's ``pl_load`` (a file: with ``pathlib`` paths admitted beside torch's ``weights_only`` types). A directory
+that is not a checkpoint gets a ``CheckpointError`` saying what it is instead. Its files are unpickled as data
+unless the caller passed ``weights_only=False`` (see [Note: a checkpoint is data, never code] in
+``checkpoints/trust.py``), the same rule torch applies to a file. Under a ZeRO strategy a directory never reaches
+``pl_load``: each rank reads only its pieces.
 """
 
 from __future__ import annotations
