@@ -83,7 +83,7 @@ class UntrustedCheckpointError(CheckpointError):
         return (type(self), (self.file, self.refused, self.hint))
 
 
-def safe_types() -> list[Callable[..., Any]]:
+def safe_types() -> list[Union[Callable[..., Any], tuple[Callable[..., Any], str]]]:
     """The types a load admits beyond torch's ``weights_only`` defaults (see [Note: a checkpoint is data, never
     code])."""
     return list(DATA_TYPES)
