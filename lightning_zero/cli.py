@@ -2,8 +2,8 @@
 
     lightning-zero fit|validate|test|predict --config cfg.yaml [--model pkg.Module] [--data pkg.DataModule] ...
     lightning-zero estimate (--params 1.5B | --model pkg.MyModule [--init-args '{"width": 512}']) -n 8 [--memory 80GiB]
-    lightning-zero inspect DIR [--verify] [--json]
-    lightning-zero consolidate DIR OUT.ckpt [--weights-only] [--dtype fp32|bf16|fp16]
+    lightning-zero inspect DIR [--verify] [--json] [--trust-code]
+    lightning-zero consolidate DIR OUT.ckpt [--weights-only] [--dtype fp32|bf16|fp16] [--trust-code]
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ from lightning_zero.estimate import (
 )
 
 
+#: ``--trust-code``: see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``.
+TRUST_CODE_HELP = ("unpickle any type the checkpoint names, which can run code: only for a checkpoint from someone "
+                   "you trust (by default only tensors, numbers, strings and containers of them are read)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-zero", description="ZeRO for PyTorch Lightning: training, memory "
                                      "estimates and checkpoint tools.")
@@ -57,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", help="the checkpoint directory (what trainer.save_checkpoint wrote)")
     inspect.add_argument("--verify", action="store_true", help="also check every file against its CRC-32")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    inspect.add_argument("--trust-code", action="store_true", help=TRUST_CODE_HELP)
     inspect.set_defaults(run=_inspect)
 
     merge = commands.add_parser("consolidate", help="write a sharded checkpoint as one standard Lightning file")
@@ -65,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--weights-only", action="store_true", help="leave out optimizer states and LR schedulers")
     merge.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)")
+    merge.add_argument("--trust-code", action="store_true", help=TRUST_CODE_HELP)
     merge.set_defaults(run=_consolidate)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face save_pretrained directory "
@@ -255,7 +262,7 @@ def _estimate(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    summary = inspect_checkpoint(args.checkpoint, verify=args.verify)
+    summary = inspect_checkpoint(args.checkpoint, verify=args.verify, trust_code=args.trust_code)
     if args.json:
         print(json.dumps(summary, indent=2))
         return
@@ -305,7 +312,7 @@ def _mesh(summary: dict[str, Any]) -> str:
 
 def _consolidate(args: argparse.Namespace) -> None:
     out = consolidate(args.checkpoint, args.output, weights_only=args.weights_only,
-                      dtype=DTYPES[args.dtype] if args.dtype else None)
+                      dtype=DTYPES[args.dtype] if args.dtype else None, trust_code=args.trust_code)
     print(f"wrote {out} ({human_bytes(out.stat().st_size)})")
 
 

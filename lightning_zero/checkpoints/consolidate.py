@@ -25,6 +25,7 @@ from lightning_zero.checkpoints.storage import (
 )
 from lightning_zero.checkpoints.export import PRETRAINED
 from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
+from lightning_zero.checkpoints.trust import torch_load
 from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.tensor_parallel import join
 
@@ -34,11 +35,12 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None,
-                         verify: bool = True) -> dict[str, Any]:
+                         verify: bool = True, trust_code: bool = False) -> dict[str, Any]:
     """A sharded checkpoint directory as the dict ``ddp`` would have saved (``state_dict`` with full tensors,
-    ``optimizer_states`` per parameter unless ``weights_only``). ``dtype`` converts the floating-point weights."""
+    ``optimizer_states`` per parameter unless ``weights_only``). ``dtype`` converts the floating-point weights.
+    Only data is unpickled unless ``trust_code`` (see [Note: a checkpoint is data, never code] in ``trust.py``)."""
     path = Path(path)
-    meta = read_meta(path)
+    meta = read_meta(path, trusted=trust_code)
     check_files(path, meta, verify=verify)
     info = meta.pop(KEY)
     full: dict[str, torch.Tensor] = {}
@@ -60,7 +62,7 @@ def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optiona
                 state.setdefault(index, {})[name] = key
             optimizer_states.append((state, saved["param_groups"]))
     shards = {key: Shard.whole(t) for key, t in full.items() if t.numel()}
-    load_sharded(path, shards, objects, collective=False)
+    load_sharded(path, shards, objects, collective=False, trusted=trust_code)
     values = {**full, **objects, **_joined_slices(info, full)}
     meta["state_dict"] = {key: values[stored] for key, stored in info["model"].items()}
     if PRETRAINED in info:  # the transformers configs, for `lightning-zero export` of the file
@@ -94,20 +96,23 @@ def _joined_slices(info: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[
     return joined
 
 
-def consolidate(path: _PATH, out: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write the sharded checkpoint ``path`` as one standard Lightning checkpoint file ``out`` (atomically)."""
-    checkpoint = load_full_checkpoint(path, weights_only=weights_only, dtype=dtype)
+def consolidate(path: _PATH, out: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None,
+                trust_code: bool = False) -> Path:
+    """Write the sharded checkpoint ``path`` as one standard Lightning checkpoint file ``out`` (atomically); see
+    :func:`load_full_checkpoint` for the arguments."""
+    checkpoint = load_full_checkpoint(path, weights_only=weights_only, dtype=dtype, trust_code=trust_code)
     save_file(checkpoint, Path(out))
     return Path(out)
 
 
-def inspect_checkpoint(path: _PATH, verify: bool = False) -> dict[str, Any]:
+def inspect_checkpoint(path: _PATH, verify: bool = False, trust_code: bool = False) -> dict[str, Any]:
     """A summary of a sharded checkpoint directory: stage, world size, progress, parameters, bytes per rank; or of
-    a checkpoint file in ``ddp``'s form (what ``consolidate``, ``ddp`` and ``state_dict_type="full"`` write)."""
+    a checkpoint file in ``ddp``'s form (what ``consolidate``, ``ddp`` and ``state_dict_type="full"`` write). Only
+    data is unpickled unless ``trust_code`` (see [Note: a checkpoint is data, never code] in ``trust.py``)."""
     path = Path(path)
     if path.is_file():
-        return _inspect_file(path)
-    meta = read_meta(path)
+        return _inspect_file(path, trust_code)
+    meta = read_meta(path, trusted=trust_code)
     check_files(path, meta, verify=verify)
     info = meta[KEY]
     per_rank = [0] * info["world_size"]
@@ -132,10 +137,12 @@ def inspect_checkpoint(path: _PATH, verify: bool = False) -> dict[str, Any]:
 FILE_FORMAT = "file"
 
 
-def _inspect_file(path: Path) -> dict[str, Any]:
+def _inspect_file(path: Path, trusted: bool) -> dict[str, Any]:
     """The summary of a Lightning checkpoint file (read whole, memory-mapped; a file has no checksums of its own)."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = torch_load(path, path, trusted, mmap=True)
+    except CheckpointError:
+        raise
     except Exception as error:
         raise CheckpointError(f"{path} is a file that torch.load cannot read ({error}): it is not a checkpoint, or "
                               "it is damaged.") from error

@@ -27,6 +27,13 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoints.trust import torch_load
+
+#: What a refused pretrained file (one that holds more than tensors) tells the user to do.
+PRETRAINED_HINT = ("Pretrained weights are read as a state dict of tensors only: if you trust the file, convert it "
+                   "with `torch.save(torch.load(f, weights_only=False)['state_dict'], f)` (or save the model's "
+                   "`state_dict()`) and load that.")
+
 #: The most bytes of a file read (and kept mapped) at once; a row larger than this is read one row at a time.
 READ_BLOCK_BYTES = 64 * 2**20
 
@@ -138,8 +145,8 @@ def _headers(path: Path) -> dict[str, TensorInfo]:
 
 def _torch_load(path: Path) -> dict[str, Tensor]:
     """A ``torch.save`` state dict, memory-mapped (no tensor data is read until it is used)."""
-    try:
-        state: Any = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:  # data only: see [Note: a checkpoint is data, never code] in trust.py
+        state: Any = torch_load(path, path, mmap=True, hint=PRETRAINED_HINT)
     except RuntimeError as error:
         raise ValueError(
             f"Could not memory-map {str(path)!r} as a torch.save file ({error}). Pretrained weights are read "

@@ -118,9 +118,10 @@ def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], 
 
 
 def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool,
-                        collective: bool) -> None:
+                        collective: bool, trusted: bool = False) -> None:
     """Read the model's tensors from a checkpoint directory into ``dest`` (``model_shards`` of the module); slices
-    saved at another tensor-parallel size are re-cut (see [Note: re-cutting tensor-parallel slices on load])."""
+    saved at another tensor-parallel size are re-cut (see [Note: re-cutting tensor-parallel slices on load]).
+    ``trusted``: as ``load_sharded``."""
     info = meta[KEY]
     saved = {k: whole_shape(info, stored) for k, stored in info["model"].items()}
     check_model_keys(saved, dest, strict, str(path), full=True)
@@ -136,7 +137,7 @@ def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard]
         round_[stored] = shard
     reads = [{k: to_saved_layout(k, s, info) for k, s in r.items() if s.numel} for r in rounds]  # all before reading
     for read in reads:  # (empty tensors have nothing to read)
-        load_sharded(path, {k: shard for k, (shard, _) in read.items()}, None, collective)
+        load_sharded(path, {k: shard for k, (shard, _) in read.items()}, None, collective, trusted)
         for _, copies in read.values():
             finish(copies)
 
@@ -199,8 +200,9 @@ def check_optimizer_count(saved: int, sharded_optimizers: list[ShardedOptimizer]
 
 
 def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizers: list[ShardedOptimizer],
-                             collective: bool) -> None:
-    """Read every optimizer's state from a checkpoint directory into the shards this rank owns."""
+                             collective: bool, trusted: bool = False) -> None:
+    """Read every optimizer's state from a checkpoint directory into the shards this rank owns (``trusted``: as
+    ``load_sharded``)."""
     info = meta[KEY]
     states = meta.get("optimizer_states", [])
     check_optimizer_count(len(states), sharded_optimizers, str(path))
@@ -222,7 +224,7 @@ def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizer
         objects.update({key: None for key in keys.values()})
         dests.append(dest)
         object_keys.append(keys)
-    load_sharded(path, shards, objects, collective)
+    load_sharded(path, shards, objects, collective, trusted)
     for staged in copies.values():
         finish(staged)
     for k, (dest, keys) in enumerate(zip(dests, object_keys)):

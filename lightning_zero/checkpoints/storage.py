@@ -55,6 +55,7 @@ from lightning_zero.checkpoints.staging import (
     siblings,
     write_meta_digest,
 )
+from lightning_zero.checkpoints.trust import SafeFileSystemReader, torch_load
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.shutdown import GUARD
 
@@ -104,9 +105,23 @@ class _ShardSavePlanner(DefaultSavePlanner):
 class _ShardLoadPlanner(DefaultLoadPlanner):
     """Reads, for every :class:`Shard` destination piece, its overlaps with the saved pieces."""
 
-    def __init__(self, shards: dict[str, Shard]) -> None:
+    def __init__(self, shards: dict[str, Shard], source: Path, trusted: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.shards = shards
+        self.source = source
+        self.trusted = trusted
+        self.refused: Optional[CheckpointError] = None
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """A pickled object, read as data (DCP's own ``load_bytes`` unpickles anything: see [Note: a checkpoint is
+        data, never code] in ``trust.py``)."""
+        fqn = read_item.dest_index.fqn
+        where = f"{self.source} (its object {fqn!r}, in a .distcp file)"
+        try:
+            self.state_dict[fqn] = torch_load(value.getvalue(), where, self.trusted)
+        except CheckpointError as error:  # DCP wraps it: kept to be raised as it is (see ``load_sharded``)
+            self.refused = error
+            raise
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
@@ -211,8 +226,9 @@ _replace = replace
 
 
 # ---------------------------------------------------------------------- load
-def read_meta(path: Path) -> dict[str, Any]:
-    """``meta.pt`` of the checkpoint directory ``path``, after checking that the directory is ours and complete."""
+def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
+    """``meta.pt`` of the checkpoint directory ``path``, after checking that the directory is ours and complete;
+    read as data unless ``trusted`` (see [Note: a checkpoint is data, never code] in ``trust.py``)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(missing_message(path))
@@ -232,7 +248,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"The checkpoint {path} is damaged: {problem}. Nothing was loaded. Use another "
                               "checkpoint (e.g. an earlier one).")
     try:
-        meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        meta = torch_load(data, meta_file, trusted)
+    except CheckpointError:
+        raise
     except Exception as error:
         raise CheckpointError(f"{meta_file} cannot be read ({error}); the checkpoint is damaged.") from error
     info = meta.get(KEY) if isinstance(meta, dict) else None
@@ -272,17 +290,25 @@ def _file_problem(file: Path, expected: tuple[int, int], verify: bool) -> Option
 
 
 def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[str, Any]] = None,
-                 collective: bool = True) -> None:
+                 collective: bool = True, trusted: bool = False) -> None:
     """Read the saved pieces overlapping ``shards`` into them, and the pickled ``objects`` into that dict.
 
     ``collective``: every rank of the process group calls this (DCP coordinates the plans); otherwise this process
-    reads alone (a single process, or one rank of a job that needs a private full copy).
+    reads alone (a single process, or one rank of a job that needs a private full copy). DCP's index and the objects
+    are read as data unless ``trusted`` (see [Note: a checkpoint is data, never code] in ``trust.py``).
     """
     objects = {} if objects is None else objects
     alone = not collective or not collectives.is_distributed()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(objects, storage_reader=dcp.FileSystemReader(path), planner=_ShardLoadPlanner(shards), no_dist=alone)
+        reader, planner = SafeFileSystemReader(path, trusted), _ShardLoadPlanner(shards, Path(path), trusted)
+        try:
+            dcp.load(objects, storage_reader=reader, planner=planner, no_dist=alone)
+        except BaseException:
+            refused = reader.refused or planner.refused  # every rank reads the index and its own objects
+            if refused is not None:  # what DCP wrapped into its own errors, as it was
+                raise refused from None
+            raise
 
 
 def missing_message(path: Path) -> str:

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-import torch
 from torch.optim import Optimizer
 
 from lightning_zero.core import collectives
@@ -32,6 +31,7 @@ from lightning_zero.checkpoints.sharded import (
 )
 from lightning_zero.checkpoints.shards import model_shards, optimizer_shards, param_groups
 from lightning_zero.checkpoints.full import full_model_state_dict, load_optimizer_state
+from lightning_zero.checkpoints.trust import torch_load
 from lightning_zero.checkpoints.full import optimizer_state as full_optimizer_state
 
 if TYPE_CHECKING:
@@ -118,15 +118,23 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
     save_sharded(Path(path), objects, shards, meta)
 
 
-def read(path: Path) -> dict[str, Any]:
+def read(path: Path, trusted: bool = False) -> dict[str, Any]:
     """A directory gives its ``meta.pt`` once every file was checked (by all ranks together; the tensors are read
-    later, straight into the shards); a file is read whole."""
+    later, straight into the shards); a file is read whole. Only data is unpickled, now and when the tensors are
+    read, unless ``trusted`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``).
+
+    [Note: what a read directory carries]
+    ``meta[KEY]["path"]`` and ``meta[KEY]["trusted"]`` tell the later loads where the tensors are and whether this
+    load was trusted. Both are set here, over whatever ``meta.pt`` held under those names: a checkpoint cannot say
+    that it is to be trusted.
+    """
     path = Path(path)
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=False)
-    meta = read_meta(path)
+        return torch_load(path, path, trusted)
+    meta = read_meta(path, trusted)
     check_files(path, meta, collective=True)
     meta[KEY]["path"] = str(path)
+    meta[KEY]["trusted"] = trusted
     return meta
 
 
@@ -146,7 +154,8 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
     if is_directory(checkpoint):
         check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],
                               engine.optimizers if checkpoint.get("optimizer_states") else ())
-        load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True)
+        load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True,
+                            trusted=checkpoint[KEY].get("trusted") is True)
     else:
         state_dict = checkpoint["state_dict"] if "state_dict" in checkpoint else checkpoint
         copy_full_state(state_dict, dest, strict, source="the checkpoint file")
@@ -164,7 +173,8 @@ def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None
     if is_directory(checkpoint):
         check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],
                               engine.optimizers)
-        load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), engine.optimizers, collective=True)
+        load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), engine.optimizers, collective=True,
+                                 trusted=checkpoint[KEY].get("trusted") is True)
         return
     check_optimizer_count(len(states), engine.optimizers, "file")
     for sharded, state in zip(engine.optimizers, states):

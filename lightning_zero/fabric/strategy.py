@@ -303,14 +303,17 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     def load_checkpoint(self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint of any writer (Fabric, Trainer, full file); the rest of the
-        checkpoint is returned. A bare module or optimizer (``fabric.load_raw``) takes a raw state dict file too."""
+        checkpoint is returned. A bare module or optimizer (``fabric.load_raw``) takes a raw state dict file too.
+        Only data is unpickled unless ``weights_only=False`` (see [Note: a checkpoint is data, never code] in
+        ``checkpoints/trust.py``)."""
         path = Path(path)
+        trusted = weights_only is False
         if not state:
             if path.is_dir():
-                return load_full_checkpoint(path)
+                return load_full_checkpoint(path, trust_code=trusted)
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         self._engine()
-        checkpoint = engine_state.read(path)
+        checkpoint = engine_state.read(path, trusted)
         if isinstance(state, Module):
             engine_state.load_model(several.engine_of_module(self.engines, state), checkpoint, strict)
             return {}

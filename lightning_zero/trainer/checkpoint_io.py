@@ -26,29 +26,33 @@ ModuleT = TypeVar("ModuleT", bound=pl.LightningModule)
 
 
 def load_from_checkpoint(cls: type[ModuleT], path: _PATH, map_location: Optional[Union[str, torch.device]] = None,
-                         strict: bool = True, **kwargs: Any) -> ModuleT:
+                         strict: bool = True, weights_only: Optional[bool] = None, **kwargs: Any) -> ModuleT:
     """``cls.load_from_checkpoint`` for sharded directories and files alike, in a plain process.
 
     For a directory the module is built from the saved hyperparameters (``kwargs`` override them), ``configure_model``
     and ``on_load_checkpoint`` run as in Lightning, and the weights are read straight into its parameters (one copy
-    of the weights in memory). It is then moved to ``map_location`` (a device or device name).
+    of the weights in memory). It is then moved to ``map_location`` (a device or device name). Only data is
+    unpickled unless ``weights_only=False`` (see [Note: a checkpoint is data, never code] in
+    ``checkpoints/trust.py``).
     """
     path = Path(path)
     if not path.is_dir():
         if not path.exists():
             raise FileNotFoundError(f"No checkpoint at {path}.")
-        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, **kwargs)
-    meta = read_meta(path)
+        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, weights_only=weights_only,
+                                        **kwargs)
+    trusted = weights_only is False
+    meta = read_meta(path, trusted)
     check_files(path, meta)
     model = _instantiate(cls, meta, kwargs)
     model.on_load_checkpoint(meta)
     if meta[KEY].get("tensor_parallel_size", 1) > 1:
         # tensor-parallel slices join into the model built without a device mesh: read them whole, then load
-        full = load_full_checkpoint(path, weights_only=True, verify=False)
+        full = load_full_checkpoint(path, weights_only=True, verify=False, trust_code=trusted)
         model.load_state_dict(full["state_dict"], strict=strict)
     else:
         dest = {key: Shard.whole(t) for key, t in model.state_dict(keep_vars=True).items()}
-        load_model_from_dir(path, meta, dest, strict, collective=False)
+        load_model_from_dir(path, meta, dest, strict, collective=False, trusted=trusted)
     if map_location is not None:
         if callable(map_location) or isinstance(map_location, dict):
             raise TypeError("`map_location` must be a device or a device name for a sharded checkpoint.")
@@ -78,14 +82,15 @@ class ZeroCheckpointIO(TorchCheckpointIO):
     """Lets any strategy (``ddp``, a single device) load lightning-zero's sharded checkpoint directories.
 
     ``Trainer(strategy="ddp", plugins=[ZeroCheckpointIO()])``: ``fit/validate/test(ckpt_path=dir)`` then get the
-    checkpoint in ``ddp``'s form, assembled in memory by every process.
+    checkpoint in ``ddp``'s form, assembled in memory by every process. A directory's files are unpickled as data
+    unless ``weights_only=False`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``).
     """
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         if Path(path).is_dir():
-            return load_full_checkpoint(path)
+            return load_full_checkpoint(path, trust_code=weights_only is False)
         if map_location is None:
             return super().load_checkpoint(path, weights_only=weights_only)
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)

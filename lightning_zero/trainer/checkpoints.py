@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import state as engine_state
+from lightning_zero.trainer import early_checks
 from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.checkpoints.storage import KEY
 
@@ -55,10 +56,14 @@ class CheckpointHooks:
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A file is read whole (``ddp``'s form); a directory gives its ``meta.pt`` after every file was checked,
-        and the tensors are read later, straight into this rank's shards."""
+        and the tensors are read later, straight into this rank's shards. Only data is unpickled unless
+        ``weights_only=False`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``)."""
+        # see [Note: the Trainer's weights_only reaches a strategy that restores after setup] in early_checks.py
+        trusted = weights_only is False or (weights_only is None and early_checks.requested_trust(
+            self.lightning_module))
         if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        meta = engine_state.read(Path(checkpoint_path))
+            return super().load_checkpoint(checkpoint_path, False if trusted else weights_only)
+        meta = engine_state.read(Path(checkpoint_path), trusted=trusted)
         if meta[KEY].get("writer") == "fabric":
             # Fabric's loop state is the user's own entries: the Trainer's loops start afresh, with no schedulers
             meta.setdefault("lr_schedulers", [])

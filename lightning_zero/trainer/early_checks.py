@@ -16,6 +16,15 @@ what its checkpoint connector's ``_select_ckpt_path`` returns ("last", "best" an
 
 Every rank checks and the ranks agree (one all-gather of the error, if any), so all of them raise the same error at
 the same point.
+
+[Note: the Trainer's weights_only reaches a strategy that restores after setup]
+``trainer.fit(ckpt_path=..., weights_only=False)`` is how a user says that a checkpoint is trusted (see [Note: a
+checkpoint is data, never code] in ``checkpoints/trust.py``). Lightning passes it to ``strategy.load_checkpoint``
+only when the strategy restores *before* setup; ours restores after (``restore_checkpoint_after_setup``), where
+Lightning's ``_run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it. Importing ``lightning_zero``
+also records on the checkpoint connector the ``weights_only`` each ``Trainer._run`` was given
+(:func:`requested_trust`), for the early checks and for ``ZeroStrategy.load_checkpoint``. Each run records its own
+value (``None`` when not given), so a trust given to one ``fit`` never carries over to the next.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import nn
 
@@ -34,14 +44,24 @@ from lightning_zero.checkpoints.sharded import check_model_keys
 from lightning_zero.checkpoints.storage import KEY, check_files, missing_message, read_meta
 
 _SELECTED = "lightning_zero_ckpt_path"
+_WEIGHTS_ONLY = "lightning_zero_weights_only"
 _MARK = "__lightning_zero_records_ckpt_path__"
 
 
 def install() -> None:
-    """Record on Lightning's checkpoint connector the path its ``_select_ckpt_path`` chose (once)."""
+    """Record on Lightning's checkpoint connector the path its ``_select_ckpt_path`` chose and the ``weights_only``
+    each ``Trainer._run`` was given (once)."""
     select = _CheckpointConnector._select_ckpt_path
     if getattr(select, _MARK, False):
         return
+    run = Trainer._run
+
+    @functools.wraps(run)
+    def recording_run(self: Trainer, model: Any, ckpt_path: Any = None, weights_only: Optional[bool] = None) -> Any:
+        setattr(self._checkpoint_connector, _WEIGHTS_ONLY, weights_only)
+        return run(self, model, ckpt_path=ckpt_path, weights_only=weights_only)
+
+    Trainer._run = recording_run  # type: ignore[method-assign]
 
     @functools.wraps(select)
     def recording(self: _CheckpointConnector, *args: Any, **kwargs: Any) -> Any:
@@ -62,30 +82,38 @@ def selected_ckpt_path(module: Optional[nn.Module]) -> Optional[Path]:
     return Path(path)
 
 
-def check_path(path: Optional[Path]) -> None:
-    """Collective: raise on every rank if ``path`` is missing or a directory there is not a complete checkpoint."""
+def requested_trust(module: Optional[nn.Module]) -> bool:
+    """Whether the run of ``module``'s Trainer was given ``weights_only=False`` (see [Note: the Trainer's
+    weights_only reaches a strategy that restores after setup])."""
+    trainer = getattr(module, "_trainer", None)
+    return getattr(getattr(trainer, "_checkpoint_connector", None), _WEIGHTS_ONLY, None) is False
+
+
+def check_path(path: Optional[Path], trusted: bool = False) -> None:
+    """Collective: raise on every rank if ``path`` is missing or a directory there is not a complete checkpoint
+    (``meta.pt`` read as data unless ``trusted``)."""
     if path is not None:
-        agree_on_check(lambda: _check_path(path))
+        agree_on_check(lambda: _check_path(path, trusted))
 
 
-def _check_path(path: Path) -> None:
+def _check_path(path: Path, trusted: bool) -> None:
     if not path.exists():
         raise CheckpointError(f"`ckpt_path`: {missing_message(path)} Nothing was built yet. Check the path (a sharded "
                               "checkpoint is a directory, e.g. checkpoints/last.ckpt), or leave `ckpt_path` out to "
                               "start from scratch.")
     if path.is_dir():
-        check_files(path, read_meta(path), verify=False)
+        check_files(path, read_meta(path, trusted), verify=False)
 
 
-def check_shapes(path: Optional[Path], module: nn.Module, strict: bool) -> None:
+def check_shapes(path: Optional[Path], module: nn.Module, strict: bool, trusted: bool = False) -> None:
     """Collective: raise on every rank if the checkpoint directory at ``path`` holds another model than ``module``
     (built or recorded on the meta device, not yet sharded). Tensor-parallel checkpoints are left to the load."""
     if path is not None and path.is_dir():
-        agree_on_check(lambda: _check_shapes(path, module, strict))
+        agree_on_check(lambda: _check_shapes(path, module, strict, trusted))
 
 
-def _check_shapes(path: Path, module: nn.Module, strict: bool) -> None:
-    info = read_meta(path)[KEY]
+def _check_shapes(path: Path, module: nn.Module, strict: bool, trusted: bool) -> None:
+    info = read_meta(path, trusted)[KEY]
     if info.get("tensor_parallel_size", 1) != 1 or getattr(module, "_device_mesh", None) is not None:
         return  # local slices: the load compares them, with the mesh
     saved = {key: tuple(info["tensors"][stored][0]) for key, stored in info["model"].items()

@@ -7,8 +7,11 @@ checkpoint with ``pl_load`` (``torch.load`` of one file) where no code of ours r
 ``trainer.fit(model, ckpt_path=dir)``). Both failed with a bare ``IsADirectoryError``. Importing ``lightning_zero``
 wraps the ``pl_load`` those two modules call: a local directory is read as ``load_full_checkpoint`` reads it (every
 file checked first, the checkpoint assembled in ``ddp``'s form in this process's memory); anything else goes to
-Lightning's ``pl_load`` unchanged. A directory that is not a checkpoint gets a ``CheckpointError`` saying what it
-is instead. Under a ZeRO strategy a directory never reaches ``pl_load``: each rank reads only its pieces.
+Lightning's ``pl_load`` (a file: with ``pathlib`` paths admitted beside torch's ``weights_only`` types). A directory
+that is not a checkpoint gets a ``CheckpointError`` saying what it is instead. Its files are unpickled as data
+unless the caller passed ``weights_only=False`` (see [Note: a checkpoint is data, never code] in
+``checkpoints/trust.py``), the same rule torch applies to a file. Under a ZeRO strategy a directory never reaches
+``pl_load``: each rank reads only its pieces.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lightning.fabric.plugins.io import torch_io
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.core import saving
 
+from lightning_zero.checkpoints import trust
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 
 _MARK = "__lightning_zero_reads_directories__"
@@ -34,11 +38,14 @@ def _reads_directories(load: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(load)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url) and Path(path_or_url).is_dir():
-            checkpoint = load_full_checkpoint(path_or_url)
+            checkpoint = load_full_checkpoint(path_or_url, trust_code=weights_only is False)
             if isinstance(map_location, (str, torch.device)):
                 checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
             return checkpoint
-        return load(path_or_url, map_location=map_location, weights_only=weights_only)
+        if weights_only is False:
+            return load(path_or_url, map_location=map_location, weights_only=weights_only)
+        with torch.serialization.safe_globals(trust.safe_types()):  # a file: torch's allow-list and our data types
+            return load(path_or_url, map_location=map_location, weights_only=weights_only)
 
     setattr(pl_load, _MARK, True)
     return pl_load

@@ -122,7 +122,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         super().setup_environment()
         self._start_distributed()
         # before configure_model: see [Note: a checkpoint is checked before the build] in early_checks.py
-        early_checks.check_path(early_checks.selected_ckpt_path(self.lightning_module))
+        early_checks.check_path(early_checks.selected_ckpt_path(self.lightning_module),
+                                early_checks.requested_trust(self.lightning_module))
         if self.device_mesh is not None and self.lightning_module is not None:
             # as Lightning's ModelParallelStrategy: `configure_model` parallelizes over `self.device_mesh`
             self.lightning_module._device_mesh = self.device_mesh
@@ -134,7 +135,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         fit: stage 3 still shards the weights for validate, test and predict)."""
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         early_checks.check_shapes(early_checks.selected_ckpt_path(self.lightning_module), self.lightning_module,
-                                  strict=self.lightning_module.strict_loading)  # before the engine shards the model
+                                  strict=self.lightning_module.strict_loading,  # before the engine shards the model
+                                  trusted=early_checks.requested_trust(self.lightning_module))
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
