@@ -8,7 +8,7 @@ of at most ``max_shard_size`` bytes with ``model.safetensors.index.json``. The s
 checkpoint's metadata alone (names, whole shapes, dtypes), by the rule of ``huggingface_hub``'s splitter: tensors in
 checkpoint order fill a shard until the next would pass the limit, and a tensor larger than the limit is a shard of
 its own. Then each shard's tensors, and only those, are read (a directory: ``torch.distributed.checkpoint`` straight
-into whole tensors, tensor-parallel slices joined; a file: views of ``torch.load(mmap=True, weights_only=True)``),
+into whole tensors, tensor-parallel slices joined; a file: views of a memory-mapped load that admits data alone, ``trust.torch_load``),
 converted, written and dropped before the next shard is read: the process holds one shard, never the whole model.
 
 [Note: which names an export writes]
@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.checkpoints import trust
 from lightning_zero.checkpoints.errors import CheckpointError
 from lightning_zero.checkpoints.recut import whole_shape
 from lightning_zero.checkpoints.shards import Shard
@@ -53,6 +54,9 @@ _PATH = Union[str, "os.PathLike[str]"]
 PRETRAINED = "pretrained"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+#: What a refused file tells the user: export has no switch to run a file's code.
+EXPORT_HINT = ("Export the sharded checkpoint directory instead, or, if you trust whoever wrote the file, re-save it "
+               "with tensors and plain values (`torch.save(torch.load(f, weights_only=False), f)`).")
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
                "tb": 10**12, "b": 1}
@@ -126,7 +130,9 @@ def _directory_source(path: Path) -> _Source:
 
 def _file_source(path: Path) -> _Source:
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        checkpoint = trust.torch_load(path, path, mmap=True, hint=EXPORT_HINT)
+    except trust.UntrustedCheckpointError:
+        raise
     except Exception as error:
         raise CheckpointError(f"{path} cannot be read as a checkpoint of data alone ({error}). Export the sharded "
                               "checkpoint directory instead, or re-save the file with tensors and plain values.") from error
