@@ -185,11 +185,12 @@ LOADS: dict[str, Callable[[Path, Path], Any]] = {
     "Fabric load": lambda p, tmp: _fabric_load(p),
     "Fabric load (no state)": lambda p, tmp: _fabric_model()[0].load(p),
     "ZeroEngine load": lambda p, tmp: _engine_load(p),
+    "export_pretrained": lambda p, tmp: lightning_zero.export_pretrained(p, tmp / "exported"),
 }
 #: The loads that never unpickle ``.metadata`` (they read ``meta.pt`` and check file sizes and checksums) and those
 #: that read the model only (not the optimizer's objects): a payload there is never reached.
 NO_METADATA = {"cli inspect", "cli inspect --verify", "inspect_checkpoint"}
-NO_OBJECTS = NO_METADATA | {"lightning_zero.load_from_checkpoint"}
+NO_OBJECTS = NO_METADATA | {"lightning_zero.load_from_checkpoint", "export_pretrained"}
 BUILDERS = {"meta.pt": evil_meta, ".metadata": evil_metadata, "object": evil_object}
 
 
@@ -236,6 +237,7 @@ FILE_LOADS: dict[str, Callable[[Path, Path], Any]] = {
     "Fabric load (no state)": LOADS["Fabric load (no state)"],
     "ZeroEngine load": LOADS["ZeroEngine load"],
     "load_pretrained": lambda p, tmp: lightning_zero.load_pretrained(Regressor(**HPARAMS), p),
+    "export_pretrained": LOADS["export_pretrained"],
 }
 #: Loads where torch (through Lightning) reads the file itself, with its own error (``weights_only=True``).
 TORCH_READS = {"MyModule.load_from_checkpoint", "lightning_zero.load_from_checkpoint", "Trainer resume zero3",
