@@ -77,6 +77,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
                          precision_plugin=precision_plugin)
         self.num_nodes = 1
         self._ranks_in_step = True
+        self._failure: Optional[BaseException] = None
+        """The exception the run is ending on (Lightning's ``on_exception``), until teardown."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -175,6 +177,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """Lightning calls this when a run stops on an exception or Ctrl-C, just before :meth:`teardown`."""
         # a refused checkpoint is refused by every rank at the same point (its checks are agreed across ranks)
         self._ranks_in_step = self.world_size == 1 or isinstance(exception, CheckpointError)
+        self._failure = exception
 
     @override
     def teardown(self) -> None:
@@ -185,7 +188,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
         super().teardown()
-        self._release_signals()
+        failure, self._failure = self._failure, None
+        self._release_signals(failure)
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override
