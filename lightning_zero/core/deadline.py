@@ -174,18 +174,21 @@ def _exchange(mine: dict[str, Any], me: int, world: int, generation: int) -> dic
     prefix = f"lightning_zero/deadline/{generation}"
     store.set(f"{prefix}/at/{me}", json.dumps(mine))
     keys = [f"{prefix}/at/{r}" for r in range(world)]
-    try:
-        store.wait(keys, timedelta(seconds=GRACE))
-    except Exception:  # a rank that never posts (ended, or no deadline of its own): report without it
-        pass
+    _wait(store, keys)  # a rank that never posts (ended, or no deadline of its own) is reported without
     positions = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
     store.set(f"{prefix}/read/{me}", "1")
     if me == 0:  # the store lives in this process: let the others read before it goes
-        try:
-            store.wait([f"{prefix}/read/{r}" for r in positions], timedelta(seconds=GRACE))
-        except Exception:
-            pass
+        _wait(store, [f"{prefix}/read/{r}" for r in positions])
     return positions
+
+
+def _wait(store: Any, keys: list[str]) -> bool:
+    """Whether every key of ``keys`` was set within :data:`GRACE` seconds."""
+    try:
+        store.wait(keys, timedelta(seconds=GRACE))
+    except Exception:  # the store's timeout (a DistStoreError) or its connection gone
+        return False
+    return True
 
 
 def _store_connection() -> Optional[Any]:
