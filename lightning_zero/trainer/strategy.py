@@ -184,6 +184,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         # see [Note: teardown after an exception] in engine.py: a single rank, and a checkpoint every rank refused,
         # still gather
         if self.engine is not None:
+            if self.engine.skipped_steps:  # see [Note: the non-finite guard] in engine/stepping.py
+                rank_zero_info(f"lightning-zero: {self.engine.skipped_steps} optimizer step(s) skipped on every rank "
+                               "for non-finite gradients (`nonfinite='skip'`).")
             self.engine.teardown(gather=self._ranks_in_step)
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
