@@ -62,9 +62,9 @@ is still a bus error; ``faulthandler`` (enabled by the strategies) then prints w
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
-import contextlib
 import os
 import tempfile
 import weakref
