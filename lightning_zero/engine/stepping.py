@@ -107,8 +107,7 @@ class OptimizerSteps:
         else:
             sliced, replicated = sharded.grads_by_kind()
             total = clip_grad_norm(sliced, max_norm, self.device, norm_type, groups.shard, groups.tensor, replicated)
-        if norm_type == 2.0:
-            self._step_norms[id(sharded)] = total  # for the non-finite guard of this step
+        self._step_norms[id(sharded)] = total  # for the non-finite guard of this step (any norm of a NaN is NaN)
         if error_if_nonfinite and not overflow and not torch.isfinite(total).all():
             raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
                                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
