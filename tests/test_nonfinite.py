@@ -32,8 +32,9 @@ def test_raise_stops_every_rank_naming_the_step_and_the_rank(tmp_path):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_skip_leaves_the_weights_of_a_ddp_loop_that_skips_the_same_step(tmp_path):
-    for out in launch("nonfinite.py", 2, tmp_path, ("skip",), timeout=RUN_TIMEOUT):
+@pytest.mark.parametrize("mode", ["skip", "skip-clip"])  # the guard's own norm; clipping's (gradient_clip_val)
+def test_skip_leaves_the_weights_of_a_ddp_loop_that_skips_the_same_step(tmp_path, mode):
+    for out in launch("nonfinite.py", 2, tmp_path, (mode,), timeout=RUN_TIMEOUT):
         assert len(out["losses"]) == 4 and all(math.isfinite(loss) for loss in out["losses"])  # before the NaN
         assert "1 optimizer step(s) skipped for non-finite gradients" in out["summary"]
         for name, value in out["weights"].items():
