@@ -145,6 +145,11 @@ class ZeroConfig:
     """The Trainer: seconds a rank may take to act on a SIGTERM it received before it ends itself with a message
     naming where it is stuck (see [Note: a SIGTERM is acted on within a bound] in ``shutdown.py``); ``None``: no
     bound. Set it above your longest step and checkpoint write."""
+    nonfinite: Optional[Literal["raise", "skip"]] = None
+    """What an optimizer step does when the global norm of its gradients is inf or NaN: ``"raise"`` stops every rank
+    with the step and rank, ``"skip"`` skips the update on every rank (counted in ``ZeroEngine.skipped_steps``);
+    ``None``: steps anyway, as DDP does. Under ``16-mixed`` the loss scaler already skips such steps (see [Note: the
+    non-finite guard] in ``engine/stepping.py``)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
@@ -188,6 +193,8 @@ class ZeroConfig:
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
         self._check_activations()
+        if self.nonfinite not in (None, "raise", "skip"):
+            raise ValueError(f"`nonfinite` must be 'raise', 'skip' or None (step anyway), got {self.nonfinite!r}.")
         timeout = self.shutdown_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < math.inf):
@@ -202,6 +209,11 @@ class ZeroConfig:
         self._check_secondary()
         self._check_quantized()
         self._warn_ignored()
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether a tier lives on disk (``offload_optimizer`` or ``offload_params`` is ``"disk"``)."""
+        return "disk" in (self.offload_optimizer, self.offload_params)
 
     def _check_offload(self) -> None:
         """Check ``offload_optimizer``, ``offload_params`` and ``offload_path`` (a path that cannot hold files fails

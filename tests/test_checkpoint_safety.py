@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
+import select
 import subprocess
 import time
 from pathlib import Path
@@ -54,15 +54,36 @@ def copy(saved, tmp_path) -> Path:
     return target
 
 
+class Fifo:
+    """A named pipe the test reads lines from as the code under test writes them: the test waits for an event, not
+    for a time (``timeout``: a safety net). It holds a writer end itself, so a worker closing its end is no EOF."""
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self.keep = os.open(path, os.O_WRONLY)
+        self.buffer = b""
+
+    def lines(self, count: int, timeout: float, what: str) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while self.buffer.count(b"\n") < count:
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([self.fd], [], [], left)[0], f"{what} never came in {timeout} s"
+            self.buffer += os.read(self.fd, 4096)
+        return self.buffer.decode().splitlines()
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self.keep)
+
+
 def test_kill_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    fifo = Fifo(tmp_path / "saving.fifo")
     procs = start("kill_save.py", 2, tmp_path)
-    try:
-        deadline = time.monotonic() + 240
-        while not all((tmp_path / f"saving{r}.flag").exists() for r in range(2)):
-            assert all(p.poll() is None for p in procs), _tail(tmp_path)
-            assert time.monotonic() < deadline, "the second save never started:\n" + _tail(tmp_path)
-            time.sleep(0.2)
+    try:  # every rank is inside the second save (its shard written, meta.pt not) when the test kills them
+        assert sorted(fifo.lines(2, 240, "the second save on every rank:\n" + _tail(tmp_path))) == ["0", "1"]
     finally:
+        fifo.close()
         for p in procs:
             p.kill()
             p.wait()
@@ -97,17 +118,14 @@ def test_a_failed_save_names_the_rank_and_the_cause_on_every_rank(tmp_path, monk
         assert f"failed on rank {rank} " in message and f"[{code}]" in message and cause in message, message
         assert "Nothing was written under that name" in message, message
         assert report["rank"] == rank and report["errno"] == getattr(errno, code), report
-        assert report["seconds"] < 30, report  # agreed at once, not found out by a timeout
+        # agreed at once, not found out by a timeout: the process group's timeout is 30 minutes, so a rank left
+        # waiting for the one that failed would end `launch` by its safety net instead
         assert report["after"] == 1 and report["left"] == ["after.ckpt"], report
 
 
-def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def test_two_jobs_writing_one_checkpoint_name_both_succeed_and_the_last_wins(tmp_path):
-    """Job A stops (SIGSTOP from a fault point) with its shard written in its staging directory; job B writes the
-    same name from start to end, which clears stale staging directories but must leave A's live one alone; then A
+    """Job A pauses (on a FIFO, at the fault point ``save.written``) with its shard written in its staging
+    directory; job B writes the same name from start to end, which clears stale staging directories but must leave A's live one alone; then A
     goes on and replaces B's checkpoint. (Before: B deleted A's staging directory, and A crashed.)"""
     path = tmp_path / "last.ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
@@ -115,21 +133,23 @@ def test_two_jobs_writing_one_checkpoint_name_both_succeed_and_the_last_wins(tmp
     stale = tmp_path / ".last.ckpt.tmp-stale"  # what a killed save left behind: nobody holds it
     stale.mkdir()
     script = str(ROOT / "tests" / "workers" / "writer.py")
-    a = ZYGOTE.spawn([script, str(path), "1"], {**env, "LIGHTNING_ZERO_FAULT": "point=save.written,signal=SIGSTOP"},
-                     tmp_path, tmp_path / "a.log")
+    paused, go = Fifo(tmp_path / "paused"), tmp_path / "go"
+    os.mkfifo(go)
+    a = ZYGOTE.spawn([script, str(path), "1", str(tmp_path)], env, tmp_path, tmp_path / "a.log")
     try:
-        deadline = time.monotonic() + 120
-        while not _stopped(a.pid):
-            assert a.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()
-            time.sleep(0.05)
+        assert paused.lines(1, 120, "A's pause:\n" + (tmp_path / "a.log").read_text()) == ["paused"]
         b = ZYGOTE.spawn([script, str(path), "2"], env, tmp_path, tmp_path / "b.log")
         assert b.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()
         assert read_meta(path)["global_step"] == 2 and not stale.exists()
         assert len([p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]) == 1  # A's, kept
-        os.kill(a.pid, signal.SIGCONT)
+        with open(go, "w") as release:
+            release.write("go\n")
         assert a.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()
     finally:
         a.kill()
+        paused.close()
+    (tmp_path / "paused").unlink()
+    go.unlink()
     meta = read_meta(path)
     check_files(path, meta, verify=True)
     assert meta["global_step"] == 1  # the last writer wins

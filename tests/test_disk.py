@@ -212,3 +212,62 @@ def test_the_engine_steps_window_by_window_reading_ahead_and_evicting(tmp_path, 
     assert states and all(disk.on_disk(v) for v in states) and disk.on_disk(storage.master_storage)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_a_truncated_offload_file_is_an_error_naming_it_not_a_bus_error(tmp_path):
+    """Another process of the same user truncates a live offload file through ``/proc/<pid>/fd`` (the descriptor
+    ``mmap`` keeps): the next window read raises an error naming the file, instead of a ``SIGBUS`` on its pages.
+    Run in a child, so that a bus error (the bug) fails the test instead of ending pytest."""
+    code = ("import os, torch; from lightning_zero.core import disk\n"
+            f"t = disk.zeros(1 << 20, torch.float32, {str(tmp_path)!r}); t.fill_(1); disk.evict([t], written=True)\n"
+            "for fd in os.listdir('/proc/self/fd'):\n"
+            "    try:\n        target = os.readlink(f'/proc/self/fd/{fd}')\n"
+            "    except OSError:\n        continue\n"
+            "    if 'lightning-zero-' in target:\n        os.truncate(f'/proc/self/fd/{fd}', 4096)\n"
+            "try:\n    disk.copy_windowed(torch.empty(1 << 20), t, 1 << 16, lambda a, b: a.copy_(b))\n"
+            "except disk.DiskOffloadError as e:\n    print('error:', e)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert child.returncode == 0, f"exit code {child.returncode} (-7: SIGBUS):\n{child.stderr[-3000:]}"
+    assert f"The offload file '{tmp_path}/lightning-zero-" in child.stdout, child.stdout
+    assert "was truncated to 4096 of its 4194304 bytes" in child.stdout, child.stdout
+
+
+def _run_two_ranks_with_fault(tmp_path: Path, fault: str) -> tuple[int, str]:
+    """tests/workers/interrupt.py (a user's script: Lightning's launcher starts rank 1) at stage 3 with both tiers on
+    disk, ``LIGHTNING_ZERO_FAULT=fault``; returns (exit code, log)."""
+    from lightning_zero.testing.launch import run_in_own_session
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LIGHTNING_ZERO_FAULT=fault)
+    cmd = [sys.executable, str(ROOT / "tests" / "workers" / "interrupt.py"), str(tmp_path), "3", "sharded", "6", "disk"]
+    code = run_in_own_session(cmd, env, tmp_path, tmp_path / "run.log", timeout=150)  # a safety net (a run takes ~15 s)
+    return code, (tmp_path / "run.log").read_text()
+
+
+@pytest.mark.timeout(400)
+def test_a_full_disk_at_setup_on_one_rank_stops_every_rank_with_the_cause(tmp_path):
+    """Rank 1 alone cannot make its first file (ENOSPC): both ranks raise at the end of setup, rank 1 its own error,
+    rank 0 one naming rank 1 and the cause; neither waits for the other."""
+    code, text = _run_two_ranks_with_fault(tmp_path, "point=offload.create,error=ENOSPC,rank=1")
+    assert code != 0 and "finished at step" not in text, text[-4000:]
+    assert "Offload to disk could not make a file in" in text and "The disk is full" in text, text[-4000:]
+    assert "Offload to disk failed on rank 1 (No space left on device); every rank stopped" in text, text[-4000:]
+    assert list((tmp_path / "offload").iterdir()) == []
+
+
+@pytest.mark.timeout(400)
+def test_an_io_error_mid_run_on_one_rank_stops_every_rank_after_that_step(tmp_path):
+    """Rank 1's file system fails a window's write-back during training (its 25th): every rank raises at the end of
+    that step, before the checkpoint callback could save it; any checkpoint written before is complete."""
+    code, text = _run_two_ranks_with_fault(tmp_path, "point=offload.write,error=EIO,rank=1,occurrence=25")
+    assert code != 0 and "finished at step" not in text, text[-4000:]
+    assert "write the optimizer's window back to" in text, text[-4000:]
+    assert "Offload to disk failed on rank 1 (Input/output error); every rank stopped" in text, text[-4000:]
+    from lightning_zero import inspect_checkpoint
+
+    folder = tmp_path / "ckpts"
+    saved = {p.name: inspect_checkpoint(p, verify=True)["global_step"] for p in folder.iterdir()} \
+        if folder.is_dir() else {}
+    assert all(step % 2 == 0 for step in saved.values()), saved  # complete, and only every second step's
+    assert list((tmp_path / "offload").iterdir()) == []

@@ -27,6 +27,7 @@ trainer:
       reduce_bucket_size: 1000
       unit_classes: [tests.models.Block]
       state_dict_type: full
+      nonfinite: skip
 """
 
 
@@ -46,9 +47,11 @@ def test_long_form_yaml_sets_typed_options(tmp_path):
     assert isinstance(strategy, lightning_zero.ZeroStrategy)
     assert (strategy.config.stage, strategy.config.reduce_bucket_size) == (3, 1000)
     assert strategy.config.unit_classes == (Block,) and strategy.config.state_dict_type == "full"
+    assert strategy.config.nonfinite == "skip"
 
 
-@pytest.mark.parametrize("bad", ["stage: 4", "stagee: 3", "reduce_bucket_size: lots", "state_dict_type: half"])
+@pytest.mark.parametrize("bad", ["stage: 4", "stagee: 3", "reduce_bucket_size: lots", "state_dict_type: half",
+                                 "nonfinite: warn"])
 def test_a_wrong_option_is_a_cli_error(tmp_path, bad, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(f"trainer:\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args:\n      {bad}\n")

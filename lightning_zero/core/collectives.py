@@ -356,6 +356,16 @@ def job_group(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     return _JOB_GROUPS[full]
 
 
+def release_process_groups() -> None:
+    """Destroy every process group of this process (the job groups above first), so that no communicator thread
+    (gloo's loops, the store's server) is left to C++'s static destructors at interpreter shutdown, where a joinable
+    thread aborts the process ("terminate called without an active exception"). Run at exit (see [Note: nothing
+    outlives the run] in ``engine/processes.py``); a no-op without a process group."""
+    _JOB_GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class PendingPositions:
     """Every rank's few integers (the same count on each) on their way to every rank, over ``group`` (from
     :func:`make_lockstep_group`), on the CPU: made when sent, :meth:`result` waits. Control messages, not payload:

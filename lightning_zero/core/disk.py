@@ -35,10 +35,34 @@ SIGTERM, even SIGKILL leave nothing behind in ``offload_path``. A write that fai
 ``offload.write``, or an ``OSError`` of the file system) raises :class:`DiskOffloadError` naming the path: the step
 is then incomplete, the process ends through the usual exception path, and the last checkpoint (written elsewhere,
 atomically: [Note: complete or absent] in ``checkpoints/storage.py``) is untouched.
+
+[Note: faults are agreed on every rank]
+A rank whose disk fails while the others' do not must not raise alone: the others would wait for it in their next
+collective until the process group's timeout. So the engine's setup and each of its optimizer steps run inside
+:func:`agreed_faults`: there a file that cannot be made (``zeros``: the tensor is then an ordinary zeroed one in
+memory) or a window that cannot be written back (``evict``) is *recorded* and the rank carries on in step with the
+others; at the end of the block one tiny all-reduce (:func:`~lightning_zero.core.collectives.agree_max`, on the CPU)
+tells every rank which rank failed, and every rank raises :class:`DiskOffloadError` at the same place (that rank's
+own message there, the rank and the cause elsewhere). The all-reduce runs only with a disk tier, once at setup and
+once per step, after the optimizer step and before anything (a checkpoint save in ``on_train_batch_end``) can read
+an incomplete step: a step on disk reads and writes the whole optimizer shard, next to which four bytes are nothing.
+Outside such a block (a copy into the disk tier when a checkpoint is loaded, a direct call) a fault raises at once.
+
+[Note: a truncated file is an error, not a bus error]
+The file has no name, but it is not out of reach: ``mmap.mmap`` keeps a duplicate of its descriptor (for
+``size()``), which any process of the same user can open as ``/proc/<pid>/fd/<n>`` (and root as
+``/proc/<pid>/map_files/...``) and truncate. A page of a mapping past the end of its file is a ``SIGBUS`` when
+touched, which no Python code can turn into an exception. So every window is checked before it is touched:
+:func:`_mapped` (under :func:`read`, the read-ahead, :func:`copy_windowed` and therefore stage 3's gathers of a disk
+shard) compares the file's size (``fstat`` on that descriptor: one system call per tensor and window) with the size
+it was made with, and raises :class:`DiskOffloadError` naming the file. Such an error is raised at once on the rank
+that sees it (its data is gone; the step cannot go on). A truncation in the instant between the check and the touch
+is still a bus error; ``faulthandler`` (enabled by the strategies) then prints where.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -52,6 +76,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.core import collectives
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.optimizer_support import step_in_pieces, steps_in_pieces
 
@@ -79,8 +104,52 @@ class IOCounters:
 COUNTERS = IOCounters()
 """This process's window traffic (see [Note: the step one window at a time])."""
 
-_MAPPINGS: dict[int, tuple[int, "weakref.ref[mmap.mmap]", str]] = {}  # base address -> (bytes, mapping, directory)
+_MAPPINGS: dict[int, tuple[int, "weakref.ref[mmap.mmap]", str, str]] = {}  # base -> (bytes, mapping, dir, file)
 _POOL: Optional[ThreadPoolExecutor] = None
+
+
+class _Deferred:
+    """The fault this process recorded inside :func:`agreed_faults` (see [Note: faults are agreed on every rank])."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.fault: Optional[DiskOffloadError] = None
+
+    def record(self, error: DiskOffloadError) -> bool:
+        """Keep ``error`` (the first one) for the agreement; ``False`` outside a block (the caller raises it)."""
+        if self.depth == 0:
+            return False
+        self.fault = self.fault or error
+        return True
+
+
+_DEFERRED = _Deferred()
+
+
+@contextlib.contextmanager
+def agreed_faults(group: Optional[Any], enabled: bool = True) -> Iterator[None]:
+    """A block after which every rank of ``group`` raises the disk fault any rank recorded in it (see [Note: faults
+    are agreed on every rank]); ``enabled=False`` (no disk tier): nothing, no collective. Collective: every rank
+    enters and leaves the block at the same place. An exception leaving the block skips the agreement (the other
+    ranks may not be there) and propagates."""
+    if not enabled or _DEFERRED.depth:  # no disk tier, or inside a block that agrees at its end
+        yield
+        return
+    _DEFERRED.depth = 1
+    try:
+        yield
+    finally:
+        _DEFERRED.depth = 0
+        fault, _DEFERRED.fault = _DEFERRED.fault, None
+    mine = [collectives.rank() + 1, fault.errno or 0] if fault is not None else [0, 0]
+    agreed = collectives.agree_max(mine, group)
+    if fault is not None:
+        raise fault
+    if agreed[0]:
+        code = agreed[1]
+        raise DiskOffloadError(code, f"Offload to disk failed on rank {agreed[0] - 1} ({os.strerror(code)}); every "
+                                     "rank stopped at the same point. That rank's error says which directory and "
+                                     "what to do; resume from the last checkpoint.")
 
 
 def directory(path: Optional[str]) -> str:
@@ -98,21 +167,30 @@ def zeros(numel: int, dtype: torch.dtype, path: Optional[str]) -> Tensor:
         fault_point("offload.create")
         fd, name = tempfile.mkstemp(prefix=f"lightning-zero-{os.getpid()}-", suffix=".bin", dir=where)
     except OSError as error:
-        raise _error(error, f"make a file in {where!r}") from error
+        return _failed(_error(error, f"make a file in {where!r}"), error, numel, dtype)
     try:
         os.unlink(name)
         os.posix_fallocate(fd, 0, nbytes)
         mapping = mmap.mmap(fd, nbytes)  # MAP_SHARED: writes go to the file (through the page cache)
     except OSError as error:
-        raise _error(error, f"reserve {nbytes} bytes in {where!r}") from error
+        return _failed(_error(error, f"reserve {nbytes} bytes in {where!r}"), error, numel, dtype)
     finally:
         os.close(fd)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
     if numel:
         base = tensor.data_ptr()
-        _MAPPINGS[base] = (nbytes, weakref.ref(mapping), where)
+        _MAPPINGS[base] = (nbytes, weakref.ref(mapping), where, name)
         weakref.finalize(mapping, _MAPPINGS.pop, base, None)
     return tensor
+
+
+def _failed(error: DiskOffloadError, cause: OSError, numel: int, dtype: torch.dtype) -> Tensor:
+    """A file :func:`zeros` could not make: raised at once, or recorded inside :func:`agreed_faults` with an ordinary
+    zeroed tensor in its place, so that this rank keeps in step until every rank raises."""
+    if not _DEFERRED.record(error):
+        raise error from cause
+    error.__cause__ = cause
+    return torch.zeros(numel, dtype=dtype)
 
 
 def _error(error: OSError, what: str, consequence: str = "") -> DiskOffloadError:
@@ -133,14 +211,29 @@ def _mapping_of(tensor: Tensor) -> Optional[tuple[mmap.mmap, int, int, str]]:
     # [Note: copy the mappings in one call] `tuple(_MAPPINGS.items())` allocates a pair per entry, and an allocation
     # may run the garbage collector, whose `weakref.finalize` of a dropped mapping pops an entry mid-iteration
     # ("dictionary changed size during iteration"); `dict.copy` copies without running Python code
-    for base, (size, ref, where) in _MAPPINGS.copy().items():
+    for base, (size, ref, where, name) in _MAPPINGS.copy().items():
         if base <= address < base + size:
             mapping = ref()
             if mapping is None:
                 return None
+            _check_size(mapping, size, name)
             start = address - base
             return mapping, start, min(size, start + tensor.numel() * tensor.element_size()), where
     return None
+
+
+def _check_size(mapping: mmap.mmap, size: int, name: str) -> None:
+    """Raise :class:`DiskOffloadError` naming the file if it is shorter than it was made (see [Note: a truncated
+    file is an error, not a bus error])."""
+    try:
+        now = mapping.size()  # fstat of the mapping's own descriptor
+    except OSError as error:
+        raise _error(error, f"check the size of its file {name!r} (deleted)") from error
+    if now < size:
+        raise DiskOffloadError(errno.EIO, f"The offload file {name!r} (deleted, still mapped by rank "
+                                          f"{collectives.rank()}) was truncated to {now} of its {size} bytes by "
+                                          "another process: its data is lost. Resume from the last checkpoint, and "
+                                          "keep other processes away from this run's files (/proc/<pid>/fd).")
 
 
 def on_disk(tensor: Tensor) -> bool:
@@ -188,8 +281,11 @@ def evict(tensors: Iterable[Tensor], written: bool = False) -> None:
             try:
                 fault_point("offload.write")
             except OSError as error:
-                raise _error(error, f"write the optimizer's window back to {where!r}",
-                             " This step is incomplete: resume from the last checkpoint.") from error
+                failure = _error(error, f"write the optimizer's window back to {where!r}",
+                                 " This step is incomplete: resume from the last checkpoint.")
+                if not _DEFERRED.record(failure):
+                    raise failure from error
+                failure.__cause__ = error
             COUNTERS.written += tensor.numel() * tensor.element_size()
         mapping.madvise(mmap.MADV_DONTNEED, offset, length)
 

@@ -23,13 +23,20 @@ checkpoint is complete.
 
 [Note: a SIGTERM is acted on within a bound]
 A batch system sends SIGTERM once and SIGKILL some time later; nobody presses Ctrl-C twice. A rank stuck away from
-any safe point (a hung data loader, a peer waiting in a collective for it) would never act on the SIGTERM, and the
-job would end by SIGKILL or the process-group timeout (30 minutes) with no word of where it was. So a recorded
-SIGTERM starts a timer of ``shutdown_timeout`` seconds (120 by default; ``None``: no bound): if the guard has not
-been removed by then (the ranks stopped and tore down), the timer's thread prints where this rank's main thread is
-and ends the process with exit code 143 (128 + SIGTERM). Every rank that received the signal does the same, so each
-names its own place. A checkpoint write in progress is ended too: the checkpoint under its name is the previous one
-(see [Note: complete or absent] in ``checkpoints/storage.py``), so set the bound above the longest write.
+any safe point (a hung data loader, a peer waiting in a collective for it, a ``recv`` that never completes) would
+never act on the signal, and the job would end by SIGKILL or the process-group timeout (30 minutes) with no word of
+where it was. So a SIGTERM or SIGINT starts a deadline of ``shutdown_timeout`` seconds (120 by default; ``None``: no
+bound), kept by a thread that needs nothing from the main thread (see [Note: the deadline does not need the main
+thread] in ``deadline.py``): if the guard has not been removed by then (the ranks stopped and tore down), every rank
+that received the signal prints one line naming the rank that did not arrive and where the others waited, and ends
+with ``128 + signal`` (143 for SIGTERM). A checkpoint write in progress is ended too: the checkpoint under its name is
+the previous one (see [Note: complete or absent] in ``checkpoints/storage.py``), so set the bound above the longest
+write.
+
+[Note: a failed run claims no agreed stop]
+A rank whose collective failed (a peer ended: "Connection closed by peer") goes through Lightning's exception path to
+teardown with the signal still pending. The ranks did not stop together there, so :meth:`SignalGuard.raise_pending`
+then says what happened in one line and lets the failure propagate, instead of raising :class:`Stopped`.
 """
 
 from __future__ import annotations
@@ -38,12 +45,10 @@ import os
 import signal
 import sys
 import threading
-import time
-import traceback
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, deadline
 from lightning_zero.core.groups import ShardGroups
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
@@ -89,7 +94,8 @@ class SignalGuard:
         """Nesting depth of sections that must not be interrupted (checkpoint writes)."""
         self.shutdown_timeout: Optional[float] = DEFAULT_SHUTDOWN_TIMEOUT
         """Seconds a recorded SIGTERM may go unacted on (see [Note: a SIGTERM is acted on within a bound])."""
-        self._timer: Optional[threading.Timer] = None
+        self._watchdog: Optional[deadline.Watchdog] = None
+        self._generation = 0
         self._handler = self._record  # one bound method object, so that `signal.getsignal(...) is` compares
 
     # ------------------------------------------------------------------ installing
@@ -104,6 +110,10 @@ class SignalGuard:
         for signum in GUARDED:
             if _worth_taking(signum):
                 self._take(signum)
+        deadline.PROGRESS.boundaries = 0
+        if self._watchdog is None and shutdown_timeout is not None:
+            self._generation += 1
+            self._watchdog = deadline.Watchdog(shutdown_timeout, self._generation)
 
     def retake(self) -> None:
         """Take back signals whose handler was replaced since :meth:`install` (Lightning registers its own after
@@ -127,9 +137,11 @@ class SignalGuard:
         """Give the signals back to the handlers they had. A handler copy that Lightning restores later still
         delegates to them (the guard is inactive)."""
         self.active = False
-        self._cancel_timer()
         if not _main_thread():
             return
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         for signum, handler in self.original.items():
             if signal.getsignal(signum) is self._handler:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
@@ -140,24 +152,10 @@ class SignalGuard:
             self._delegate(signum, frame)
             return
         self.pending[signum] = self.pending.get(signum, 0) + 1
-        if signum == signal.SIGTERM:
-            self._start_timer()
         if signum == signal.SIGINT and self.pending[signum] > 1 and not self.critical:
             self.pending.clear()  # this rank stops alone: nothing is left for `raise_pending` to claim
             self.active = False
             raise KeyboardInterrupt("second Ctrl-C: stopping at once, not at the next step boundary")
-
-    # ------------------------------------------------------------------ the bound on SIGTERM
-    def _start_timer(self) -> None:
-        if self._timer is None and self.shutdown_timeout is not None:
-            self._timer = threading.Timer(self.shutdown_timeout, _overdue, (self.shutdown_timeout, time.time()))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def _delegate(self, signum: int, frame: Optional[FrameType]) -> None:
         """What the signal would have done without the guard."""
@@ -177,6 +175,7 @@ class SignalGuard:
         if not self.active:
             return
         self.retake()
+        deadline.PROGRESS.boundaries += 1
         mine = [min(self.pending.get(s, 0), 1) for s in GUARDED]
         agreed = collectives.agree_max(mine, groups.world)
         if not any(agreed):
@@ -194,13 +193,22 @@ class SignalGuard:
             self.active = False
             raise Stopped(_reason(name))
 
-    def raise_pending(self) -> None:
-        """At the end of a run: a SIGINT or SIGTERM that arrived after the last safe point still stops the script."""
+    def raise_pending(self, failure: Optional[BaseException] = None) -> None:
+        """At the end of a run: a SIGINT or SIGTERM that arrived after the last safe point still stops the script.
+        After a ``failure`` (the run is ending on an exception) it is only reported: see [Note: a failed run claims
+        no agreed stop]."""
         signums = [s for s in (signal.SIGTERM, signal.SIGINT) if self.pending.get(s)]
         self.pending.clear()
-        if signums:
-            self.active = False
-            raise Stopped(_reason(signal.Signals(signums[0]).name))
+        if not signums:
+            return
+        self.active = False
+        name = signal.Signals(signums[0]).name
+        if failure is not None and not isinstance(failure, KeyboardInterrupt):
+            print(f"lightning-zero: {name} received on rank {collectives.rank()}, but the run failed before the ranks "
+                  f"could stop together ({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+                  "); the last complete checkpoint is the state to resume from.", file=sys.stderr, flush=True)
+            return
+        raise Stopped(_reason(name))
 
     def __enter__(self) -> "SignalGuard":
         """A section no signal interrupts (a checkpoint write); the signal is acted on at the next safe point."""
@@ -209,19 +217,6 @@ class SignalGuard:
 
     def __exit__(self, *exc: Any) -> None:
         self.critical -= 1
-
-
-def _overdue(bound: float, received: float) -> None:
-    """The timer's end (see [Note: a SIGTERM is acted on within a bound]): say where the main thread is, then exit."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    where = "".join(traceback.format_stack(frame, limit=4)).rstrip() if frame is not None else "  (unknown)"
-    print(f"lightning-zero: SIGTERM received {time.time() - received:.0f} s ago on rank {collectives.rank()} and "
-          f"not acted on within `shutdown_timeout={bound:g}`: this rank is stuck away from a step boundary (a hung "
-          f"data loader or a rank that stopped, which the others wait for in a collective). Its main thread is at:\n"
-          f"{where}\nEnding this process now (exit code 143) instead of waiting for SIGKILL or the process-group "
-          "timeout. The last complete checkpoint is the state to resume from. If a step or a checkpoint write "
-          "legitimately takes longer, raise `shutdown_timeout`.", file=sys.stderr, flush=True)
-    os._exit(128 + signal.SIGTERM)
 
 
 def _reason(name: str) -> str:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.core import collectives, costs
+from lightning_zero.core import collectives, costs, disk
 from lightning_zero.core.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
                                         resolve_shard_group_size)
 from lightning_zero.checkpoints import pretrained
@@ -109,7 +109,14 @@ class ZeroEngine(OptimizerSteps):
         self.torn_down = False
         self._state_hooks: list[Any] = []
         self._costs_mark: dict[str, int] = {}
-        self._setup(list(optimizers), recording)
+        self.skipped_steps = 0
+        """Optimizer steps skipped because their gradients were not finite (``nonfinite="skip"``)."""
+        self.completed_steps = 0
+        """Optimizer steps run (or skipped) since setup; the Trainer sets it to its ``global_step``."""
+        self._step_norms: dict[int, torch.Tensor] = {}  # clipping's global norm, per optimizer, until its step
+        # a disk fault at setup is raised by every rank at the end of it (see [Note: faults are agreed on every rank])
+        with disk.agreed_faults(self.shard_groups.world, self.config.on_disk):
+            self._setup(list(optimizers), recording)
         self.step_costs()  # counts from the end of setup on
 
     # ------------------------------------------------------------------ setup

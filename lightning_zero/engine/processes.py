@@ -8,6 +8,7 @@ Fabric's are different classes with the same process API).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import math
 import sys
@@ -151,10 +152,12 @@ class ZeroProcesses:
             fault_point(point)
 
     @staticmethod
-    def _release_signals() -> None:
-        """At teardown: the handlers go back; a Ctrl-C during the last checkpoint write still stops the script."""
+    def _release_signals(failure: Optional[BaseException] = None) -> None:
+        """At teardown: the handlers go back and the deadline's thread is joined; a Ctrl-C during the last checkpoint
+        write still stops the script (after a ``failure`` it is only reported: see [Note: a failed run claims no
+        agreed stop] in ``core/shutdown.py``)."""
         GUARD.remove()
-        GUARD.raise_pending()
+        GUARD.raise_pending(failure)
 
     @property
     def traffic(self) -> Traffic:
@@ -193,6 +196,15 @@ class ZeroProcesses:
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
+        if not torch.distributed.is_initialized():
+            # [Note: nothing outlives the run]
+            # Every thread the package starts ends with the run that started it (the deadline's thread is joined
+            # when the guard is removed, the disk tier's reader by `concurrent.futures` at exit), and the process
+            # group it made is destroyed at exit, before the interpreter's shutdown: a group left to module teardown
+            # takes its communicator threads into C++'s static destructors, and a zero3 run that saved after `fit`
+            # then sometimes ended with "terminate called without an active exception" (exit code 134).
+            atexit.unregister(collectives.release_process_groups)
+            atexit.register(collectives.release_process_groups)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.shard_groups = make_shard_groups(self.shard_group_size, self.config.tensor_parallel_size,
                                               self.root_device.type, self.secondary_shard_group_size)

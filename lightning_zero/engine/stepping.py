@@ -16,6 +16,20 @@ For one optimizer, :meth:`ZeroEngine.step` runs:
 5. with ``zero_grad=True``, the gradients are dropped.
 Step 1 moves the optimizer from ``ACCUMULATING`` to ``REDUCED``, where it stays until step 4, so clipping before
 ``step`` (Fabric's ``clip_gradients``, manual optimization) reduces once.
+
+[Note: the non-finite guard]
+With ``nonfinite="raise"`` or ``"skip"``, step 3 first asks whether the global norm of the optimizer's gradients is
+finite. Every rank holds the same norm (it is all-reduced), so every rank decides alike and no rank can step alone:
+``"raise"`` raises on every rank, with the step and this rank; ``"skip"`` skips the user's ``optimizer.step()`` on
+every rank as an overflow does, counts it (``skipped_steps``, in ``summary()``) and warns. The norm is the one
+clipping by norm computed in this step when it did (Lightning's ``gradient_clip_val``, Fabric's
+``clip_gradients``): then the guard costs nothing. Without clipping the guard computes that norm itself, the same
+way: one pass over this rank's gradient shard and an all-reduce of one number per optimizer (the only collective it
+adds; a finiteness flag needs an agreement as much as a norm does, and no all-reduce runs in every step otherwise).
+Under ``16-mixed`` the loss scaler has already unscaled the gradients and agreed on inf/NaN (step 1): such a step is
+skipped there and the scale backed off, so the guard has nothing left to see and stays out of the scaler's way (it
+never raises for an overflow the scaler handles by design). With the guard on, a closure runs before the step, as
+under ``16-mixed`` (the update must be skippable after the gradients exist).
 """
 
 from __future__ import annotations
@@ -26,7 +40,12 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.core.amp import PrecisionMode, clip_grad_norm, clip_grad_value, parameter_grad_norms
+import warnings
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.core import collectives, disk
+from lightning_zero.core.amp import (PrecisionMode, clip_grad_norm, clip_grad_value, global_grad_norm,
+                                     parameter_grad_norms)
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.optimizer import ShardedOptimizer
 
@@ -44,6 +63,10 @@ class OptimizerSteps:
     shard_groups: ShardGroups
     device: torch.device
     runtime: Optional["UnitRuntime"]
+    config: ZeroConfig
+    skipped_steps: int
+    completed_steps: int
+    _step_norms: dict[int, Tensor]
 
     def sharded(self, optimizer: Optional[Optimizer] = None) -> ShardedOptimizer:
         """The shards of ``optimizer`` (the only one when ``None``)."""
@@ -84,6 +107,7 @@ class OptimizerSteps:
         else:
             sliced, replicated = sharded.grads_by_kind()
             total = clip_grad_norm(sliced, max_norm, self.device, norm_type, groups.shard, groups.tensor, replicated)
+        self._step_norms[id(sharded)] = total  # for the non-finite guard of this step (any norm of a NaN is NaN)
         if error_if_nonfinite and not overflow and not torch.isfinite(total).all():
             raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
                                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
@@ -123,25 +147,58 @@ class OptimizerSteps:
         """
         clip = (before_step, clip_grad_norm, clip_grad_value)
         output = None
-        for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
-            if closure is not None and self.precision.scaler is None and sharded.steps_once:
-                overflow, output = False, self._step_with_closure(sharded, closure, clip, step_kwargs)
-            else:
-                loss = closure() if closure is not None else None
-                overflow = self._before_step(sharded, *clip)
-                output = None if overflow else sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
-                output = loss if output is None else output
-            closure = None
-            if self.precision.scaler is not None:
-                self.precision.scaler.update(overflow)
-            sharded.after_step(stepped=not overflow)
-            if self.runtime is not None:
-                self.runtime.refresh()
-            if zero_grad:
-                sharded.optimizer.zero_grad()
+        guarded = self.config.nonfinite is not None
+        # a disk fault in this step is raised by every rank at its end (see [Note: faults are agreed on every rank])
+        with disk.agreed_faults(self.shard_groups.world, self.config.on_disk):
+            for sharded in self.optimizers if optimizer is None else [self.sharded(optimizer)]:
+                if closure is not None and self.precision.scaler is None and sharded.steps_once and not guarded:
+                    overflow, output = False, self._step_with_closure(sharded, closure, clip, step_kwargs)
+                else:
+                    loss = closure() if closure is not None else None
+                    overflow = self._before_step(sharded, *clip)
+                    skip = overflow or self._nonfinite(sharded)
+                    output = None if skip else sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+                    output = loss if output is None else output
+                    overflow = skip
+                closure = None
+                self._step_norms.pop(id(sharded), None)
+                if self.precision.scaler is not None:
+                    self.precision.scaler.update(overflow)
+                sharded.after_step(stepped=not overflow)
+                if self.runtime is not None:
+                    self.runtime.refresh()
+                if zero_grad:
+                    sharded.optimizer.zero_grad()
+        self.completed_steps += 1
         if self.runtime is not None:
             self.runtime.prefetch_root()  # [Note: the root is gathered ahead of the next step] in stage3/units.py
         return output
+
+    def _nonfinite(self, sharded: ShardedOptimizer) -> bool:
+        """The non-finite guard (see [Note: the non-finite guard]): whether to skip this step; raises under
+        ``nonfinite="raise"``. Called on every rank after step 2 (the gradients reduced, unscaled and clipped)."""
+        if self.config.nonfinite is None or self.precision.scaler is not None:
+            return False
+        norm = self._step_norms.get(id(sharded))
+        if norm is None:
+            groups = self.shard_groups
+            if groups.tensor is None:
+                norm = global_grad_norm(sharded.grads(), self.device, 2.0, groups.shard)
+            else:
+                sliced, replicated = sharded.grads_by_kind()
+                norm = global_grad_norm(sliced, self.device, 2.0, groups.shard, groups.tensor, replicated)
+        if bool(torch.isfinite(norm).all()):
+            return False
+        step, rank = self.completed_steps, collectives.rank()  # from 0: `trainer.global_step` in that step
+        if self.config.nonfinite == "raise":
+            raise FloatingPointError(f"The gradients of step {step} are not finite (global norm "
+                                     f"{norm.item()}; raised on rank {rank}, as on every rank). Look for the inf/NaN in "
+                                     "the loss of that step, or pass `nonfinite='skip'` to skip such steps.")
+        self.skipped_steps += 1
+        if rank == 0:
+            warnings.warn(f"lightning-zero: step {step} skipped on every rank: its gradients are not finite "
+                          f"(global norm {norm.item()}); {self.skipped_steps} skipped so far.", stacklevel=2)
+        return True
 
     def _before_step(self, sharded: ShardedOptimizer, before_step: Optional[Callable[[], Any]],
                      clip_grad_norm: Optional[float], clip_grad_value: Optional[float]) -> bool:

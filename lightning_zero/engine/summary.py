@@ -43,6 +43,9 @@ def model_state_summary(engine: "ZeroEngine") -> str:
     whole = ""
     if config.stage == 3 and len(engine.unit_plan.names) == 1:  # see [Note: one algorithm at every size] in plan.py
         whole = "; parameters gathered as one unit, once per step (see `persistence_threshold`)"
+    skipped = ""
+    if engine.skipped_steps:  # see [Note: the non-finite guard] in stepping.py
+        skipped = f"; {engine.skipped_steps} optimizer step(s) skipped for non-finite gradients"
     return (f"ZeRO stage {config.stage} on {ranks}{hybrid}, precision {mode}: {psi:,} trainable parameters{own}; "
             f"model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)"
-            f"{whole}")
+            f"{whole}{skipped}")

@@ -30,8 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = ()) -> list[Child]:
-    """Start ``tests/workers/<script>`` on ``world_size`` ranks (logs in ``out_dir/rank<r>.log``); returns them."""
+def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), finalize: bool = False) -> list[Child]:
+    """Start ``tests/workers/<script>`` on ``world_size`` ranks (logs in ``out_dir/rank<r>.log``); returns them.
+    ``finalize``: each rank ends through the interpreter's own shutdown (see ``Zygote.spawn``)."""
     port = str(free_port())
     procs = []
     for rank in range(world_size):
@@ -40,7 +41,7 @@ def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
                    LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1", **ZYGOTE_ENV)
         procs.append(ZYGOTE.spawn([str(ROOT / "tests" / "workers" / script), str(out_dir), *args], env, out_dir,
-                                  out_dir / f"rank{rank}.log"))
+                                  out_dir / f"rank{rank}.log", finalize=finalize))
     return procs
 
 

@@ -91,15 +91,17 @@ class Zygote:
         self.children: dict[int, Child] = {}
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Optional[Path] = None,
-              session: bool = False, group: Optional[int] = None) -> Child:
+              session: bool = False, group: Optional[int] = None, finalize: bool = False) -> Child:
         """Fork a process that runs like ``python *argv`` (``argv``: a script and its arguments, or ``-m``, a module
         and its arguments) with ``env`` as its whole environment, in ``cwd``, writing to ``stdout`` (and ``stderr``,
         the same file if not given); ``session``: in a session and process group of its own, as
         ``start_new_session`` would do; ``group``: in the process group whose leader is ``group`` (``0``: a new one it
-        leads), as the tasks of one ``srun`` job step share one."""
+        leads), as the tasks of one ``srun`` job step share one; ``finalize``: a script that returns ends through the
+        interpreter's own shutdown (module teardown, C++ static destructors: where a native thread left alive aborts
+        the process) instead of ``os._exit`` after the same steps (see [Note: a forked rank is a fresh rank])."""
         proc = self._running()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
-                   "stderr": str(stderr or stdout), "session": session, "group": group}
+                   "stderr": str(stderr or stdout), "session": session, "group": group, "finalize": finalize}
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
@@ -156,6 +158,10 @@ if __name__ != "__main__":
     atexit.register(ZYGOTE.close)
 
 
+class _Finalize(BaseException):
+    """Raised in a child whose script returned and whose request asks for the interpreter's own shutdown."""
+
+
 def _run_child(request: dict[str, Any]) -> None:
     """In the forked child: become ``python *argv`` and run it; exit as that would (never returns)."""
     import signal
@@ -179,6 +185,10 @@ def _run_child(request: dict[str, Any]) -> None:
             faulthandler.enable()
         _run_argv(request["argv"])
         code = 0
+        if request.get("finalize"):
+            raise _Finalize
+    except _Finalize:
+        raise SystemExit(0) from None  # out of the zygote's loop: the interpreter ends as `python script.py` does
     except SystemExit as stop:
         if isinstance(stop.code, int) or stop.code is None:
             code = stop.code or 0

@@ -22,6 +22,7 @@ class StepHooks:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._step_boundary()
         self.engine.begin_step()
+        self.engine.completed_steps = self.lightning_module.trainer.global_step  # named by the non-finite guard
         output = super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:
             self.engine.end_step()

@@ -50,7 +50,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             ``host_mmap_threshold``, ``state_dict_type``, ``activation_checkpointing``, ``activation_offload``,
             ``activation_partition_group``, ``contiguous_checkpoints``, ``offload_optimizer``, ``offload_params``,
             ``offload_path``, ``shard_group_size``, ``tensor_parallel_size``, ``secondary_shard_group_size``,
-            ``quantized_weights``, ``quantized_gradients``, ``quantization_block_size``. LightningCLI reads their
+            ``quantized_weights``, ``quantized_gradients``, ``quantization_block_size``, ``nonfinite``. LightningCLI reads their
             types and help from there too.
     """
 
@@ -79,6 +79,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         self._ranks_in_step = True
         self._init_module = InitModuleRecording()
         """Stage 3: the recording of ``trainer.init_module(empty_init=True)``, on until setup."""
+        self._failure: Optional[BaseException] = None
+        """The exception the run is ending on (Lightning's ``on_exception``), until teardown."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -195,6 +197,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """Lightning calls this when a run stops on an exception or Ctrl-C, just before :meth:`teardown`."""
         # a refused checkpoint is refused by every rank at the same point (its checks are agreed across ranks)
         self._ranks_in_step = self.world_size == 1 or isinstance(exception, CheckpointError)
+        self._failure = exception
 
     @override
     def teardown(self) -> None:
@@ -202,11 +205,15 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         # see [Note: teardown after an exception] in engine.py: a single rank, and a checkpoint every rank refused,
         # still gather
         if self.engine is not None:
+            if self.engine.skipped_steps:  # see [Note: the non-finite guard] in engine/stepping.py
+                rank_zero_info(f"lightning-zero: {self.engine.skipped_steps} optimizer step(s) skipped on every rank "
+                               "for non-finite gradients (`nonfinite='skip'`).")
             self.engine.teardown(gather=self._ranks_in_step)
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
         super().teardown()
-        self._release_signals()
+        failure, self._failure = self._failure, None
+        self._release_signals(failure)
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

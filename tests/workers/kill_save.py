@@ -1,7 +1,7 @@
 """One rank of the kill-during-save test: save a checkpoint, then start overwriting it and hang mid-save.
 
 The second save stops after every rank wrote its shard file (before ``meta.pt`` and the rename), announces that in
-``saving.flag``, and waits to be killed by the test.
+a line on the FIFO ``saving.fifo`` (the test made it), and waits to be killed by the test.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def main() -> None:
 
     def hang(path: Path) -> tuple[int, int]:
         if path.name.endswith(".distcp"):
-            (out / f"saving{torch.distributed.get_rank()}.flag").write_text(str(path))
+            with open(out / "saving.fifo", "w") as fifo:
+                fifo.write(f"{torch.distributed.get_rank()}\n")
             time.sleep(600)
         return describe(path)
 
