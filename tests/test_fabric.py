@@ -105,3 +105,16 @@ def test_load_raw_takes_a_plain_state_dict_file(launches):
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(actual[key], value), key
+
+
+def test_a_model_not_set_up_saves_and_loads_as_under_ddp(launches):
+    _, out = launches(3)
+    # zero3 at 3 ranks: saved before setup (plain file), loaded into a set-up model, saved sharded, loaded unset-up
+    before = torch.load(out / "plain-before.pt", weights_only=True)
+    assert before["step"] == 3 and set(before) == {"model", "step"}
+    sharded = load_full_checkpoint(out / "plain-loaded", weights_only=True)["state_dict"]
+    reloaded = torch.load(out / "plain-reloaded.pt", weights_only=True)
+    assert sharded.keys() == before["model"].keys() == reloaded.keys()
+    for key, value in before["model"].items():
+        assert torch.equal(sharded[key], value), key
+        assert torch.equal(reloaded[key], value), key

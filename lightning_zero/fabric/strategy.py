@@ -47,7 +47,7 @@ from lightning_zero.engine.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.construction import InitModuleRecording, place_module
 from lightning_zero.engine.engine import ZeroEngine
-from lightning_zero.fabric import several
+from lightning_zero.fabric import plain, several
 from lightning_zero.fabric.several import MODELS_KEY, EngineGroup
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
@@ -278,17 +278,16 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """See [Note: the Fabric state dict in the Trainer's format]."""
+        """See [Note: the Fabric state dict in the Trainer's format]; a state whose models are not set up is saved as
+        ``ddp`` saves it (see [Note: saving and loading a model that is not set up] in ``plain.py``)."""
+        if not self._holds_set_up_model(state):
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
         if storage_options is not None:
             raise TypeError(STORAGE_OPTIONS_ERROR)
         if filter:
             raise ValueError("ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
                              "any world size and stage): remove `filter=` from `fabric.save`.")
-        self._engine()
-        modules = [obj for obj in state.values() if isinstance(obj, Module)]
-        if not modules:
-            raise ValueError("`fabric.save` under ZeroFabricStrategy needs the model in the state: "
-                             "`fabric.save(path, {'model': model, 'optimizer': optimizer, ...})`.")
         engine = self._engine_of(state)
         optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
         checkpoint = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj for key, obj in state.items()
@@ -312,7 +311,11 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             if path.is_dir():
                 return load_full_checkpoint(path, trust_code=trusted)
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        self._engine()
+        if isinstance(state, (Module, Optimizer)) and not self._holds_set_up_model({"state": state}):
+            return super().load_checkpoint(path, state, strict, weights_only)
+        if isinstance(state, dict) and not self._holds_set_up_model(state):
+            return plain.load_into_plain_models(plain.read_for_plain_models(path, self.checkpoint_io, weights_only),
+                                                state, strict)
         checkpoint = engine_state.read(path, trusted)
         if isinstance(state, Module):
             engine_state.load_model(several.engine_of_module(self.engines, state), checkpoint, strict)
@@ -321,6 +324,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             engine_state.load_one_optimizer(several.engine_of_optimizer(self.engines, state), state, checkpoint)
             return {}
         engine = self._engine_of(state)
+        checkpoint = plain.as_engine_checkpoint(checkpoint, state)
         saved_models = checkpoint.get(MODELS_KEY)
         models = list(engine.module.keys()) if isinstance(engine, EngineGroup) else None
         if saved_models != models:
@@ -328,6 +332,11 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                              f"state passed to `fabric.load` has {models or 'one model'}: pass the models (and their "
                              "optimizers) under the keys they were saved with.")
         return self._restore(engine, checkpoint, state, strict)
+
+    def _holds_set_up_model(self, state: dict[str, Any]) -> bool:
+        """Whether a model (or optimizer) of ``state`` was set up by this strategy."""
+        return any(engine.module is obj or (isinstance(obj, Optimizer) and several.owns(engine, obj))
+                   for engine in self.engines for obj in state.values())
 
     def _engine_of(self, state: dict[str, Any]) -> Any:
         """The engine of the one model in ``state``, or an :class:`EngineGroup` of its several models (see [Note:

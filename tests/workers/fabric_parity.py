@@ -212,6 +212,27 @@ def fabric_loads_raw(out: Path, saved_at: int, world_size: int) -> None:
     fabric.save(out / "fabric-raw", {"model": model})
 
 
+def fabric_plain_round_trip(out: Path, world_size: int) -> None:
+    """A model saved before ``fabric.setup`` (a plain file, as ``ddp`` writes it), loaded into a set-up zero3 model
+    and saved sharded, then loaded from that directory into a model never set up, whose weights are written out."""
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(stage=3))
+    fabric.launch()
+    L.seed_everything(2, verbose=False)
+    fabric.save(out / "plain-before.pt", {"model": TinyLM(frozen=True), "step": 3})
+    L.seed_everything(3, verbose=False)  # other initial weights than the file's
+    model = fabric.setup_module(TinyLM(frozen=True))
+    state: dict[str, Any] = {"model": model, "step": 0}
+    fabric.load(out / "plain-before.pt", state)
+    assert state["step"] == 3, state["step"]
+    fabric.save(out / "plain-loaded", {"model": model})
+    L.seed_everything(4, verbose=False)
+    fresh = TinyLM(frozen=True)
+    fabric.load(out / "plain-loaded", {"model": fresh})
+    if torch.distributed.get_rank() == 0:
+        torch.save(fresh.state_dict(), out / "plain-reloaded.pt")
+    fabric.barrier()
+
+
 RUNNERS: dict[str, Callable[[str, str, int], dict]] = {
     "ddp": fabric_run, "zero1": fabric_run, "zero2": fabric_run, "zero3": fabric_run,
     "engine1": engine_run, "engine2": engine_run, "engine3": engine_run,
@@ -236,6 +257,7 @@ def main() -> None:
         trainer_resumes_fabric(out, 2, world_size)
         results["fabric_from_trainer"] = fabric_resumes_trainer(out, 2, world_size)
         fabric_loads_raw(out, 2, world_size)
+        fabric_plain_round_trip(out, world_size)
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
 
