@@ -142,6 +142,13 @@ def _fabric_model(stage: int = 2) -> tuple[L.Fabric, Any, Any]:
     return fabric, *fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.05))
 
 
+def _fabric_load_not_set_up(path: Path) -> None:
+    """``fabric.load`` into a model that was never set up (read as ``ddp`` reads it: consolidated for a directory)."""
+    fabric = L.Fabric(strategy="zero2", accelerator="cpu", devices=1)
+    fabric.launch()
+    fabric.load(path, {"model": Regressor(**HPARAMS)}, strict=False)
+
+
 def _engine_load(path: Path) -> None:
     model = Regressor(**HPARAMS)
     engine = ZeroEngine(model, [torch.optim.Adam(model.parameters(), lr=0.05)], stage=2)
@@ -184,6 +191,7 @@ LOADS: dict[str, Callable[[Path, Path], Any]] = {
         Regressor(**HPARAMS), ckpt_path=p),
     "Fabric load": lambda p, tmp: _fabric_load(p),
     "Fabric load (no state)": lambda p, tmp: _fabric_model()[0].load(p),
+    "Fabric load (model not set up)": lambda p, tmp: _fabric_load_not_set_up(p),
     "ZeroEngine load": lambda p, tmp: _engine_load(p),
     "export_pretrained": lambda p, tmp: lightning_zero.export_pretrained(p, tmp / "exported"),
 }
