@@ -68,6 +68,11 @@ def test_bf16_mixed_close_to_fabric_ddp_amp(launches, world_size, scenario, runn
         # 3 steps, all weights together: see [Note: the mixed-precision bound on parameters] in compare.py
         assert_model_close(rank_result[scenario][runner]["params"], rank_result[scenario]["ddp"]["params"],
                             mixed_precision_rtol(3))
+        # per tensor, with the allowance of [Note: the mixed-precision bound on parameters] for Adam's small tensors
+        # (up to 2.5x the model; 3x here): measured 2.4e-2 at most on healthy runs against 3.5e-2, and 8.1e-2 with
+        # the working copy missing the update of step 2 (one of step 3 leaves the masters of 3 steps untouched)
+        assert_params_close(rank_result[scenario][runner]["params"], rank_result[scenario]["ddp"]["params"],
+                            3 * mixed_precision_rtol(3))
 
 
 def _assert_same_checkpoint_content(actual_path: Any, expected_path: Any) -> None:

@@ -20,7 +20,8 @@ from lightning_zero.core.buckets import GradientReducer
 from lightning_zero.core.layout import plan_layout
 from lightning_zero.estimate import human_bytes
 from lightning_zero.core.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
-from tests.compare import assert_losses_close, assert_model_close, assert_params_close, mixed_precision_rtol
+from tests.compare import (BF16_DISPLACEMENT_RTOL, assert_displacements_close, assert_losses_close, assert_model_close,
+                           assert_params_close, mixed_precision_rtol)
 from lightning_zero.testing.launch import launch
 from tests.models import TinyLM
 
@@ -107,6 +108,8 @@ def test_device_and_host_bytes_match_the_formula(results, scenario, precision, s
 
 def test_bf16_mixed_offloaded_close_to_ddp_amp(results):
     # the bound of test_parity.py's bf16 test: bf16 working weights against DDP's fp32 weights under autocast
+    L.seed_everything(0, verbose=False)  # the worker's weights before each run (tests/workers/offload.py)
+    initial = {n: p.detach().clone() for n, p in TinyLM(scheduler=False, lr=1e-2).named_parameters()}
     for rank in results:
         runs = rank["bf16_mixed"]
         for stage in STAGES + PARAMS:
@@ -114,6 +117,8 @@ def test_bf16_mixed_offloaded_close_to_ddp_amp(results):
             assert all(v.dtype == torch.float32 for v in runs[stage]["params"].values())
             # 4 steps, all weights together: see [Note: the mixed-precision bound on parameters] in compare.py
             assert_model_close(runs[stage]["params"], runs["ddp"]["params"], mixed_precision_rtol(4))
+            # per tensor, against how far it moved: see [Note: the bf16 bound on displacements] in compare.py
+            assert_displacements_close(runs[stage]["params"], runs["ddp"]["params"], initial, BF16_DISPLACEMENT_RTOL)
         # stages 1 and 2 do the same arithmetic in the same order, offloaded or not
         assert_losses_close(runs["zero2+offload"]["losses"], runs["zero1+offload"]["losses"], 1e-6)
         assert_params_close(runs["zero2+offload"]["params"], runs["zero1+offload"]["params"], 1e-6)

@@ -3,7 +3,8 @@
 Usage (through ``lightning_zero.testing.launch``): ``measure.py OUT WIDTH PRECISION STRATEGIES [STEPS [MODEL [DEPTH [OPTIONS]]]]``
 with MODEL ``lm`` (the MLP language model, default) or ``gpt`` (TinyGPT, tied embeddings, built in
 ``configure_model``), and OPTIONS ``test`` (small buckets, every unit its own: the default) or ``defaults`` (ZeRO's
-own defaults). ``peak_rss_growth`` (``ru_maxrss``) is only meaningful when one strategy runs per launch;
+own defaults; ``test`` also prefetches a single width x width of stage 3's units). ``units``: stage 3's gathered
+high-water mark, its block pool's bytes and each unit's elements (root first). ``peak_rss_growth`` (``ru_maxrss``) is only meaningful when one strategy runs per launch;
 ``fit_peak_growth`` is meaningful for every strategy of a launch: the resident high-water mark is reset to the
 current level right before each ``fit`` (``/proc/self/clear_refs``) and read at the end of training, before
 teardown, so it is the peak of that ``fit`` above the level it started from.
@@ -45,6 +46,12 @@ class Probe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before teardown hands weights back
         self.fit_peak = _status("VmHWM")
+        runtime = getattr(trainer.strategy, "runtime", None)
+        self.units: dict[str, Any] = {} if runtime is None else {
+            "gathered_peak": runtime.peak_gathered_bytes,
+            "pool_bytes": sum(s.sharded.pool.block_bytes for s in runtime.storages),
+            "unit_numels": [sum(s.unit_numel(u) for s in runtime.storages) for u in range(len(runtime.units))],
+        }
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step == self.measure_at and not self.states:
@@ -81,7 +88,8 @@ def main() -> None:
         else:
             model = TinyLM(optimizer="adam", width=width, scheduler=False)
         probe = Probe()
-        options = {} if defaults else {"reduce_bucket_size": width * width, "persistence_threshold": 0}
+        options = {} if defaults else {"reduce_bucket_size": width * width, "persistence_threshold": 0,
+                                       "prefetch_size": width * width}
         strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), **options)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size()
                             if torch.distributed.is_initialized() else int(__import__("os").environ["WORLD_SIZE"]),
@@ -94,7 +102,8 @@ def main() -> None:
         peak = probe.peak_rss
         results[name] = {"traffic": probe.traffic, "states": probe.states, "numel": numel,
                          "bucket_elements": width * width, "peak_rss": peak * 1024,
-                         "peak_rss_growth": (peak - baseline) * 1024, "fit_peak_growth": probe.fit_peak - fit_start}
+                         "peak_rss_growth": (peak - baseline) * 1024, "fit_peak_growth": probe.fit_peak - fit_start,
+                         "units": probe.units}
         del trainer, model, probe
     torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
 
