@@ -103,7 +103,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
     reduce-scatter per step; stages 2 and 3 reduce every backward into their gradient shard anyway, which is what
     keeps a rank's gradients at 1/N)."""
 
-    def __init__(self, strategy: "ZeroFabricStrategy") -> None:
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
         self._strategy = strategy
 
     @override
