@@ -116,13 +116,15 @@ def phases(args: argparse.Namespace) -> None:
             ddp = rec["peak_growth"] / MiB
         lines.append(row(text, rec, ddp))
         timing, total = timing_row(text, rec, ddp_time)
-        ddp_time = total if text == "ddp" else ddp_time
+        if text == "ddp":
+            ddp_time = total
+            timing, _ = timing_row(text, rec, ddp_time)
         timings.append(timing)
         print(lines[-1], f"({time.perf_counter() - t0:.0f}s)", flush=True)
     print("\nAll figures MiB per rank (the rank with the highest peak growth), above the level before `fit`.\n")
     print("\n".join(lines))
     print("\nTime per phase, median over the steps after the first, of the same rank (``reduce``: the end-of-backward "
-          "flush and clipping; ``step``: what a step reduces late, the optimizer step and the parameters' all-gather; "
+          "flush and wait; ``step``: clipping, what a step reduces late, the optimizer step, the parameters' gather; "
           "``idle``: between steps, data loading included).\n")
     print("\n".join(timings))
 
