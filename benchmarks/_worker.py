@@ -81,13 +81,20 @@ class PhaseProbe(L.Callback):
         self.baseline = baseline
         self.phases: dict[str, int] = {}
         self.levels: dict[str, int] = {}
+        self.seconds: dict[str, list[tuple[float, float]]] = {}
+        """(wall, process CPU) seconds of each phase, one entry per step; the first step's are warm-up."""
+        self._clock: Optional[tuple[float, float]] = None
 
     def _mark(self, ended: str, starts: str) -> None:
+        now = (time.perf_counter(), time.process_time())
+        if self._clock is not None:
+            self.seconds.setdefault(ended, []).append((now[0] - self._clock[0], now[1] - self._clock[1]))
         peak = probes.peak_memory(torch.device("cpu")) - self.baseline
         self.phases[ended] = max(self.phases.get(ended, 0), peak)
         level = probes.resident_memory() - self.baseline
         self.levels[starts] = max(self.levels.get(starts, 0), level)
         probes.reset_peak_memory()
+        self._clock = (time.perf_counter(), time.process_time())  # the probe's own reading is not a phase's time
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._mark("setup", "idle")
@@ -159,7 +166,8 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     if profiler is not None:
         profiler.__exit__(None, None, None)
         _write_profile(profiler, cfg, out)
-    extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak}
+    extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak,
+                                       "phase_seconds": phases.seconds}
     return {**probe.timer.summary(), "step_costs": probe.costs, "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
             "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")),
             "disk_io": {"read": disk.COUNTERS.read, "written": disk.COUNTERS.written}, **extra}

@@ -21,6 +21,7 @@ engines); ``idle`` the level between steps; ``reduce`` the end-of-backward flush
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +58,22 @@ def row(text: str, rec: dict[str, Any], ddp: float) -> str:
             + f" | {growth:,.0f} | {growth / ddp if ddp else float('nan'):.2f} |")
 
 
+TIMED = ("forward", "backward", "reduce", "step", "idle")
+
+
+def timing_row(text: str, rec: dict[str, Any], ddp: float) -> tuple[str, float]:
+    """One markdown row of each phase's median wall and process-CPU milliseconds per step (the first step left out:
+    warm-up), and the sum of the wall medians against ddp's; returns the row and that sum."""
+    seconds = rec.get("phase_seconds") or {}
+    if not seconds:
+        return f"| {text} | {rec.get('error') or rec.get('skipped') or 'no timings'} |", 0.0
+    medians = {p: [statistics.median(t[i] for t in seconds.get(p, [(0.0, 0.0)])[1:] or [(0.0, 0.0)]) * 1e3
+                   for i in (0, 1)] for p in TIMED}
+    total = sum(wall for wall, _ in medians.values())
+    cells = " | ".join(f"{wall:,.0f} / {cpu:,.0f}" for wall, cpu in medians.values())
+    return f"| {text} | {cells} | {total:,.0f} | {total / ddp if ddp else float('nan'):.2f} |", total
+
+
 def states(args: argparse.Namespace) -> None:
     """Print the model-state table: one launch per (world size, stage)."""
     print("| N | strategy | Ψ | model states / rank (MiB) | table (MiB) | measured / table | vs DDP | "
@@ -89,16 +106,27 @@ def phases(args: argparse.Namespace) -> None:
     header = ("| variant | model states | level between steps | " + " | ".join(f"peak in {p}" for p in PHASES)
               + " | peak growth in fit | vs ddp |")
     lines = [header, "|" + "---|" * (len(PHASES) + 5)]
-    ddp = 0.0
+    timings = ["| variant | " + " | ".join(f"{p} (ms wall / CPU)" for p in TIMED) + " | sum of walls | vs ddp |",
+               "|" + "---|" * (len(TIMED) + 3)]
+    ddp, ddp_time = 0.0, 0.0
     for text in args.variants:
         t0 = time.perf_counter()
         rec = launch_variant(text, args.size, args.world_size, args.steps)
         if text == "ddp" and "peak_growth" in rec:
             ddp = rec["peak_growth"] / MiB
         lines.append(row(text, rec, ddp))
+        timing, total = timing_row(text, rec, ddp_time)
+        if text == "ddp":
+            ddp_time = total
+            timing, _ = timing_row(text, rec, ddp_time)
+        timings.append(timing)
         print(lines[-1], f"({time.perf_counter() - t0:.0f}s)", flush=True)
     print("\nAll figures MiB per rank (the rank with the highest peak growth), above the level before `fit`.\n")
     print("\n".join(lines))
+    print("\nTime per phase, median over the steps after the first, of the same rank (``reduce``: the end-of-backward "
+          "flush and wait; ``step``: clipping, what a step reduces late, the optimizer step, the parameters' gather; "
+          "``idle``: between steps, data loading included).\n")
+    print("\n".join(timings))
 
 
 def main() -> None:

@@ -21,7 +21,11 @@ class StagePolicy:
     """What it partitions, in words (help texts)."""
     reduces_in_backward: bool
     """Gradients are reduce-scattered into per-rank shards as backward produces them and the full ``.grad`` is
-    released (stages 2 and 3); stage 1 keeps full gradients until the step."""
+    released (every stage, in the backward an optimizer step follows)."""
+    holds_grads_when_accumulating: bool
+    """Inside ``no_backward_sync`` (gradient accumulation) the full gradients stay in ``.grad`` and are reduced in the
+    backward the step follows (stage 1: one reduce-scatter per step); stages 2 and 3 reduce every backward into the
+    gradient shard, which is what keeps their gradients at 1/N."""
     shards_params: bool
     """Parameters are kept as shards and gathered around their use (stage 3)."""
 
@@ -32,17 +36,18 @@ class StagePolicy:
 
     @property
     def grad_hooks_at_setup(self) -> bool:
-        """Whether the gradient hooks go on when the optimizer is set up: stage 2. Stage 3 installs them once its
-        parameters are materialized (materialization swaps tensors, hooks and all); stage 1 has none."""
+        """Whether the gradient hooks go on when the optimizer is set up: stages 1 and 2. Stage 3 installs them once
+        its parameters are materialized (materialization swaps tensors, hooks and all)."""
         return self.reduces_in_backward and not self.shards_params
 
 
 _POLICIES = {
-    1: StagePolicy(stage=1, partitions="optimizer states", reduces_in_backward=False, shards_params=False),
+    1: StagePolicy(stage=1, partitions="optimizer states", reduces_in_backward=True,
+                   holds_grads_when_accumulating=True, shards_params=False),
     2: StagePolicy(stage=2, partitions="optimizer states and gradients", reduces_in_backward=True,
-                   shards_params=False),
+                   holds_grads_when_accumulating=False, shards_params=False),
     3: StagePolicy(stage=3, partitions="optimizer states, gradients and parameters", reduces_in_backward=True,
-                   shards_params=True),
+                   holds_grads_when_accumulating=False, shards_params=True),
 }
 
 #: The stages this version implements.

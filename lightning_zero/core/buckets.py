@@ -13,7 +13,7 @@ Collectives are matched across ranks by the order in which they are issued, so e
 buckets in the same order. Buckets are launched strictly in the layout's launch order (a bucket that fills early
 waits for its predecessors, as in DDP's reducer; see [Note: launch order] in ``layout.py``), and a round ends with a flush that launches every remaining bucket, zeros where
 this rank received no gradient. Rounds end at call sites every rank passes together: the end of each backward
-(stage 2) and the start of the optimizer step (stage 1).
+and, for what a backward left (stage 1 after ``no_backward_sync``), the start of the optimizer step.
 
 [Note: filling without extra passes]
 A bucket buffer is not cleared when it is taken from the pool: each gradient is divided by the world size on its
@@ -236,6 +236,12 @@ class GradientReducer:
                         if pc.param == j:
                             at = bucket.shard_offset + pc.chunk_offset
                             self._zero(at, at + pc.length)
+
+    def release_unwritten_shard(self) -> None:
+        """Free the gradient shard if no reduction wrote into it since the last :meth:`clear` (it is made again on
+        the next reduction)."""
+        if not any(self._written) and not self._in_flight:
+            self.grad_shard = None
 
     def release_buffers(self) -> None:
         """Free the pooled bucket buffers and the gradient shard (teardown; they are made again on demand)."""

@@ -92,6 +92,10 @@ class ShardedStorage:
             quantize_block=config.quantization_block_size if config.quantized_gradients else None,
         )
         self._hooks: list[Any] = []
+        self.holding = False
+        """Inside ``no_backward_sync`` under stage 1: the gradients stay in ``.grad`` (see [Note: stage 1 reduces
+        in the backward the step follows])."""
+        self._reduced_in_backward = False  # the last backward reduced every gradient: nothing is left for the step
         self.uninstalled = False
         self.clears = 0
         """How many times :meth:`clear_grads` ran (an optimizer's reduced gradients are stale once it moved)."""
@@ -158,7 +162,7 @@ class ShardedStorage:
 
     def _make_hook(self, index: int) -> Any:
         def hook(param: Tensor) -> None:
-            if param.grad is not None:
+            if param.grad is not None and not self.holding:
                 self.reducer.add_grad(index, param.grad)
                 param.grad = None
 
@@ -181,41 +185,73 @@ class ShardedStorage:
                 disk.evict([shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]])
 
     # ------------------------------------------------------------------ gradients
+    def hold_grads(self, holding: bool) -> None:
+        """Enter (``True``) or leave ``no_backward_sync``: under stage 1 the next backwards keep full ``.grad``.
+
+        [Note: stage 1 reduces in the backward the step follows]
+        Stage 1 reduce-scatters in buckets during backward, as stage 2 does (DDP overlaps its all-reduce with backward
+        the same way), whenever the step follows that backward. Inside ``no_backward_sync`` (Lightning's
+        ``accumulate_grad_batches``, ``fabric.no_backward_sync``, :meth:`ZeroEngine.no_backward_sync`) the hooks leave
+        the gradients in ``.grad``, where autograd accumulates them, and the backward after it reduces them once: one
+        reduce-scatter per step whatever the accumulation (stage 2 reduces every backward). Entering it frees the
+        gradient shard kept between steps if it holds nothing yet, so full gradients and the shard are never held at
+        once: the paper's 4Ψ + 4Ψ + 8Ψ/N (fp32). Without the context every backward reduces, which is always
+        correct (the shard accumulates), as DDP all-reduces every backward without ``no_sync``.
+        """
+        self.holding = holding and self.policy.holds_grads_when_accumulating
+        if self.holding:
+            self.reducer.release_unwritten_shard()
+
     def finish_backward(self) -> None:
-        """End of one backward pass: stage 2 launches the partly filled buckets and waits for all of them."""
-        if self.policy.reduces_in_backward and not self.uninstalled:
-            self.reducer.flush(force=True)
-            self.reducer.wait()
+        """End of one backward pass: launch the partly filled buckets and wait for all of them (stage 1: unless it
+        holds its gradients, after adding those an earlier held backward left that this one did not reach)."""
+        if self.uninstalled or not self.policy.reduces_in_backward:
+            return
+        if self.holding:
+            self._reduced_in_backward = False
+            return
+        self._add_held_grads()
+        self.reducer.flush(force=True)
+        self.reducer.wait()
+        self._reduced_in_backward = True
+
+    def _add_held_grads(self) -> None:
+        """Hand the gradients still in ``.grad`` (stage 1: held by ``no_backward_sync``) to the reducer."""
+        if not self.policy.holds_grads_when_accumulating:
+            return
+        for j in self._flat_order:
+            p = self.params[j]
+            if p.grad is not None:
+                self.reducer.add_grad(j, p.grad)
+                p.grad = None
 
     def reduce_grads(self) -> Tensor:
         """Reduce the gradients not reduced yet (a collective); returns this rank's gradient shard, which keeps the
         sum until :meth:`clear_grads` (with ``offload_optimizer`` it lives in host memory, see ``offload.py``)."""
-        if not self.policy.reduces_in_backward:
-            for j in self._flat_order:
-                p = self.params[j]
-                if p.grad is not None:
-                    self.reducer.add_grad(j, p.grad)
-                    p.grad = None
-        # stage 2 flushed at the end of every backward; only a backward run outside Lightning can have left work
+        # every backward run through the engine reduced already; stage 1 reduces here what a held backward (or one
+        # run outside Lightning and the engine) left, launching every bucket not launched yet on every rank
+        late = self.policy.holds_grads_when_accumulating and not self._reduced_in_backward
+        if late:
+            self._add_held_grads()
         # the bucket buffers stay for the next step (see [Note: constant memory] in buckets.py)
-        return self.reducer.finalize(force=not self.policy.reduces_in_backward)
+        return self.reducer.finalize(force=late)
 
     def clear_grads(self, indices: Optional[Sequence[int]]) -> None:
         """Drop the gradients of ``params[j]`` for ``j`` in ``indices`` (``None``: all), master grads included."""
         self.clears += 1
+        self._reduced_in_backward = False
         for m in self.masters:
             m.grad = None
         if indices is None or len(set(indices)) == len(self.params):
             for p in self.params:
                 p.grad = None
-            # [Note: the gradient shard is kept] ``set_to_none`` frees each ``.grad``, but under stages 2 and 3 the
-            # gradient shard stays allocated: made again each step it would be a fresh allocation of 4Ψ/N bytes (in
-            # fp32), above glibc's mmap threshold from tens of millions of parameters on, so a page fault per 4 KiB
-            # of it every step. It costs 4Ψ/N bytes during forward, less than DDP's own reducer keeps for the whole
-            # run (its buckets, 4Ψ). Clearing only marks it unwritten: each bucket's next reduction overwrites its
-            # slice. Stage 1 frees it (one allocation per step): its backward holds the full gradients, and the
-            # shard on top of them would exceed the paper's 4Ψ + 4Ψ + 8Ψ/N.
-            self.reducer.clear(keep_shard=self.policy.reduces_in_backward)
+            # [Note: the gradient shard is kept] ``set_to_none`` frees each ``.grad``, but the gradient shard stays
+            # allocated: made again each step it would be a fresh allocation of 4Ψ/N bytes (in fp32), above glibc's
+            # mmap threshold from tens of millions of parameters on, so a page fault per 4 KiB of it every step. It
+            # costs 4Ψ/N bytes during forward, less than DDP's own reducer keeps for the whole run (its buckets, 4Ψ).
+            # Clearing only marks it unwritten: each bucket's next reduction overwrites its slice. Stage 1 frees it
+            # when its gradients are held instead (see [Note: stage 1 reduces in the backward the step follows]).
+            self.reducer.clear(keep_shard=True)
             return
         for j in indices:
             self.params[j].grad = None
@@ -267,8 +303,13 @@ class ParameterStore:
         """``id(param)`` to its stage 3 unit, for every managed parameter."""
         return {id(p): unit for storage in self.storages for p, unit in zip(storage.params, storage.param_units)}
 
+    def hold_grads(self, holding: bool) -> None:
+        """Enter or leave ``no_backward_sync`` in every storage (see :meth:`ShardedStorage.hold_grads`)."""
+        for storage in self.storages:
+            storage.hold_grads(holding)
+
     def finish_backward(self) -> None:
-        """After one backward: every storage launches its partly filled buckets and waits for them (stage 2)."""
+        """After one backward: every storage launches its partly filled buckets and waits for them."""
         for storage in self.storages:
             storage.finish_backward()
 

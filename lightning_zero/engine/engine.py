@@ -234,6 +234,22 @@ class ZeroEngine(OptimizerSteps):
         self.precision.scale_loss(loss).backward(*args, **kwargs)
         self.finish_backward()
 
+    @contextmanager
+    def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
+        """Backwards inside accumulate gradients for a later step (as DDP's ``no_sync``): stage 1 keeps them in
+        ``.grad`` and reduces them once, in the backward after the context (see [Note: stage 1 reduces in the
+        backward the step follows] in ``core/store.py``); stages 2 and 3 reduce every backward into their gradient
+        shard anyway. Every rank enters it for the same backwards. Lightning and Fabric enter it for you
+        (``accumulate_grad_batches``, ``fabric.no_backward_sync``)."""
+        if not enabled:
+            yield
+            return
+        self.store.hold_grads(True)
+        try:
+            yield
+        finally:
+            self.store.hold_grads(False)
+
     def finish_backward(self, include_root: bool = True) -> None:
         """After one backward: stages 2 and 3 launch the partly filled buckets and wait for them; stage 3 frees the
         units still gathered (with ``include_root`` the root too: a step that runs more forwards before its

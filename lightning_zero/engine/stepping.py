@@ -4,7 +4,7 @@ gradients, for one optimizer or each of the engine's in turn.
 [Note: the order of one optimizer step]
 For one optimizer, :meth:`ZeroEngine.step` runs:
 1. ``reduce`` (see [Note: the phases of one optimizer step] in ``optimizer.py``): what backward has not reduced yet
-   is reduced (stage 1 reduce-scatters its full ``.grad`` now, stages 2 and 3 flushed at the end of each backward)
+   is reduced (stage 1 after ``no_backward_sync``; every stage flushed at the end of the backward the step follows)
    and waited for; every master tensor gets its averaged gradient; under ``16-mixed`` the gradients are unscaled and
    every rank agrees on overflow (one all-reduce of a flag);
 2. ``before_step`` (the Trainer's ``on_before_optimizer_step`` hooks and its clipping), then clipping by global norm

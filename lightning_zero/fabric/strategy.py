@@ -99,13 +99,16 @@ def to_fabric_precision(plugin: Precision, device_type: str) -> ZeroFabricPrecis
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: nothing to skip. Stage 1 reduces at the optimizer step anyway; stages 2 and 3
-    reduce each backward into the gradient shard, which is what keeps a rank's gradients at 1/N (skipping it would
-    keep full gradients, the memory ZeRO removes). The gradients are the same either way."""
+    """``fabric.no_backward_sync``: the engine of the module holds its gradients for a later step (stage 1: one
+    reduce-scatter per step; stages 2 and 3 reduce every backward into their gradient shard anyway, which is what
+    keeps a rank's gradients at 1/N)."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self._strategy = strategy
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return nullcontext()
+        return several.engine_of_module(self._strategy.engines, module).no_backward_sync(enabled)
 
 
 class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
@@ -139,7 +142,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._num_nodes = 1
-        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._init_module = InitModuleRecording()
         """Stage 3: the recording still on between ``init_module()`` and ``setup()``."""
         self.engines: list[ZeroEngine] = []

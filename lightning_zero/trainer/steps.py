@@ -8,6 +8,8 @@ optimizer step itself is the engine's, reached through the precision plugin (``p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 from torch import Tensor
@@ -47,6 +49,13 @@ class StepHooks:
             return step(*args, **kwargs)
         finally:
             self.engine.end_step()
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """The micro-batches ``accumulate_grad_batches`` runs before the one the step follows."""
+        with self.engine.no_backward_sync():
+            yield
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
