@@ -25,7 +25,8 @@ match).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.optim import Optimizer
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
 
 
-def release_held(engines: list["ZeroEngine"], module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+def release_held(engines: list[ZeroEngine], module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
     """Release (see [Note: setting up a model again]) every engine of ``engines`` holding ``module`` or one of
     ``optimizers``, and remove it from ``engines`` (in place)."""
     held = [engine for engine in engines
@@ -50,7 +51,7 @@ def release_held(engines: list["ZeroEngine"], module: nn.Module, optimizers: Seq
         engines.remove(engine)
 
 
-def release(engine: "ZeroEngine") -> None:
+def release(engine: ZeroEngine) -> None:
     """Tear ``engine`` down and give its optimizers back their parameter groups and state (a collective)."""
     states = [_canonical_state(engine, sharded) for sharded in engine.optimizers]
     engine.teardown(gather=True)
@@ -64,14 +65,14 @@ def states_of(optimizers: Sequence[Optimizer]) -> list[tuple[Optimizer, dict[str
     return [(optimizer, optimizer.state_dict()) for optimizer in optimizers if optimizer.state]
 
 
-def load_states(engine: "ZeroEngine", states: Sequence[tuple[Optimizer, dict[str, Any]]]) -> None:
+def load_states(engine: ZeroEngine, states: Sequence[tuple[Optimizer, dict[str, Any]]]) -> None:
     """Load the states kept by :func:`states_of` into ``engine``'s shards of their optimizers."""
     for optimizer, state in states:
         optimizer.state.clear()  # keyed by the module's parameters, which the optimizer no longer steps
         full.load_optimizer_state(engine.sharded(optimizer), state)
 
 
-def _canonical_state(engine: "ZeroEngine", sharded: ShardedOptimizer) -> dict[str, Any]:
+def _canonical_state(engine: ZeroEngine, sharded: ShardedOptimizer) -> dict[str, Any]:
     """The optimizer's state in ``Optimizer.state_dict()`` form on every rank (``{}`` if it has none)."""
     stepped = collectives.broadcast_object(bool(sharded.optimizer.state))
     if not stepped:
@@ -93,6 +94,6 @@ def _give_back(sharded: ShardedOptimizer, state: dict[str, Any]) -> None:
         start += size
     optimizer.__class__ = user_class(optimizer)
     if "_zero_sharded" in vars(optimizer):
-        del optimizer._zero_sharded
+        del optimizer._zero_sharded  # type: ignore[attr-defined]
     if state:
         optimizer.load_state_dict(state)
