@@ -8,7 +8,9 @@ on 2 ranks, tests/workers/empty_init.py, a Fabric loop and a Trainer fit against
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -144,3 +146,69 @@ def test_the_checkpoint_of_two_models_inspects_and_consolidates(gan_ranks, strat
     for name, value in expected.items():
         assert torch.equal(full["state_dict"][name], value), name
     assert len(full["optimizer_states"]) == 2
+
+
+# ---------------------------------------------------------------------- a model set up again
+def _model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.randn(8, 4), torch.randn(8, 2)
+
+
+def _train(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor, steps: int, backward: Any) -> None:
+    for _ in range(steps):
+        backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _plain_adam(steps: int) -> tuple[nn.Module, torch.optim.Adam]:
+    """Plain torch (``ddp`` at world size 1), the oracle."""
+    model, x, y = _model_and_data()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    _train(model, optimizer, x, y, steps, lambda loss: loss.backward())
+    return model, optimizer
+
+
+def _fabric(stage: int) -> L.Fabric:
+    fabric = L.Fabric(strategy=f"zero{stage}", accelerator="cpu", devices=1)
+    fabric.launch()
+    return fabric
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_set_up_again_trains_as_one_setup(stage):
+    fabric = _fabric(stage)
+    model, x, y = _model_and_data()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    fabric.setup(model)  # then with a fresh optimizer, as a re-run notebook cell does
+    wrapped, wrapped_opt = fabric.setup(model, optimizer)
+    _train(wrapped, wrapped_opt, x, y, 2, fabric.backward)
+    wrapped, wrapped_opt = fabric.setup(model, optimizer)  # again, after steps: the Adam state carries over
+    assert len(fabric.strategy.engines) == 1
+    _train(wrapped, wrapped_opt, x, y, 2, fabric.backward)
+    expected, _ = _plain_adam(4)
+    with fabric.strategy.gathered_parameters():
+        for actual, value in zip(model.parameters(), expected.parameters()):
+            torch.testing.assert_close(actual, value, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_set_up_again_gives_its_optimizer_back_whole(stage):
+    fabric = _fabric(stage)
+    model, x, y = _model_and_data()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    wrapped, wrapped_opt = fabric.setup(model, optimizer)
+    _train(wrapped, wrapped_opt, x, y, 2, fabric.backward)
+    fabric.setup_module(model)  # the model alone: its old engine lets the optimizer go
+    expected_model, expected_opt = _plain_adam(2)
+    assert type(optimizer) is torch.optim.Adam
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
+    with fabric.strategy.gathered_parameters():  # zero3: the model is sharded again by its new engine
+        for param, value in zip(model.parameters(), expected_model.parameters()):
+            torch.testing.assert_close(param.detach(), value.detach(), rtol=RTOL, atol=1e-6)
+    state = [optimizer.state[p] for p in model.parameters()]
+    for actual, value in zip(state, (expected_opt.state[p] for p in expected_model.parameters())):
+        assert actual.keys() == value.keys()
+        for key in value:
+            torch.testing.assert_close(actual[key], value[key], rtol=RTOL, atol=1e-7)

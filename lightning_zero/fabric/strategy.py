@@ -47,7 +47,7 @@ from lightning_zero.engine.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.engine.construction import InitModuleRecording, place_module
 from lightning_zero.engine.engine import ZeroEngine
-from lightning_zero.fabric import plain, several
+from lightning_zero.fabric import plain, resetup, several
 from lightning_zero.fabric.several import MODELS_KEY, EngineGroup
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
@@ -203,11 +203,11 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
 
     def _make_engine(self, module: Module, optimizers: list[Optimizer]) -> None:
         recording = self._init_module.take(module)
-        if any(engine.module is module for engine in self.engines):
-            raise RuntimeError("This model is already set up: call `fabric.setup` (or `setup_module`) once per model, "
-                               "with every optimizer of it.")
+        resetup.release_held(self.engines, module, optimizers)  # see [Note: setting up a model again]
+        states = resetup.states_of(optimizers)
         self.engine = ZeroEngine(module, optimizers, precision=self.precision.mode, device=self.root_device,
                                  config=self.config, recording=recording, shard_groups=self.shard_groups)
+        resetup.load_states(self.engine, states)
         self.engines.append(self.engine)
 
     @override
