@@ -35,6 +35,13 @@ from lightning_zero.core import disk  # noqa: E402
 warnings.filterwarnings("ignore")
 
 
+def _counting_engine(trainer: L.Trainer) -> Any:
+    """The strategy's ``ZeroEngine`` where it counts its costs (not DDP or FSDP2, nor a package from before
+    ``step_costs``, run through ``+BENCH_ROOT`` for a before/after table)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    return engine if hasattr(engine, "step_costs") else None
+
+
 class Probe(L.Callback):
     """Times every step, counts its collectives, measures model states after the third backward."""
 
@@ -48,14 +55,14 @@ class Probe(L.Callback):
         """ZeRO only: each measured step's ``ZeroEngine.step_costs()``."""
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
+        engine = _counting_engine(trainer)
         if engine is not None:
             engine.step_costs()  # counts from here
         self.timer.start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.timer.stop()
-        engine = getattr(trainer.strategy, "engine", None)
+        engine = _counting_engine(trainer)
         if engine is not None and self.timer.measured_last:  # the engine's own counts (see lightning_zero/core/costs.py)
             self.costs.append(engine.step_costs())
         if self.profiler is not None:
