@@ -14,7 +14,7 @@ counted in the engine's ``traffic`` (control messages, not payload).
 
 [Note: a check is waited for one unit late]
 Waiting for each check where it is sent would make every unit a barrier: each rank would wait for the slowest at
-every unit, in every pass (issue 23 measured 8% of zero3's step time on two CPU ranks). So a check is waited for at
+every unit, in every pass (measured at 8% of zero3's step time on two CPU ranks). So a check is waited for at
 the next hook instead (``UnitRuntime._catch_up`` in ``units.py``), one unit's compute later, and the collectives
 that depend on it wait with it: what a hook prefetches comes from the *verified* previous unit (its successors in
 the recorded order), never from the unit the hook is about to run; at the end of a pass nothing more is prefetched

@@ -23,7 +23,7 @@ the error names the unit each rank ran and the units a rank skipped.
 [Note: the root is gathered ahead of the next step]
 The root unit (the parameters outside every block: embeddings, final norm, head) is the first one a forward needs,
 and no unit before it can prefetch it: gathered at the root's pre-forward hook, its all-gather is the one stage 3
-waits for with nothing to overlap (issue 23). So after an optimizer step, once the new shards are written, every rank
+waits for with nothing to overlap. So after an optimizer step, once the new shards are written, every rank
 starts the root's gather (:meth:`UnitRuntime.prefetch_root`) and the next forward waits for it; it overlaps the data
 loading and the loop's own work between steps, as hooks on the forward could not. Meanwhile user code may run
 (callbacks, a checkpoint, evaluation), so the root's parameters keep refusing reads until the gather is waited for
