@@ -41,13 +41,16 @@ def ranks(tmp_path_factory):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_model_states_per_rank_against_ddp_follow_the_table_at_4_ranks(ranks, stage):
-    # fp32 AdamW at N = 4: stage 1 (8 + 8/4) / 16 = 0.625 of DDP's, stage 2 (4 + 12/4) / 16 = 0.4375, stage 3 1/4
+    # fp32 AdamW at N = 4: stage 1 (8 + 8/4) / 16 = 0.625 of DDP's, stage 2 (4 + 12/4) / 16 = 0.4375, stage 3 1/4;
+    # stage 1 holds its table's full gradients only inside no_backward_sync: after the backward a step follows (where
+    # the probe measures) its gradients are already reduced into the shard, stage 2's figure
     for rank in ranks:
         psi = rank[stage]["numel"]
         assert rank["ddp"]["numel"] == psi and rank[stage]["states"], "the probe measured nothing"
         ddp = rank["ddp"]["states"]["model_states"]
         assert abs(ddp - 16 * psi) <= 0.02 * 16 * psi, (ddp, psi)  # DDP holds its 16 bytes a parameter
-        table = expected_model_state_bytes(psi, WORLD_SIZE, STAGES[stage], "32-true") / (16 * psi)
+        held = 2 if stage == "zero1" else STAGES[stage]
+        table = expected_model_state_bytes(psi, WORLD_SIZE, held, "32-true") / (16 * psi)
         ratio = rank[stage]["states"]["model_states"] / ddp
         assert abs(ratio - table) <= 0.03, f"{stage} holds {ratio:.3f}x DDP's model states per rank, the table {table}x"
 
