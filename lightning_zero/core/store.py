@@ -250,8 +250,10 @@ class ShardedStorage:
             # mmap threshold from tens of millions of parameters on, so a page fault per 4 KiB of it every step. It
             # costs 4Ψ/N bytes during forward, less than DDP's own reducer keeps for the whole run (its buckets, 4Ψ).
             # Clearing only marks it unwritten: each bucket's next reduction overwrites its slice. Stage 1 frees it
-            # when its gradients are held instead (see [Note: stage 1 reduces in the backward the step follows]).
-            self.reducer.clear(keep_shard=True)
+            # when its gradients are held instead (see [Note: stage 1 reduces in the backward the step follows]),
+            # also when the gradients are cleared inside the hold (Lightning zeroes them in its first accumulating
+            # micro-batch, after entering the hold).
+            self.reducer.clear(keep_shard=not self.holding)
             return
         for j in indices:
             self.params[j].grad = None
