@@ -10,6 +10,7 @@ import os
 import select
 import subprocess
 import time
+from typing import Callable
 from pathlib import Path
 
 import lightning as L
@@ -64,11 +65,13 @@ class Fifo:
         self.keep = os.open(path, os.O_WRONLY)
         self.buffer = b""
 
-    def lines(self, count: int, timeout: float, what: str) -> list[str]:
+    def lines(self, count: int, timeout: float, what: Callable[[], str]) -> list[str]:
+        """The first ``count`` lines; ``what()`` describes them if they never come (called only then: the logs it
+        reads may not exist yet while the workers start)."""
         deadline = time.monotonic() + timeout
         while self.buffer.count(b"\n") < count:
             left = deadline - time.monotonic()
-            assert left > 0 and select.select([self.fd], [], [], left)[0], f"{what} never came in {timeout} s"
+            assert left > 0 and select.select([self.fd], [], [], left)[0], f"{what()} never came in {timeout} s"
             self.buffer += os.read(self.fd, 4096)
         return self.buffer.decode().splitlines()
 
@@ -81,7 +84,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
     fifo = Fifo(tmp_path / "saving.fifo")
     procs = start("kill_save.py", 2, tmp_path)
     try:  # every rank is inside the second save (its shard written, meta.pt not) when the test kills them
-        assert sorted(fifo.lines(2, 240, "the second save on every rank:\n" + _tail(tmp_path))) == ["0", "1"]
+        assert sorted(fifo.lines(2, 240, lambda: "the second save on every rank:\n" + _tail(tmp_path))) == ["0", "1"]
     finally:
         fifo.close()
         for p in procs:
@@ -137,7 +140,7 @@ def test_two_jobs_writing_one_checkpoint_name_both_succeed_and_the_last_wins(tmp
     os.mkfifo(go)
     a = ZYGOTE.spawn([script, str(path), "1", str(tmp_path)], env, tmp_path, tmp_path / "a.log")
     try:
-        assert paused.lines(1, 120, "A's pause:\n" + (tmp_path / "a.log").read_text()) == ["paused"]
+        assert paused.lines(1, 120, lambda: "A's pause:\n" + (tmp_path / "a.log").read_text()) == ["paused"]
         b = ZYGOTE.spawn([script, str(path), "2"], env, tmp_path, tmp_path / "b.log")
         assert b.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()
         assert read_meta(path)["global_step"] == 2 and not stale.exists()
