@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroEngine
-from lightning_zero.core import costs
 
 
 def _model() -> nn.Module:
