@@ -77,6 +77,17 @@ def test_every_docs_page_is_linked_from_the_readme() -> None:
     assert not missing, f"docs pages the README does not link: {missing}"
 
 
+def test_every_option_is_in_both_options_tables() -> None:
+    import dataclasses
+
+    options = [f.name for f in dataclasses.fields(lightning_zero.ZeroConfig)]
+    options += ["process_group_backend", "timeout", "start_method"]  # the strategies' own
+    for path in (ROOT / "README.md", ROOT / "docs" / "options.md"):
+        rows = set(re.findall(r"^\| `(\w+)` \|", path.read_text(encoding="utf-8"), re.M))
+        missing = [name for name in options if name not in rows]
+        assert not missing, f"{path.relative_to(ROOT)}: options without a row in its table: {missing}"
+
+
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None:
         pytest.fail("mkdocs is not installed: run `pip install -e \".[docs]\"` (the dev extra includes it)")
