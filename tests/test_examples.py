@@ -1,7 +1,7 @@
-"""Every example runs, briefly, the way the README tells a user to run it, so none of them can rot.
+"""Every example runs, briefly, the way the README and docs/getting-started.md tell a user to run it, so none of them can rot.
 
 Each command starts like a user's (Lightning's launcher starts the other processes), in a scratch directory, with a
-hard timeout. The GPT walk-through is the README's: train with zero3 from the shipped YAML config, resume on a
+hard timeout. The GPT walk-through is docs/getting-started.md's: train with zero3 from the shipped YAML config, resume on a
 different number of processes after a Ctrl-C (delivered by a fault point inside a checkpoint write, not by a timer),
 inspect the checkpoint, generate text from it.
 """
@@ -151,10 +151,9 @@ def test_engine_example_under_torchrun_with_a_distributed_sampler(tmp_path):
     assert model.hparams.n_layer == 2 and model.generate("ROMEO:", 4).startswith("ROMEO:")
 
 
-def test_readme_engine_snippet_is_the_shipped_example():
-    # every line of the README's `ZeroEngine` snippet is a line of examples/engine_gpt.py, which the test above runs
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### A plain PyTorch loop: `ZeroEngine`"):]
+def test_docs_engine_snippet_is_the_shipped_example():
+    # every line of the docs' `ZeroEngine` snippet is a line of examples/engine_gpt.py, which the test above runs
+    section = (ROOT / "docs" / "engine.md").read_text()
     snippet = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 3)]
     example = {line.strip() for line in (EXAMPLES / "engine_gpt.py").read_text().splitlines()}
     lines = [line.strip() for line in snippet.splitlines() if line.strip() and line.strip() != "..."]
