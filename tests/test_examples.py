@@ -1,9 +1,9 @@
-"""Every example runs, briefly, the way the README and docs/getting-started.md tell a user to run it, so none of them can rot.
+"""Every example runs, briefly, the way the README and docs/getting-started.md tell a user to run it, so none rots.
 
 Each command starts like a user's (Lightning's launcher starts the other processes), in a scratch directory, with a
-hard timeout. The GPT walk-through is docs/getting-started.md's: train with zero3 from the shipped YAML config, resume on a
-different number of processes after a Ctrl-C (delivered by a fault point inside a checkpoint write, not by a timer),
-inspect the checkpoint, generate text from it.
+hard timeout. The GPT walk-through is docs/getting-started.md's: train with zero3 from the shipped YAML config,
+resume on a different number of processes after a Ctrl-C (delivered by a fault point inside a checkpoint write, not
+by a timer), inspect the checkpoint, generate text from it.
 """
 
 from __future__ import annotations
