@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -81,6 +82,11 @@ class Probe(L.Callback):
         self.peak = probes.peak_memory(pl_module.device)  # before teardown hands the full weights back
 
 
+def _faults() -> float:
+    """Minor page faults of this process so far."""
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 class PhaseProbe(L.Callback):
     """The resident high-water mark of each phase of ``fit`` (CPU only; see [Note: phases] in ``_probes.py``)."""
 
@@ -88,20 +94,23 @@ class PhaseProbe(L.Callback):
         self.baseline = baseline
         self.phases: dict[str, int] = {}
         self.levels: dict[str, int] = {}
-        self.seconds: dict[str, list[tuple[float, float]]] = {}
-        """(wall, process CPU) seconds of each phase, one entry per step; the first step's are warm-up."""
-        self._clock: Optional[tuple[float, float]] = None
+        self.seconds: dict[str, list[tuple[float, float, float]]] = {}
+        """(wall seconds, process-CPU seconds, minor page faults) of each phase, one entry per step; the first step's
+        are warm-up."""
+        self._clock: Optional[tuple[float, float, float]] = None
 
     def _mark(self, ended: str, starts: str) -> None:
-        now = (time.perf_counter(), time.process_time())
+        now = (time.perf_counter(), time.process_time(), _faults())
         if self._clock is not None:
-            self.seconds.setdefault(ended, []).append((now[0] - self._clock[0], now[1] - self._clock[1]))
+            self.seconds.setdefault(ended, []).append((now[0] - self._clock[0], now[1] - self._clock[1],
+                                                       now[2] - self._clock[2]))
         peak = probes.peak_memory(torch.device("cpu")) - self.baseline
         self.phases[ended] = max(self.phases.get(ended, 0), peak)
         level = probes.resident_memory() - self.baseline
         self.levels[starts] = max(self.levels.get(starts, 0), level)
         probes.reset_peak_memory()
-        self._clock = (time.perf_counter(), time.process_time())  # the probe's own reading is not a phase's time
+        # the probe's own reading is not a phase's time
+        self._clock = (time.perf_counter(), time.process_time(), _faults())
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._mark("setup", "idle")

@@ -62,15 +62,15 @@ TIMED = ("forward", "backward", "reduce", "step", "idle")
 
 
 def timing_row(text: str, rec: dict[str, Any], ddp: float) -> tuple[str, float]:
-    """One markdown row of each phase's median wall and process-CPU milliseconds per step (the first step left out:
-    warm-up), and the sum of the wall medians against ddp's; returns the row and that sum."""
+    """One markdown row of each phase's median wall and process-CPU milliseconds and minor page faults per step (the
+    first step left out: warm-up), and the sum of the wall medians against ddp's; returns the row and that sum."""
     seconds = rec.get("phase_seconds") or {}
     if not seconds:
         return f"| {text} | {rec.get('error') or rec.get('skipped') or 'no timings'} |", 0.0
-    medians = {p: [statistics.median(t[i] for t in seconds.get(p, [(0.0, 0.0)])[1:] or [(0.0, 0.0)]) * 1e3
-                   for i in (0, 1)] for p in TIMED}
-    total = sum(wall for wall, _ in medians.values())
-    cells = " | ".join(f"{wall:,.0f} / {cpu:,.0f}" for wall, cpu in medians.values())
+    medians = {p: [statistics.median(t[i] if i < len(t) else 0.0 for t in seconds.get(p, [(0.0, 0.0)])[1:]
+                                     or [(0.0, 0.0)]) * (1e3 if i < 2 else 1) for i in (0, 1, 2)] for p in TIMED}
+    total = sum(wall for wall, _, _ in medians.values())
+    cells = " | ".join(f"{wall:,.0f} / {cpu:,.0f} / {faults:,.0f}" for wall, cpu, faults in medians.values())
     return f"| {text} | {cells} | {total:,.0f} | {total / ddp if ddp else float('nan'):.2f} |", total
 
 
@@ -106,7 +106,7 @@ def phases(args: argparse.Namespace) -> None:
     header = ("| variant | model states | level between steps | " + " | ".join(f"peak in {p}" for p in PHASES)
               + " | peak growth in fit | vs ddp |")
     lines = [header, "|" + "---|" * (len(PHASES) + 5)]
-    timings = ["| variant | " + " | ".join(f"{p} (ms wall / CPU)" for p in TIMED) + " | sum of walls | vs ddp |",
+    timings = ["| variant | " + " | ".join(f"{p} (ms wall / CPU / faults)" for p in TIMED) + " | sum of walls | vs ddp |",
                "|" + "---|" * (len(TIMED) + 3)]
     ddp, ddp_time = 0.0, 0.0
     for text in args.variants:

@@ -175,6 +175,16 @@ def test_quantized_runs_stay_within_the_bound_of_the_exact_run(ranks, run):
         assert abs(quantized["val_loss"] - exact["val_loss"]) <= VAL_RTOL * abs(exact["val_loss"])
 
 
+@pytest.mark.parametrize("run", ["zero3", *HPZ, "qwz", "qwz_hpz", "qgz2", "qgz3"])
+def test_no_buffer_is_made_after_the_first_step(ranks, run):
+    """hpZ's secondary copies and the quantized exchanges' codes, scales and sums are made in the first optimizer
+    step and reused: no later batch makes any buffer of the engine's (every size counted, see the worker)."""
+    for rank in ranks:
+        allocations = rank[run]["allocations"]
+        assert len(allocations) == 3 * MICRO and sum(allocations[:MICRO]) > 0, allocations
+        assert allocations[MICRO:] == [0] * (2 * MICRO), allocations
+
+
 def test_hpz_on_top_of_qwz_changes_no_bit(ranks):
     for rank in ranks:
         assert rank["qwz_hpz"]["losses"] == rank["qwz"]["losses"]

@@ -53,7 +53,7 @@ from lightning_zero.core import collectives, costs
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import Bucket, FlatLayout
-from lightning_zero.core.quantize import reduce_scatter_quantized
+from lightning_zero.core.quantize import Scratch, reduce_scatter_quantized
 
 
 class GradSink(Protocol):
@@ -132,6 +132,7 @@ class GradientReducer:
         self.before_launch: Optional[Callable[[], None]] = None
         """Called before each reduce-scatter is launched (stage 3 waits for its lockstep check there)."""
         self.quantize_block = quantize_block
+        self._quantize_scratch = Scratch()  # qgZ's codes, scales and sums, reused from bucket to bucket
         """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
         reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
         self.grad_shard: Optional[torch.Tensor] = None
@@ -317,7 +318,8 @@ class GradientReducer:
             self._in_flight_peak(slot)  # the side output may just have been made
         fault_point("collective.reduce_scatter")
         if self.quantize_block is not None:
-            work = reduce_scatter_quantized(target, data, self.quantize_block, group=self.group)
+            work = reduce_scatter_quantized(target, data, self.quantize_block, group=self.group,
+                                            scratch=self._quantize_scratch)
         else:
             work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True

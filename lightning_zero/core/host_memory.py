@@ -40,6 +40,26 @@ def release_freed_memory(threshold: Optional[int]) -> bool:
     return changed
 
 
+def give_back_free_heap() -> bool:
+    """Once, at a point the engine chooses: return the whole pages of glibc's free heap to the kernel
+    (``malloc_trim(0)``); ``False`` where there is no glibc (nothing to do).
+
+    [Note: the engine gives back what its setup left behind]
+    Sharded construction builds each unit whole and keeps a shard of it, and the first step makes the optimizer's
+    states and temporaries: both leave holes in glibc's heap that it keeps resident (``mallinfo2().fordblks``, tens
+    of MiB) and that no later step needs, since every buffer of a step is the engine's own and reused. One trim after
+    setup and one after the first optimizer step hand those pages back (the paper's memory defragmentation, done by
+    the allocator that owns the holes). It changes no setting: the heap keeps serving the process as DDP's does, and
+    a hole a later step does reuse is faulted back in once, not every step. A trim in every step would return the
+    activations' pages too and bring their faults back every step: never call this per step.
+    """
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def fix_threshold(libc: Any, threshold: int) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes and, above :data:`FIXED_THRESHOLD`, the trim threshold at
     twice that (as glibc's dynamic adjustment would: the heap keeps its top for reuse); ``False`` if refused."""
@@ -51,7 +71,14 @@ def fix_threshold(libc: Any, threshold: int) -> bool:
 def _glibc() -> Optional[Any]:
     """glibc's ``mallopt`` and ``malloc_trim``, or ``None`` (not Linux, not glibc, or a threshold set in the
     environment, which always wins)."""
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return None
+    return _libc()
+
+
+def _libc() -> Optional[Any]:
+    """glibc with ``mallopt`` and ``malloc_trim`` typed, or ``None`` (not Linux, or not glibc)."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None)

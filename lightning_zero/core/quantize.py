@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 
 QMAX = 127
 """The largest int8 code used (symmetric: -127..127)."""
@@ -47,26 +47,67 @@ def padded_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+class Scratch:
+    """The quantized exchanges' working memory, lent by (dtype, elements) and given back after use, so that after
+    warm-up an exchange allocates nothing large (see [Note: what a step costs] in ``costs.py``). It holds, per size,
+    as many buffers as were ever in use at once: the exchanges in flight (a gather and its prefetch), not one per
+    unit or bucket. One per owner (a unit store, a bucket manager); not thread-safe."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[torch.dtype, int, str], list[Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A buffer of ``numel`` elements (contents undefined): an idle one, or a new one (counted)."""
+        idle = self._idle.get((dtype, numel, str(device)))
+        return idle.pop() if idle else costs.empty(numel, dtype, device)
+
+    def give(self, *buffers: Tensor) -> None:
+        """Take ``buffers`` back for the next exchange."""
+        for buffer in buffers:
+            self._idle.setdefault((buffer.dtype, buffer.numel(), str(buffer.device)), []).append(buffer)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the idle buffers held."""
+        return sum(t.numel() * t.element_size() for ts in self._idle.values() for t in ts)
+
+
+def quantize(x: Tensor, block: int, scratch: Optional[Scratch] = None, codes: Optional[Tensor] = None,
+             scales: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Codes (int8, ``blocks * block`` elements) and scales (fp32, one per block) of the flat ``x`` (see
-    [Note: blockwise int8 quantization])."""
+    [Note: blockwise int8 quantization]), written into ``codes`` and ``scales`` if given; the fp32 work buffer is
+    taken from ``scratch`` and given back."""
     n = x.numel()
     blocks = padded_blocks(n, block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n].copy_(x.reshape(-1))
-    padded = padded.view(blocks, block)
-    scales = padded.abs().amax(dim=1) / QMAX
-    codes = torch.round(padded / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
-    return codes.clamp_(-QMAX, QMAX).to(torch.int8).view(-1), scales
+    scratch = scratch if scratch is not None else Scratch()
+    work = scratch.take(blocks * block, torch.float32, x.device)
+    codes = codes if codes is not None else torch.empty(blocks * block, dtype=torch.int8, device=x.device)
+    scales = scales if scales is not None else torch.empty(blocks, dtype=torch.float32, device=x.device)
+    with torch.no_grad():
+        work[:n].copy_(x.reshape(-1))
+        work[n:].zero_()
+        padded = work.view(blocks, block)
+        torch.linalg.vector_norm(padded, float("inf"), dim=1, out=scales)  # max |x| per block
+        scales.div_(QMAX)
+        padded.div_(scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)).round_().clamp_(-QMAX, QMAX)
+        codes.copy_(work)  # integral values: the cast is exact
+    scratch.give(work)
+    return codes, scales
 
 
-def dequantize(codes: Tensor, scales: Tensor, numel: int, out: Optional[Tensor] = None) -> Tensor:
-    """The first ``numel`` values of ``codes * scales`` (blockwise), written into ``out`` if given (any dtype)."""
+def dequantize(codes: Tensor, scales: Tensor, numel: int, out: Optional[Tensor] = None,
+               scratch: Optional[Scratch] = None) -> Tensor:
+    """The first ``numel`` values of ``codes * scales`` (blockwise), written into ``out`` if given (any dtype); with
+    ``out`` and ``scratch``, the fp32 work buffer is lent by ``scratch``."""
     block = codes.numel() // scales.numel()
-    values = (codes.view(-1, block).to(torch.float32) * scales.unsqueeze(1)).view(-1)[:numel]
     if out is None:
-        return values
-    out.copy_(values.view(out.shape))
+        return (codes.view(-1, block).to(torch.float32) * scales.unsqueeze(1)).view(-1)[:numel]
+    scratch = scratch if scratch is not None else Scratch()
+    work = scratch.take(codes.numel(), torch.float32, codes.device)
+    with torch.no_grad():
+        torch.mul(codes.view(-1, block), scales.unsqueeze(1), out=work.view(-1, block))
+        out.copy_(work[:numel].view(out.shape))
+    scratch.give(work)
     return out
 
 
@@ -78,10 +119,12 @@ def quantized_bytes(numel: int, block: int) -> int:
 
 class _Dequantize:
     """A work handle whose ``wait`` waits for the gathers of codes and scales, then dequantizes every rank's chunk
-    into ``output``."""
+    into ``output`` and gives the exchange's buffers back to ``scratch``."""
 
-    def __init__(self, works: list[Any], output: Tensor, codes: Tensor, scales: Tensor, ranks: int) -> None:
+    def __init__(self, works: list[Any], output: Tensor, codes: Tensor, scales: Tensor, ranks: int,
+                 scratch: Scratch, lent: tuple[Tensor, ...]) -> None:
         self.works, self.output, self.codes, self.scales, self.ranks = works, output, codes, scales, ranks
+        self.scratch, self.lent = scratch, lent
 
     def wait(self) -> bool:
         if self.works:
@@ -90,43 +133,56 @@ class _Dequantize:
             self.works = []
             chunk = self.output.numel() // self.ranks
             codes, scales = self.codes.view(self.ranks, -1), self.scales.view(self.ranks, -1)
-            with torch.no_grad():
-                for r in range(self.ranks):
-                    dequantize(codes[r], scales[r], chunk, self.output[r * chunk : (r + 1) * chunk])
+            for r in range(self.ranks):
+                dequantize(codes[r], scales[r], chunk, self.output[r * chunk : (r + 1) * chunk], self.scratch)
+            self.scratch.give(*self.lent)
         return True
 
 
-def all_gather_quantized(output: Tensor, input: Tensor, block: int, group: Optional[Any] = None) -> Any:
+def all_gather_quantized(output: Tensor, input: Tensor, block: int, group: Optional[Any] = None,
+                         scratch: Optional[Scratch] = None) -> Any:
     """qwZ: concatenate every rank's ``input`` into ``output`` as blockwise int8 (see [Note: qwZ, the quantized
-    all-gather of weights]); asynchronous, the values land at ``wait``. Counted as ``all_gather`` (codes and scales)."""
+    all-gather of weights]); asynchronous, the values land at ``wait``. Counted as ``all_gather`` (codes and scales).
+    The codes and scales in flight are lent by ``scratch`` until ``wait``."""
     ranks = collectives.world_size(group)
-    codes, scales = quantize(input, block)
-    all_codes = torch.empty(ranks * codes.numel(), dtype=torch.int8, device=input.device)
-    all_scales = torch.empty(ranks * scales.numel(), dtype=torch.float32, device=input.device)
+    scratch = scratch if scratch is not None else Scratch()
+    blocks = padded_blocks(input.numel(), block)
+    all_codes = scratch.take(ranks * blocks * block, torch.int8, input.device)
+    all_scales = scratch.take(ranks * blocks, torch.float32, input.device)
+    codes = scratch.take(blocks * block, torch.int8, input.device)
+    scales = scratch.take(blocks, torch.float32, input.device)
+    quantize(input, block, scratch, codes, scales)
     works = [collectives.all_gather(all_codes, codes, group=group, async_op=True, verified=False),
              collectives.all_gather(all_scales, scales, group=group, async_op=True, verified=False)]
-    return _Dequantize(works, output, all_codes, all_scales, ranks)
+    return _Dequantize(works, output, all_codes, all_scales, ranks, scratch, (all_codes, all_scales, codes, scales))
 
 
-def reduce_scatter_quantized(output: Tensor, input: Tensor, block: int, group: Optional[Any] = None) -> Any:
+def reduce_scatter_quantized(output: Tensor, input: Tensor, block: int, group: Optional[Any] = None,
+                             scratch: Optional[Scratch] = None) -> Any:
     """qgZ: sum ``input`` (``world_size`` equal chunks) over ranks into this rank's chunk ``output``, sending each
     chunk as blockwise int8 by one all-to-all and summing the dequantized contributions in fp32 (see [Note: qgZ, the
     quantized reduce-scatter of gradients]). Synchronous: returns a finished work handle. Counted as ``all_to_all``
-    (codes and scales)."""
+    (codes and scales). Its buffers are lent by ``scratch``."""
     ranks = collectives.world_size(group)
     chunk = output.numel()
     if ranks == 1:
         output.copy_(input)
         return collectives.done()
-    pieces = [quantize(input[r * chunk : (r + 1) * chunk], block) for r in range(ranks)]
-    codes = torch.cat([c for c, _ in pieces])
-    scales = torch.cat([s for _, s in pieces])
-    got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
+    scratch = scratch if scratch is not None else Scratch()
+    blocks = padded_blocks(chunk, block)
+    device = input.device
+    codes, got_codes = (scratch.take(ranks * blocks * block, torch.int8, device) for _ in range(2))
+    scales, got_scales = (scratch.take(ranks * blocks, torch.float32, device) for _ in range(2))
+    total, part = (scratch.take(chunk, torch.float32, device) for _ in range(2))
+    per_codes, per_scales = codes.view(ranks, -1), scales.view(ranks, -1)
+    for r in range(ranks):
+        quantize(input[r * chunk : (r + 1) * chunk], block, scratch, per_codes[r], per_scales[r])
     collectives.all_to_all(got_codes, codes, group=group)
     collectives.all_to_all(got_scales, scales, group=group)
-    total = torch.zeros(chunk, dtype=torch.float32, device=input.device)
-    for c, s in zip(got_codes.view(ranks, -1), got_scales.view(ranks, -1)):
-        total += dequantize(c, s, chunk)
-    output.copy_(total)
+    with torch.no_grad():
+        total.zero_()
+        for c, s in zip(got_codes.view(ranks, -1), got_scales.view(ranks, -1)):
+            total.add_(dequantize(c, s, chunk, part, scratch))
+        output.copy_(total.view(output.shape))
+    scratch.give(codes, got_codes, scales, got_scales, total, part)
     return collectives.done()
-

@@ -114,9 +114,11 @@ class ZeroEngine(OptimizerSteps):
         self.completed_steps = 0
         """Optimizer steps run (or skipped) since setup; the Trainer sets it to its ``global_step``."""
         self._step_norms: dict[int, torch.Tensor] = {}  # clipping's global norm, per optimizer, until its step
+        self._heap_given_back = 0  # trims of the host heap done: after setup, after the first step
         # a disk fault at setup is raised by every rank at the end of it (see [Note: faults are agreed on every rank])
         with disk.agreed_faults(self.shard_groups.world, self.config.on_disk):
             self._setup(list(optimizers), recording)
+        self._give_back_heap_once()
         self.step_costs()  # counts from the end of setup on
 
     # ------------------------------------------------------------------ setup

@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 import warnings
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.core.host_memory import give_back_free_heap
 from lightning_zero.core import collectives, disk
 from lightning_zero.core.amp import (PrecisionMode, clip_grad_norm, clip_grad_value, global_grad_norm,
                                      parameter_grad_norms)
@@ -67,6 +68,15 @@ class OptimizerSteps:
     skipped_steps: int
     completed_steps: int
     _step_norms: dict[int, Tensor]
+    _heap_given_back: int
+
+    def _give_back_heap_once(self) -> None:
+        """After setup and after the first optimizer step, on a CPU: one trim of the host heap (see [Note: the engine
+        gives back what its setup left behind] in ``core/host_memory.py``); nothing at any later step."""
+        if self._heap_given_back < 2:
+            self._heap_given_back += 1
+            if self.device.type == "cpu":
+                give_back_free_heap()
 
     def sharded(self, optimizer: Optional[Optimizer] = None) -> ShardedOptimizer:
         """The shards of ``optimizer`` (the only one when ``None``)."""
@@ -170,6 +180,7 @@ class OptimizerSteps:
                 if zero_grad:
                     sharded.optimizer.zero_grad()
         self.completed_steps += 1
+        self._give_back_heap_once()
         if self.runtime is not None:
             self.runtime.prefetch_root()  # [Note: the root is gathered ahead of the next step] in stage3/units.py
         return output

@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_zero.core import collectives, costs
 from lightning_zero.core.layout import FlatLayout
 from lightning_zero.core.offload import copy_to_device, pins
-from lightning_zero.core.quantize import all_gather_quantized
+from lightning_zero.core.quantize import Scratch, all_gather_quantized
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.pool import BlockPool
 
@@ -60,6 +60,8 @@ class ShardedParams:
         self._live_bytes = 0
         self.pool = BlockPool(self.device)
         """The memory the unit buffers hold while gathered (see [Note: the engine owns its memory] in ``pool.py``)."""
+        self.scratch = Scratch()
+        """qwZ's codes and scales in flight, reused from gather to gather."""
         for j, p in enumerate(params):
             self.unit_params.setdefault(layout.param_units[j], []).append(p)
         for unit in sorted({b.unit for b in layout.buckets}):
@@ -98,7 +100,8 @@ class ShardedParams:
                 source = self._upload(source, buffer, self.layout.chunk_range(bucket, self.rank)[0] - start)
             output = buffer[b0 - start : b1 - start]
             if quantize_block is not None:
-                works.append(all_gather_quantized(output, source, quantize_block, group=self.group))
+                works.append(all_gather_quantized(output, source, quantize_block, group=self.group,
+                                                  scratch=self.scratch))
                 continue
             works.append(collectives.all_gather(output, source, group=self.group, async_op=True, verified=verified))
         return works

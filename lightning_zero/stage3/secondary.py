@@ -14,7 +14,9 @@ Lifetime: a unit's secondary piece is taken at each forward that frees the unit 
 or the module in training mode, which covers a reentrant checkpoint's ``no_grad`` forward) and dropped when the
 unit's values change or the step ends: at the end of backward, at the optimizer step's refresh, and at the end of an
 evaluation step, so a re-gather never reads a stale copy. Only backward (and a recomputation inside it) gathers from
-it. Memory: Ψ/s working-dtype elements per rank at most (every non-root unit kept), on top of the primary shard Ψ/N.
+it. Memory: Ψ/s working-dtype elements per rank (every non-root unit), on top of the primary shard Ψ/N: each unit's
+copy is allocated at its first keep and kept, dropping a copy only marks it stale, so a step allocates nothing here
+after the first (the peak is unchanged: at the end of forward every copy is held either way).
 
 Traffic per micro-batch and rank, with U the padded size of the non-root units: the forward all-gather U (plus the
 root) counts under the world's scope as before, backward's all-gather U under ``"secondary"`` (the paper's
@@ -44,7 +46,9 @@ class SecondaryShards:
         self.size = collectives.world_size(self.group)
         self.position = collectives.rank(self.group)
         self.pieces: dict[int, Tensor] = {}
-        """Each kept unit's secondary pieces, bucket after bucket, in one flat tensor."""
+        """Each kept unit's secondary pieces, bucket after bucket, in one flat tensor (current copies only)."""
+        self._memory: dict[int, Tensor] = {}
+        """Each unit's copy once made, current or stale, reused by its next keep."""
 
     def _ranges(self, unit: int) -> list[tuple[int, int]]:
         """Each bucket of ``unit`` as (start in the unit's buffer, elements of one secondary piece)."""
@@ -59,9 +63,9 @@ class SecondaryShards:
     def keep(self, unit: int, buffer: Tensor) -> None:
         """Copy this rank's secondary pieces of ``unit`` out of its gathered ``buffer``."""
         ranges = self._ranges(unit)
-        kept = self.pieces.get(unit)
+        kept = self._memory.get(unit)
         if kept is None:
-            kept = costs.empty(sum(n for _, n in ranges), buffer.dtype, buffer.device)
+            kept = self._memory[unit] = costs.empty(sum(n for _, n in ranges), buffer.dtype, buffer.device)
         at = 0
         with torch.no_grad():
             for b0, n in ranges:
@@ -94,5 +98,10 @@ class SecondaryShards:
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes of secondary pieces held now."""
+        """Bytes of current secondary pieces."""
         return sum(t.numel() * t.element_size() for t in self.pieces.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held for secondary pieces, current or stale."""
+        return sum(t.numel() * t.element_size() for t in self._memory.values())

@@ -3,8 +3,9 @@ and without activation checkpointing), with qwZ (alone and with hpZ) and with qg
 and data, with clipping by norm, gradient accumulation and a validation pass (see [Note: hpZ, the secondary
 partition] in ``stage3/secondary.py`` and the Notes of ``core/quantize.py``).
 
-Saves per run the losses, the final weights, the collective payload per training batch (bytes, and elements by
-scope), the padded flat size of the storages, the padded size of their root units and every bucket's chunk size.
+Saves per run the losses, the final weights, the collective payload and the engine's allocations per training batch
+(bytes, and elements by scope; every allocation counted, the tiny model's buffers being far below the large-size
+mark), the padded flat size of the storages, the padded size of their root units and every bucket's chunk size.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import lightning as L
 import torch
 
 from lightning_zero import Traffic, ZeroStrategy
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, costs
 from tests.models import TinyLM
 
 warnings.filterwarnings("ignore")
+costs.LARGE_BYTES = 1  # count every buffer the engine makes, small or large
 
 S = 2  # the secondary group size
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -43,17 +45,20 @@ RUNS: dict[str, Any] = {
 
 
 class Probe(L.Callback):
-    """The collective payload of every training batch."""
+    """The collective payload and the engine's allocations of every training batch."""
 
     def __init__(self) -> None:
         self.traffic: list[dict[str, Any]] = []
+        self.allocations: list[int] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
         self.counters.reset()
+        self.allocated = costs.COSTS.large_allocations
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.traffic.append(self.counters.snapshot())
+        self.allocations.append(costs.COSTS.large_allocations - self.allocated)
 
 
 def fit(name: str) -> dict[str, Any]:
@@ -70,7 +75,7 @@ def fit(name: str) -> dict[str, Any]:
     zero = isinstance(trainer.strategy, ZeroStrategy)
     storages = trainer.strategy.storages if zero else []
     secondary = trainer.strategy.shard_groups.secondary if zero else None
-    return {"losses": list(model.losses), "traffic": probe.traffic,
+    return {"losses": list(model.losses), "traffic": probe.traffic, "allocations": probe.allocations,
             "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()},
             "padded": sum(s.layout.total for s in storages),
             "root": sum(s.unit_numel(0) for s in storages if hasattr(s, "unit_numel")),
