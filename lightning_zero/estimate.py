@@ -19,12 +19,14 @@ import yaml
 
 from lightning_zero.checkpoints import pretrained
 from lightning_zero.stages import all_policies
-from lightning_zero.core.memory import (  # noqa: F401  (human_bytes: the CLI's import)
+from lightning_zero.core.memory import (  # noqa: F401  (human_bytes, parse_bytes: the CLI's imports)
     BYTES_PER_PARAM,
     expected_disk_bytes,
     expected_model_state_bytes,
     expected_offload_bytes,
     human_bytes,
+    number as _number,
+    parse_bytes,
 )
 
 STRATEGIES = {"ddp": 0, **{policy.name: policy.stage for policy in all_policies()}}
@@ -132,26 +134,6 @@ def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, i
                         for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
 
 
-def parse_bytes(text: str) -> float:
-    """``"80GiB"``, ``"16GB"``, ``"512MiB"``, ``"4096B"``: a positive size with its unit.
-
-    [Note: no bare numbers] ``--memory 32`` meant 32 GiB to the user who typed it and 32 bytes to the parser, which
-    then printed a table of zeros. A unit is required (``B`` for bytes), so the two can never be confused.
-    """
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-             "b": 1}
-    lowered = text.strip().lower().replace("_", "")
-    unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), None)
-    number = _number(lowered[: -len(unit)] if unit else lowered)
-    if unit is None:
-        hint = f" ({text.strip()}GiB or {text.strip()}GB?)" if number is not None else ""
-        raise ValueError(f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for "
-                         "bytes.")
-    if number is None or not number > 0 or math.isinf(number):
-        raise ValueError(f"{text!r} is not a positive size: write e.g. 80GiB, 16GB, 512MiB or 4096B.")
-    return number * units[unit]
-
-
 def parse_count(text: str) -> int:
     """``"1.5e9"``, ``"1.5B"``, ``"350M"``, ``"125k"`` or a plain integer: a positive number of parameters."""
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -161,15 +143,6 @@ def parse_count(text: str) -> int:
     if number is None or math.isinf(number) or int(number * factor) < 1:
         raise ValueError(f"{text!r} is not a positive parameter count: write e.g. 350M, 1.5B, 7e9 or 125000.")
     return int(number * factor)
-
-
-def _number(text: str) -> Optional[float]:
-    """``float(text)``, or ``None`` where it is not a number (NaN included)."""
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return None if math.isnan(value) else value
 
 
 def human_count(n: float) -> str:
