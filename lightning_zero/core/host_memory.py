@@ -40,6 +40,16 @@ def release_freed_memory(threshold: Optional[int]) -> bool:
     return changed
 
 
+def trim_freed_memory() -> bool:
+    """Give the heap's free memory back to the system (``malloc_trim(0)``), so that the resident level is what is
+    in use (a peak measured from it is not hidden by memory an earlier run freed); ``False`` where not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def fix_threshold(libc: Any, threshold: int) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes and, above :data:`FIXED_THRESHOLD`, the trim threshold at
     twice that (as glibc's dynamic adjustment would: the heap keeps its top for reuse); ``False`` if refused."""

@@ -4,7 +4,8 @@
 On CUDA the peak is ``torch.cuda.max_memory_allocated`` from the start of setup: the bytes of live tensors at their
 highest (the caching allocator's reserve on top is not counted, as ``mem_get_info`` leaves it to the margin). On CPU
 there is no allocator to ask, so the peak is the rank's resident memory: its high-water mark (``VmHWM``, reset to
-the current level with ``/proc/self/clear_refs`` at the start of setup) above its level then, the level less the
+the current level with ``/proc/self/clear_refs`` at the start of setup, after the heap's free memory is given
+back with ``malloc_trim``) above its level then, the level less the
 bytes the module's own tensors already held (a model built in ``__init__`` is part of the run's peak, not of the
 level before it). ``benchmarks/memory.py`` measures "peak growth in fit" the same way.
 
@@ -17,9 +18,13 @@ fit (threads, the collectives' transport buffers, the data loader) and, on CPU, 
 
 from __future__ import annotations
 
+import gc
 from typing import Optional, Union
 
 import torch
+
+from lightning_zero.core.host_memory import trim_freed_memory
+from lightning_zero.core.memory import parse_bytes
 
 #: The part of the free memory the default budget leaves unused (see [Note: the default budget]).
 MARGIN = 0.10
@@ -54,8 +59,6 @@ def resolve_budget(value: Optional[Union[str, int, float]]) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise TypeError(f"`memory_budget` must be a size such as '20GiB' or a number of bytes, got {value!r}.")
     if isinstance(value, str):
-        from lightning_zero.core.memory import parse_bytes
-
         return parse_bytes(value)
     if not value > 0:
         raise ValueError(f"`memory_budget` must be a positive number of bytes, got {value!r}.")
@@ -72,6 +75,8 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(device)
             self.level = torch.cuda.memory_allocated(device) - held
         else:
+            gc.collect()
+            trim_freed_memory()  # the level is what is in use, not what an earlier run freed
             _clear_high_water_mark()
             self.level = _status_bytes("VmRSS") - held
 

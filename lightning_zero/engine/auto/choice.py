@@ -1,0 +1,156 @@
+"""``zero_auto``'s choice: the candidate configurations in order of cost, the peak each is predicted to reach per
+rank, and the first that fits the budget.
+
+[Note: the predicted peak]
+A candidate's peak per rank is the sum of
+- the model states DESIGN.md's table gives for its stage and precision (``expected_model_state_bytes``; with
+  offload, ``expected_offload_bytes``: the device part where the budget is a GPU's, device and host together where
+  the device *is* the host, on CPU, so that offloading there saves nothing and is never chosen for memory);
+- the module's buffers (running statistics, position tables), held whole by every rank;
+- the engine's own buffers, from its plan: ``bucket_buffers`` gradient buckets of the bucket size, and at stage 3
+  the units gathered at once (the root unit, the largest unit and up to ``prefetch_size`` elements of those ahead);
+- one step's activations, the peak of the activation probe (see [Note: the activation probe] in ``probe.py``);
+- the optimizer step's temporaries: one tensor the size of the rank's fp32 master shard (the foreach kernels of
+  Adam make one, ``exp_avg_sq.sqrt()``).
+Activations and the step's temporaries are counted together although they are never alive at once: a step's
+gradients and the last activations of backward overlap, and the sum keeps the prediction on the safe side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.core.memory import (
+    BYTES_PER_PARAM,
+    MASTER_BYTES,
+    expected_model_state_bytes,
+    expected_offload_bytes,
+    human_bytes,
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration ``zero_auto`` may pick."""
+
+    stage: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def name(self) -> str:
+        """``"zero2"``, ``"zero3+offload_optimizer"``, ``"zero3+offload_params"``."""
+        extra = "+offload_params" if self.offload_params else "+offload_optimizer" if self.offload_optimizer else ""
+        return f"zero{self.stage}{extra}"
+
+    def apply(self, config: ZeroConfig) -> ZeroConfig:
+        """``config`` with this candidate's stage and offload options."""
+        return replace(config, stage=self.stage, offload_optimizer=self.offload_optimizer,
+                       offload_params=self.offload_params)
+
+
+#: The candidates in the order ``zero_auto`` tries them: least traffic and time first.
+CANDIDATES = (Candidate(1), Candidate(2), Candidate(3), Candidate(3, offload_optimizer=True),
+              Candidate(3, offload_optimizer=True, offload_params=True))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the prediction needs to know of one model on one rank (see [Note: the predicted peak])."""
+
+    num_params: int
+    """Trainable parameters, Ψ."""
+    buffer_bytes: int
+    """The module's buffers."""
+    root_elements: int
+    """Stage 3: elements of the root unit (gathered for the whole step)."""
+    unit_elements: tuple[int, ...]
+    """Stage 3: elements of every other unit."""
+    activation_bytes: int
+    """The activation probe's peak."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The predicted peak of one candidate, by part."""
+
+    candidate: Candidate
+    model_states: float
+    buffers: float
+    engine: float
+    activations: float
+    step: float
+
+    @property
+    def peak(self) -> float:
+        """Bytes per rank at the peak of a step."""
+        return self.model_states + self.buffers + self.engine + self.activations + self.step
+
+
+def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig,
+            on_host: bool) -> Prediction:
+    """The peak ``candidate`` reaches per rank (see [Note: the predicted peak]); ``on_host``: the device is the CPU,
+    so offloaded bytes stay in the budget."""
+    psi, n = facts.num_params, world_size
+    if candidate.offload_optimizer:
+        device, host = expected_offload_bytes(psi, n, candidate.stage, precision, True, candidate.offload_params)
+        states = device + (host if on_host else 0.0)
+    else:
+        states = expected_model_state_bytes(psi, n, candidate.stage, precision)
+    param_b, grad_b, _ = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
+    engine = float(config.bucket_buffers * config.bucket_elements(psi) * grad_b)
+    if candidate.stage == 3:
+        units = sorted(facts.unit_elements, reverse=True)
+        largest = units[0] if units else 0
+        ahead = min(config.prefetch_size, sum(units[1:]))
+        engine += (facts.root_elements + largest + ahead) * param_b
+    step = 0.0 if candidate.offload_optimizer and not on_host else MASTER_BYTES.get(precision, 4) * psi / n
+    return Prediction(candidate, states, float(facts.buffer_bytes), engine, float(facts.activation_bytes), step)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The candidate chosen, the budget, and the prediction of every candidate."""
+
+    chosen: Prediction
+    budget: float
+    predictions: tuple[Prediction, ...]
+    """Every candidate's, in the order of :data:`CANDIDATES`."""
+
+    def by_name(self) -> dict[str, float]:
+        """``{candidate name: predicted peak}`` of every candidate."""
+        return {p.candidate.name: p.peak for p in self.predictions}
+
+    def line(self) -> str:
+        """The one-line reason: ``zero2: predicted peak 11.2 GiB of 12.0 GiB; zero1 would need 14.9 GiB``."""
+        text = (f"zero_auto chose {self.chosen.candidate.name}: predicted peak {human_bytes(self.chosen.peak)} of "
+                f"{human_bytes(self.budget)} per rank")
+        cheaper = list(self.predictions[: self.predictions.index(self.chosen)])
+        if cheaper:
+            text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.peak)}" for p in cheaper)
+        c = self.chosen
+        return (text + f" (model states {human_bytes(c.model_states)}, activations {human_bytes(c.activations)}, "
+                f"engine buffers {human_bytes(c.engine)}, optimizer step {human_bytes(c.step)}, module buffers "
+                f"{human_bytes(c.buffers)})")
+
+
+class BudgetTooSmall(ValueError):
+    """No candidate fits the memory budget."""
+
+
+def choose(facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig, budget: float,
+           on_host: bool) -> Choice:
+    """The first candidate of :data:`CANDIDATES` whose predicted peak fits ``budget``; raises
+    :class:`BudgetTooSmall`, naming the smallest budget that would fit, when none does."""
+    predictions = tuple(predict(candidate, facts, world_size, precision, config, on_host) for candidate in CANDIDATES)
+    for prediction in predictions:
+        if prediction.peak <= budget:
+            return Choice(prediction, budget, predictions)
+    smallest = min(predictions, key=lambda p: p.peak)
+    raise BudgetTooSmall(
+        f"zero_auto: no configuration fits the memory budget of {human_bytes(budget)} per rank; the smallest, "
+        f"{smallest.candidate.name}, needs {human_bytes(smallest.peak)} (activations {human_bytes(facts.activation_bytes)}"
+        f" of it): set `memory_budget` to at least {human_bytes(smallest.peak)}, add ranks, or make the micro-batch "
+        "smaller.")
