@@ -1,11 +1,14 @@
 """One rank of the ``zero_auto`` runs: several fits of one GPT in one launch, each with its own memory budget.
 
-Usage (through ``lightning_zero.testing.launch``): ``auto.py OUT SIZE PRECISION CONSTRUCTION BUDGETS [STEPS]`` with
-SIZE a name of ``benchmarks._model.SIZES``, CONSTRUCTION ``init`` (built in ``__init__``) or ``configure``
-(``configure_model``), BUDGETS a comma-separated list of ``default`` (no ``memory_budget``), ``zero2`` / ``zero3``
-(halfway between that candidate's predicted peak and the next cheaper one's, from the ``default`` fit, which must
-come first) or ``nothing`` (half the smallest prediction). Each fit saves the choice, every prediction and the
-measured peak; a fit refused for its budget saves the error and whether any training step ran.
+Usage (through ``lightning_zero.testing.launch``): ``auto.py OUT SIZE PRECISION FITS [STEPS]`` with SIZE ``test``
+(:data:`TEST_SIZE`) or a name of ``benchmarks._model.SIZES``, and FITS a comma-separated list of
+``BUDGET:CONSTRUCTION``: BUDGET ``default`` (no ``memory_budget``), ``zero2`` / ``zero3`` (halfway between that
+candidate's predicted peak and the next cheaper one's, from the first fit), ``nothing`` (half the smallest
+prediction) or ``only-zeroK`` (the one candidate zeroK, whatever the budget: for the benchmark's table), and
+CONSTRUCTION ``init`` (built in ``__init__``) or ``configure`` (``configure_model``). A first fit, ``cold``, warms the
+process up (see [Note: the predicted peak] in ``lightning_zero/engine/auto/choice.py``: what a process's first fit
+grows by once is not predicted) and gives the predictions. Each fit saves the choice, every prediction and the
+measured peak; a fit refused for its budget saves the error and how many training steps ran.
 """
 
 from __future__ import annotations
@@ -18,11 +21,17 @@ from typing import Any
 import lightning as L
 import torch
 
-from benchmarks._model import SIZES, BenchGPT
+from benchmarks._model import SIZES, BenchGPT, GPTSize
 from lightning_zero import ZeroStrategy
+from lightning_zero.engine.auto import choice
 
 warnings.filterwarnings("ignore")
 ORDER = ("zero1", "zero2", "zero3")
+#: A GPT whose blocks outweigh its embedding (zero3 saves more than its gathered units cost), 6.4M parameters, on
+#: micro-batches whose activations weigh less than the gradients (so that zero2 saves something over zero1).
+TEST_SIZE = GPTSize(width=256, depth=8, vocab=512, seq=64, batch=1)
+#: Stage 3's prefetch in the tests: one block ahead, so that zero3's predicted peak falls below zero2's.
+OPTIONS = {"prefetch_size": 800_000}
 
 
 def budget_for(spec: str, predictions: dict[str, float]) -> Any:
@@ -31,15 +40,17 @@ def budget_for(spec: str, predictions: dict[str, float]) -> Any:
         return None
     if spec == "nothing":
         return 0.5 * min(predictions.values())
+    if spec.startswith("only-"):
+        return None
     cheaper = ORDER[ORDER.index(spec) - 1]
     return (predictions[spec] + predictions[cheaper]) / 2
 
 
-def fit(size: str, precision: str, construction: str, budget: Any, steps: int) -> dict[str, Any]:
+def fit(size: GPTSize, precision: str, construction: str, budget: Any, steps: int) -> dict[str, Any]:
     """One fit under ``zero_auto``; the strategy's record of it."""
     L.seed_everything(0, verbose=False)
-    model = BenchGPT(SIZES[size], samples=64, meta_init=construction == "configure")
-    strategy = ZeroStrategy(stage="auto", memory_budget=budget)
+    model = BenchGPT(size, samples=64, meta_init=construction == "configure")
+    strategy = ZeroStrategy(stage="auto", memory_budget=budget, **OPTIONS)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -54,15 +65,17 @@ def fit(size: str, precision: str, construction: str, budget: Any, steps: int) -
 
 
 def main() -> None:
-    out, size, precision, construction = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    specs = sys.argv[5].split(",")
-    steps = int(sys.argv[6]) if len(sys.argv) > 6 else 4
-    records: list[dict[str, Any]] = []
-    predictions: dict[str, float] = {}
-    for spec in specs:
-        record = fit(size, precision, construction, budget_for(spec, predictions), steps)
-        predictions = predictions or record.get("predictions", {})
-        records.append({"spec": spec, **record})
+    out, precision, fits = Path(sys.argv[1]), sys.argv[3], sys.argv[4].split(",")
+    size = TEST_SIZE if sys.argv[2] == "test" else SIZES[sys.argv[2]]
+    steps = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+    first = fit(size, precision, "configure", None, steps)
+    records: list[dict[str, Any]] = [{"spec": "cold", "construction": "configure", **first}]
+    every = choice.CANDIDATES
+    for text in fits:
+        spec, construction = text.split(":")
+        choice.CANDIDATES = tuple(c for c in every if c.name == spec[5:]) if spec.startswith("only-") else every
+        record = fit(size, precision, construction, budget_for(spec, first["predictions"]), steps)
+        records.append({"spec": spec, "construction": construction, **record})
     torch.save(records, out / f"rank{torch.distributed.get_rank()}.pt")
 
 

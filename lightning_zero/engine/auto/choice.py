@@ -2,18 +2,23 @@
 rank, and the first that fits the budget.
 
 [Note: the predicted peak]
-A candidate's peak per rank is the sum of
-- the model states DESIGN.md's table gives for its stage and precision (``expected_model_state_bytes``; with
-  offload, ``expected_offload_bytes``: the device part where the budget is a GPU's, device and host together where
-  the device *is* the host, on CPU, so that offloading there saves nothing and is never chosen for memory);
-- the module's buffers (running statistics, position tables), held whole by every rank;
-- the engine's own buffers, from its plan: ``bucket_buffers`` gradient buckets of the bucket size, and at stage 3
-  the units gathered at once (the root unit, the largest unit and up to ``prefetch_size`` elements of those ahead);
-- one step's activations, the peak of the activation probe (see [Note: the activation probe] in ``probe.py``);
-- the optimizer step's temporaries: one tensor the size of the rank's fp32 master shard (the foreach kernels of
-  Adam make one, ``exp_avg_sq.sqrt()``).
-Activations and the step's temporaries are counted together although they are never alive at once: a step's
-gradients and the last activations of backward overlap, and the sum keeps the prediction on the safe side.
+A candidate's peak per rank is what stays for the whole run plus the larger of the two moments of a step:
+- what stays: the model states DESIGN.md's table gives for the stage and precision (``expected_model_state_bytes``;
+  with offload ``expected_offload_bytes``: the device part where the budget is a GPU's, device and host together on
+  CPU, where the device *is* the host, so that offloading there saves nothing and is never chosen for memory), less
+  the gradients; the module's buffers, held whole by every rank; at stage 3 the engine's pool of gathered units
+  from its plan (the root unit, the largest unit and up to ``prefetch_size`` elements of the units ahead: the pool
+  keeps its blocks between steps);
+- the activations' moment: the peak of the activation probe, at the end of forward and the start of backward
+  (see [Note: the activation probe] in ``probe.py``), when the gradients of the step and the gradient buckets are
+  not made yet;
+- the step's moment: the gradients (Ψ at stage 1, Ψ/N from stage 2 on, in their dtype), the ``bucket_buffers``
+  gradient buckets of the bucket size (made in backward, freed at the step) and the optimizer step's temporaries,
+  one tensor the size of the rank's master shard (the foreach kernels of Adam make one, ``exp_avg_sq.sqrt()``); the
+  activations are gone by then.
+Not predicted: what a process's first ``fit`` grows by once, whatever the configuration (thread stacks, the
+collectives' transport buffers, the first use of kernels: about 30-40 MiB per CPU rank), left to the margin of the
+default budget (see [Note: the default budget] in ``budget.py``).
 """
 
 from __future__ import annotations
@@ -78,15 +83,21 @@ class Prediction:
 
     candidate: Candidate
     model_states: float
+    """The table's model states, gradients included."""
+    grads: float
     buffers: float
-    engine: float
+    """The module's buffers."""
+    pool: float
+    """Stage 3's gathered units."""
+    buckets: float
     activations: float
     step: float
 
     @property
     def peak(self) -> float:
-        """Bytes per rank at the peak of a step."""
-        return self.model_states + self.buffers + self.engine + self.activations + self.step
+        """Bytes per rank at the peak of a step (see [Note: the predicted peak])."""
+        return (self.model_states - self.grads + self.buffers + self.pool
+                + max(self.activations, self.grads + self.buckets + self.step))
 
 
 def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig,
@@ -100,14 +111,19 @@ def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision:
     else:
         states = expected_model_state_bytes(psi, n, candidate.stage, precision)
     param_b, grad_b, _ = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
-    engine = float(config.bucket_buffers * config.bucket_elements(psi) * grad_b)
+    grads = grad_b * psi / (1 if candidate.stage == 1 else n)
+    if candidate.offload_optimizer and not on_host:  # the gradient shard is on the host, outside the budget
+        grads = grad_b * psi if candidate.stage == 1 else 0.0
+    buckets = float(config.bucket_buffers * config.bucket_elements(psi) * grad_b)
+    pool = 0.0
     if candidate.stage == 3:
         units = sorted(facts.unit_elements, reverse=True)
         largest = units[0] if units else 0
         ahead = min(config.prefetch_size, sum(units[1:]))
-        engine += (facts.root_elements + largest + ahead) * param_b
+        pool = float((facts.root_elements + largest + ahead) * param_b)
     step = 0.0 if candidate.offload_optimizer and not on_host else MASTER_BYTES.get(precision, 4) * psi / n
-    return Prediction(candidate, states, float(facts.buffer_bytes), engine, float(facts.activation_bytes), step)
+    return Prediction(candidate, states, grads, float(facts.buffer_bytes), pool, buckets,
+                      float(facts.activation_bytes), step)
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,9 @@ class Choice:
             text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.peak)}" for p in cheaper)
         c = self.chosen
         return (text + f" (model states {human_bytes(c.model_states)}, activations {human_bytes(c.activations)}, "
-                f"engine buffers {human_bytes(c.engine)}, optimizer step {human_bytes(c.step)}, module buffers "
+                f"gathered units {human_bytes(c.pool)}, gradients, buckets and optimizer step "
+                f"{human_bytes(c.grads + c.buckets + c.step)}, "
+                f"module buffers "
                 f"{human_bytes(c.buffers)})")
 
 
