@@ -76,7 +76,8 @@ def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: P
     strategy = trainer.strategy
     device = strategy.root_device
     meter = PeakMeter(device, held_bytes(module))
-    facts = model_facts(module, first_batch(trainer), precision, config, device)
+    facts = model_facts(module, first_batch(trainer), precision, config, device,
+                        accumulates=trainer.accumulate_grad_batches > 1)
     limit = agree(budget if budget is not None else default_budget(device, strategy.num_processes))
     choice = choose(facts, strategy.world_size, precision.precision, config, limit, on_host=device.type == "cpu")
     return AutoRun(choice, meter)

@@ -5,17 +5,16 @@ rank, and the first that fits the budget.
 A candidate's peak per rank is what stays for the whole run plus the larger of the two moments of a step:
 - what stays: the model states DESIGN.md's table gives for the stage and precision (``expected_model_state_bytes``;
   with offload ``expected_offload_bytes``: the device part where the budget is a GPU's, device and host together on
-  CPU, where the device *is* the host, so that offloading there saves nothing and is never chosen for memory), less
-  the gradients; the module's buffers, held whole by every rank; at stage 3 the engine's pool of gathered units
-  from its plan (the root unit, the largest unit and up to ``prefetch_size`` elements of the units ahead: the pool
-  keeps its blocks between steps);
-- the activations' moment: the peak of the activation probe, at the end of forward and the start of backward
-  (see [Note: the activation probe] in ``probe.py``), when the gradients of the step and the gradient buckets are
-  not made yet;
-- the step's moment: the gradients (Ψ at stage 1, Ψ/N from stage 2 on, in their dtype), the ``bucket_buffers``
-  gradient buckets of the bucket size (made in backward, freed at the step) and the optimizer step's temporaries,
-  one tensor the size of the rank's master shard (the foreach kernels of Adam make one, ``exp_avg_sq.sqrt()``); the
-  activations are gone by then.
+  CPU, where the device *is* the host, so that offloading there saves nothing and is never chosen for memory), with
+  the gradients the engine holds between steps: the gradient shard (Ψ/N, kept from step to step), at stage 1 under
+  gradient accumulation the full ``.grad`` (Ψ) instead (see [Note: stage 1 reduces in the backward the step
+  follows] in ``core/store.py``); the module's buffers, held whole by every rank; the engine's own buffers from its
+  plan, kept from step to step too: ``bucket_buffers`` gradient buckets of the bucket size and, at stage 3, the pool
+  of gathered units (the root unit, the largest unit and up to ``prefetch_size`` elements of the units ahead);
+- the activations' moment: the peak of the activation probe, at the end of forward and the start of backward (see
+  [Note: the activation probe] in ``probe.py``);
+- the step's moment: the optimizer step's temporaries, one tensor the size of the rank's master shard (the foreach
+  kernels of Adam make one, ``exp_avg_sq.sqrt()``); the activations are gone by then.
 Not predicted: what a process's first ``fit`` grows by once, whatever the configuration (thread stacks, the
 collectives' transport buffers, the first use of kernels: about 30-40 MiB per CPU rank), left to the margin of the
 default budget (see [Note: the default budget] in ``budget.py``).
@@ -75,6 +74,8 @@ class ModelFacts:
     """Stage 3: elements of every other unit."""
     activation_bytes: int
     """The activation probe's peak."""
+    accumulates: bool = False
+    """Gradients are accumulated over micro-batches (``accumulate_grad_batches > 1``)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ class Prediction:
 
     candidate: Candidate
     model_states: float
-    """The table's model states, gradients included."""
+    """The model states, with the gradients the engine holds between steps."""
     grads: float
+    """Of them, the gradients."""
     buffers: float
     """The module's buffers."""
     pool: float
@@ -96,32 +98,32 @@ class Prediction:
     @property
     def peak(self) -> float:
         """Bytes per rank at the peak of a step (see [Note: the predicted peak])."""
-        return (self.model_states - self.grads + self.buffers + self.pool
-                + max(self.activations, self.grads + self.buckets + self.step))
+        return self.model_states + self.buffers + self.pool + self.buckets + max(self.activations, self.step)
 
 
 def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig,
             on_host: bool) -> Prediction:
     """The peak ``candidate`` reaches per rank (see [Note: the predicted peak]); ``on_host``: the device is the CPU,
     so offloaded bytes stay in the budget."""
-    psi, n = facts.num_params, world_size
-    if candidate.offload_optimizer:
-        device, host = expected_offload_bytes(psi, n, candidate.stage, precision, True, candidate.offload_params)
-        states = device + (host if on_host else 0.0)
+    psi, n, stage = facts.num_params, world_size, candidate.stage
+    _, grad_b, _ = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
+    param_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])[0]
+    if candidate.offload_optimizer:  # the gradient shard is the host's, with the master and the step
+        device, host = expected_offload_bytes(psi, n, stage, precision, True, candidate.offload_params)
+        states, grads = device + (host if on_host else 0.0), 0.0
+        step = MASTER_BYTES.get(precision, 4) * psi / n if on_host else 0.0
     else:
-        states = expected_model_state_bytes(psi, n, candidate.stage, precision)
-    param_b, grad_b, _ = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
-    grads = grad_b * psi / (1 if candidate.stage == 1 else n)
-    if candidate.offload_optimizer and not on_host:  # the gradient shard is on the host, outside the budget
-        grads = grad_b * psi if candidate.stage == 1 else 0.0
+        table_grads = grad_b * psi / (1 if stage == 1 else n)
+        grads = grad_b * psi / (1 if stage == 1 and facts.accumulates else n)
+        states = expected_model_state_bytes(psi, n, stage, precision) - table_grads + grads
+        step = MASTER_BYTES.get(precision, 4) * psi / n
     buckets = float(config.bucket_buffers * config.bucket_elements(psi) * grad_b)
     pool = 0.0
-    if candidate.stage == 3:
+    if stage == 3:
         units = sorted(facts.unit_elements, reverse=True)
         largest = units[0] if units else 0
         ahead = min(config.prefetch_size, sum(units[1:]))
         pool = float((facts.root_elements + largest + ahead) * param_b)
-    step = 0.0 if candidate.offload_optimizer and not on_host else MASTER_BYTES.get(precision, 4) * psi / n
     return Prediction(candidate, states, grads, float(facts.buffer_bytes), pool, buckets,
                       float(facts.activation_bytes), step)
 
@@ -148,8 +150,8 @@ class Choice:
             text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.peak)}" for p in cheaper)
         c = self.chosen
         return (text + f" (model states {human_bytes(c.model_states)}, activations {human_bytes(c.activations)}, "
-                f"gathered units {human_bytes(c.pool)}, gradients, buckets and optimizer step "
-                f"{human_bytes(c.grads + c.buckets + c.step)}, "
+                f"gathered units {human_bytes(c.pool)}, gradient buckets {human_bytes(c.buckets)}, optimizer step "
+                f"{human_bytes(c.step)}, "
                 f"module buffers "
                 f"{human_bytes(c.buffers)})")
 

@@ -18,7 +18,7 @@ from lightning_zero.stage3.plan import ROOT, plan_units, resolve_persistence_thr
 
 
 def model_facts(module: nn.Module, batch: Any, precision: PrecisionMode, config: ZeroConfig,
-                device: torch.device) -> ModelFacts:
+                device: torch.device, accumulates: bool = False) -> ModelFacts:
     """Sizes of ``module`` (real or on the meta device) and the activation probe's peak on ``batch``."""
     params = [p for p in module.parameters() if p.requires_grad]
     plan = plan_units(module, config.unit_classes, resolve_persistence_threshold(config))
@@ -30,7 +30,8 @@ def model_facts(module: nn.Module, batch: Any, precision: PrecisionMode, config:
     activations = probe_activations(module, batch, precision.working_dtype if mixed_or_half else None,
                                     lambda: precision.forward_context(device.type), device)
     return ModelFacts(num_params=sum(p.numel() for p in params), buffer_bytes=buffer_bytes,
-                      root_elements=per_unit[ROOT], unit_elements=tuple(per_unit[1:]), activation_bytes=activations)
+                      root_elements=per_unit[ROOT], unit_elements=tuple(per_unit[1:]), activation_bytes=activations,
+                      accumulates=accumulates)
 
 
 def held_bytes(module: nn.Module) -> int:

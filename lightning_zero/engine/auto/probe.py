@@ -47,8 +47,10 @@ class LiveBytes(TorchDispatchMode):
         if func is _SCALAR:  # a fake tensor has no value: see [Note: the activation probe]
             return False if args[0].dtype == torch.bool else 0
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
+            # a view or an in-place result shares an input's storage: nothing new (a parameter's ``W.t()``)
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
                 self._count(tensor)
         return out
 
