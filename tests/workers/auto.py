@@ -30,6 +30,9 @@ ORDER = ("zero1", "zero2", "zero3")
 #: A GPT whose blocks outweigh its embedding (zero3 saves more than its gathered units cost), 6.4M parameters, on
 #: micro-batches whose activations weigh less than the gradients (so that zero2 saves something over zero1).
 TEST_SIZE = GPTSize(width=256, depth=8, vocab=512, seq=64, batch=1)
+#: Micro-batches per step: stage 1 then holds full gradients (zero2 saves them; without accumulation stage 1 reduces
+#: into a gradient shard in backward as stage 2 does, and the two predictions are the same).
+ACCUMULATE = 2
 #: Stage 3's prefetch in the tests: one block ahead, so that zero3's predicted peak falls below zero2's.
 OPTIONS = {"prefetch_size": 800_000}
 
@@ -52,6 +55,7 @@ def fit(size: GPTSize, precision: str, construction: str, budget: Any, steps: in
     model = BenchGPT(size, samples=64, meta_init=construction == "configure")
     strategy = ZeroStrategy(stage="auto", memory_budget=budget, **OPTIONS)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, max_steps=steps,
+                        accumulate_grad_batches=ACCUMULATE,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     try:

@@ -14,7 +14,8 @@ A candidate's peak per rank is what stays for the whole run plus the larger of t
 - the activations' moment: the peak of the activation probe, at the end of forward and the start of backward (see
   [Note: the activation probe] in ``probe.py``);
 - the step's moment: the optimizer step's temporaries, one tensor the size of the rank's master shard (the foreach
-  kernels of Adam make one, ``exp_avg_sq.sqrt()``); the activations are gone by then.
+  kernels of Adam make one, ``exp_avg_sq.sqrt()``) and, in the mixed precisions, the master gradient (the 16-bit
+  gradient shard made fp32 for the step: one more); the activations are gone by then.
 Not predicted: what a process's first ``fit`` grows by once, whatever the configuration (thread stacks, the
 collectives' transport buffers, the first use of kernels: about 30-40 MiB per CPU rank), left to the margin of the
 default budget (see [Note: the default budget] in ``budget.py``).
@@ -111,12 +112,12 @@ def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision:
     if candidate.offload_optimizer:  # the gradient shard is the host's, with the master and the step
         device, host = expected_offload_bytes(psi, n, stage, precision, True, candidate.offload_params)
         states, grads = device + (host if on_host else 0.0), 0.0
-        step = MASTER_BYTES.get(precision, 4) * psi / n if on_host else 0.0
+        step = _step_bytes(psi, n, precision) if on_host else 0.0
     else:
         table_grads = grad_b * psi / (1 if stage == 1 else n)
         grads = grad_b * psi / (1 if stage == 1 and facts.accumulates else n)
         states = expected_model_state_bytes(psi, n, stage, precision) - table_grads + grads
-        step = MASTER_BYTES.get(precision, 4) * psi / n
+        step = _step_bytes(psi, n, precision)
     buckets = float(config.bucket_buffers * config.bucket_elements(psi) * grad_b)
     pool = 0.0
     if stage == 3:
@@ -126,6 +127,12 @@ def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision:
         pool = float((facts.root_elements + largest + ahead) * param_b)
     return Prediction(candidate, states, grads, float(facts.buffer_bytes), pool, buckets,
                       float(facts.activation_bytes), step)
+
+
+def _step_bytes(psi: int, world_size: int, precision: str) -> float:
+    """The optimizer step's temporaries per rank (see [Note: the predicted peak])."""
+    master = MASTER_BYTES.get(precision, 4) * psi / world_size
+    return 2 * master if precision in ("bf16-mixed", "16-mixed") else master
 
 
 @dataclass(frozen=True)
