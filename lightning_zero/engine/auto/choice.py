@@ -148,9 +148,9 @@ class Choice:
         """``{candidate name: predicted peak}`` of every candidate."""
         return {p.candidate.name: p.peak for p in self.predictions}
 
-    def line(self) -> str:
+    def line(self, verb: str = "chose") -> str:
         """The one-line reason: ``zero2: predicted peak 11.2 GiB of 12.0 GiB; zero1 would need 14.9 GiB``."""
-        text = (f"zero_auto chose {self.chosen.candidate.name}: predicted peak {human_bytes(self.chosen.peak)} of "
+        text = (f"zero_auto {verb} {self.chosen.candidate.name}: predicted peak {human_bytes(self.chosen.peak)} of "
                 f"{human_bytes(self.budget)} per rank")
         cheaper = list(self.predictions[: self.predictions.index(self.chosen)])
         if cheaper:
