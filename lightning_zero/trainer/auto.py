@@ -3,7 +3,7 @@ and the predicted peak set against the measured one after the first steps (see `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -22,6 +22,8 @@ from lightning_zero.engine.auto.facts import build_whole, held_bytes, model_fact
 AUTO_UNTIL_SETUP = 3
 #: Options ``zero_auto`` sets itself.
 CHOSEN_OPTIONS = ("offload_optimizer", "offload_params")
+#: One entry per ``zero_auto`` setup this process made (the first grows the process once: see ``FIRST_RUN_BYTES``).
+_RUNS: list[bool] = []
 #: The measured peak is compared with the prediction once this many training steps have run.
 STEPS_MEASURED = 3
 
@@ -76,8 +78,9 @@ def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: P
     strategy = trainer.strategy
     device = strategy.root_device
     meter = PeakMeter(device, held_bytes(module))
-    facts = model_facts(module, first_batch(trainer), precision, config, device,
-                        accumulates=trainer.accumulate_grad_batches > 1)
+    facts = replace(model_facts(module, first_batch(trainer), precision, config, device,
+                                accumulates=trainer.accumulate_grad_batches > 1), first_run=not _RUNS)
+    _RUNS.append(True)
     limit = agree(budget if budget is not None else default_budget(device, strategy.num_processes))
     choice = choose(facts, strategy.world_size, precision.precision, config, limit, on_host=device.type == "cpu")
     return AutoRun(choice, meter)

@@ -3,11 +3,10 @@
 Usage (through ``lightning_zero.testing.launch``): ``auto.py OUT SIZE PRECISION FITS [STEPS]`` with SIZE ``test``
 (:data:`TEST_SIZE`) or a name of ``benchmarks._model.SIZES``, and FITS a comma-separated list of
 ``BUDGET:CONSTRUCTION``: BUDGET ``default`` (no ``memory_budget``), ``zero2`` / ``zero3`` (halfway between that
-candidate's predicted peak and the next cheaper one's, from the first fit), ``nothing`` (half the smallest
+candidate's predicted peak and the next cheaper one's, from the latest fit before), ``nothing`` (half the smallest
 prediction) or ``only-zeroK`` (the one candidate zeroK, whatever the budget: for the benchmark's table), and
-CONSTRUCTION ``init`` (built in ``__init__``) or ``configure`` (``configure_model``). A first fit, ``cold``, warms the
-process up (see [Note: the predicted peak] in ``lightning_zero/engine/auto/choice.py``: what a process's first fit
-grows by once is not predicted) and gives the predictions. Each fit saves the choice, every prediction and the
+CONSTRUCTION ``init`` (built in ``__init__``) or ``configure`` (``configure_model``). A first fit, ``cold``, is the process's
+first run (see ``FIRST_RUN_BYTES`` in ``lightning_zero/engine/auto/choice.py``). Each fit saves the choice, every prediction and the
 measured peak; a fit refused for its budget saves the error and how many training steps ran.
 """
 
@@ -78,7 +77,9 @@ def main() -> None:
     for text in fits:
         spec, construction = text.split(":")
         choice.CANDIDATES = tuple(c for c in every if c.name == spec[5:]) if spec.startswith("only-") else every
-        record = fit(size, precision, construction, budget_for(spec, first["predictions"]), steps)
+        # budgets from the latest fit that predicted every stage: a warm one after the first (see FIRST_RUN_BYTES)
+        latest = next(r["predictions"] for r in reversed(records) if set(ORDER) <= set(r.get("predictions", {})))
+        record = fit(size, precision, construction, budget_for(spec, latest), steps)
         records.append({"spec": spec, "construction": construction, **record})
     torch.save(records, out / f"rank{torch.distributed.get_rank()}.pt")
 
