@@ -12,11 +12,10 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.utilities import CombinedLoader
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core.amp import PrecisionMode
-from lightning_zero.core.memory import human_bytes
 from lightning_zero.engine.auto.budget import PeakMeter, default_budget, resolve_budget
 from lightning_zero.engine.auto.choice import Choice, choose
 from lightning_zero.engine.auto.facts import build_whole, held_bytes, model_facts
+from lightning_zero.trainer.precision import ZeroPrecision
 
 #: The stage ``zero_auto`` runs as until the choice: see [Note: zero_auto records as zero3].
 AUTO_UNTIL_SETUP = 3
@@ -38,12 +37,9 @@ class AutoRun:
     """The highest measured peak over the ranks, after :data:`STEPS_MEASURED` steps (or at the end of a shorter fit)."""
 
     def report(self) -> str:
-        """``zero_auto zero2: predicted peak 11.2 GiB, measured 10.9 GiB (-3%) ...``."""
+        """``zero_auto zero2: predicted peak 11.2 GiB, measured 10.9 GiB (+3%) ...``."""
         assert self.measured is not None
-        predicted = self.choice.chosen.peak
-        return (f"zero_auto {self.choice.chosen.candidate.name}: predicted peak {human_bytes(predicted)}, measured "
-                f"{human_bytes(self.measured)} ({(predicted - self.measured) / self.measured:+.0%}) of "
-                f"{human_bytes(self.choice.budget)} per rank")
+        return self.choice.report(self.measured)
 
 
 def check_auto(stage: object, memory_budget: Optional[Union[str, float]], options: dict[str, Any]) -> Optional[float]:
@@ -68,7 +64,7 @@ def check_auto(stage: object, memory_budget: Optional[Union[str, float]], option
     return resolve_budget(memory_budget)
 
 
-def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: PrecisionMode, config: ZeroConfig,
+def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: ZeroPrecision, config: ZeroConfig,
                     budget: Optional[float], agree: Callable[[float], float]) -> AutoRun:
     """Start the peak meter, probe the first micro-batch and choose (see [Note: the predicted peak]).
 
@@ -78,11 +74,11 @@ def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: P
     strategy = trainer.strategy
     device = strategy.root_device
     meter = PeakMeter(device, held_bytes(module))
-    facts = replace(model_facts(module, first_batch(trainer), precision, config, device,
+    facts = replace(model_facts(module, first_batch(trainer), precision.mode, config, device,
                                 accumulates=trainer.accumulate_grad_batches > 1), first_run=not _RUNS)
     _RUNS.append(True)
     limit = agree(budget if budget is not None else default_budget(device, strategy.num_processes))
-    choice = choose(facts, strategy.world_size, precision.precision, config, limit, on_host=device.type == "cpu")
+    choice = choose(facts, strategy.world_size, precision.mode.precision, config, limit, on_host=device.type == "cpu")
     return AutoRun(choice, meter)
 
 

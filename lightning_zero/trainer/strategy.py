@@ -189,7 +189,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         assert self.lightning_module is not None
         self.config = self.config if self._auto is None else replace(self.config, stage=AUTO_UNTIL_SETUP,
                                                                      offload_optimizer=False, offload_params=False)
-        self._auto = choose_at_setup(trainer, self.lightning_module, self.precision_plugin.mode, self.config,
+        self._auto = choose_at_setup(trainer, self.lightning_module, self.precision_plugin, self.config,
                                      self._auto_budget, lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")))
         self.config = self._auto.choice.chosen.candidate.apply(self.config)
         self.policy = policy_for(self.config.stage)
