@@ -145,3 +145,15 @@ def test_a_budget_nothing_fits_stops_before_the_first_step(auto_runs):
         assert refused["steps"] == 0
         assert "zero_auto: no configuration fits the memory budget" in refused["error"]
         assert "set `memory_budget` to at least" in refused["error"] and "\n" not in refused["error"]
+
+
+def test_the_estimate_command_prints_the_same_recommendation(capsys):
+    from lightning_zero.cli import main as cli
+
+    assert cli(["estimate", "--model", "tests.models.TinyGPT", "--init-args", "{width: 256, depth: 8, meta_init: true}",
+                "-n", "2", "--memory", "60MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "- 32-true: zero_auto would choose zero3+offload_optimizer: predicted peak" in out
+    assert "zero1 would need" in out and "zero3 would need" in out  # the cheaper ones, with their peaks
+    assert cli(["estimate", "--params", "1B", "-n", "2", "--memory", "1GiB"]) == 0
+    assert "32-true: zero_auto: no configuration fits the memory budget of 1.0 GiB" in capsys.readouterr().out

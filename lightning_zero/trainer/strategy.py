@@ -187,8 +187,6 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """``zero_auto``: pick the configuration for this fit (see ``docs/zero_auto.md``); a model recorded on the
         meta device is built whole for stages 1 and 2."""
         assert self.lightning_module is not None
-        self.config = self.config if self._auto is None else replace(self.config, stage=AUTO_UNTIL_SETUP,
-                                                                     offload_optimizer=False, offload_params=False)
         self._auto = choose_at_setup(trainer, self.lightning_module, self.precision_plugin, self.config,
                                      self._auto_budget, lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")))
         self.config = self._auto.choice.chosen.candidate.apply(self.config)
@@ -279,6 +277,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
         super().teardown()
+        if self._choosing:  # the next fit chooses again, recording `configure_model` as zero3 until then
+            self.config = replace(self.config, stage=AUTO_UNTIL_SETUP, offload_optimizer=False, offload_params=False)
+            self.policy = policy_for(AUTO_UNTIL_SETUP)
         failure, self._failure = self._failure, None
         self._release_signals(failure)
 
