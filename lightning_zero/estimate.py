@@ -70,8 +70,8 @@ def auto_lines(num_params: int, world_size: int, memory_bytes: float,
     and stage 3's units from its plan; without: Ψ alone (no unit gathered is counted)."""
     config = ZeroConfig(stage=3)
     facts = model_sizes(module, config) if module is not None else ModelFacts(num_params, 0, 0, (), 0)
-    lines = ["", f"`strategy='zero_auto'` with `memory_budget` {both_units(memory_bytes)} per device (activations "
-             "not counted: the run measures them on its first micro-batch at setup):", ""]
+    lines = ["", (f"`strategy='zero_auto'` with `memory_budget` {both_units(memory_bytes)} per device (activations "
+                  "not counted: the run measures them on its first micro-batch at setup):"), ""]
     for precision in ("32-true", "bf16-mixed"):
         try:
             lines.append(f"- {precision}: " + choose(facts, world_size, precision, config, memory_bytes,

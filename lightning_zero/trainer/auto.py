@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.auto.budget import PeakMeter, default_budget, resolve_budget
 from lightning_zero.engine.auto.choice import Choice, choose
-from lightning_zero.engine.auto.facts import build_whole, held_bytes, model_facts
+from lightning_zero.engine.auto.facts import held_bytes, model_facts
 from lightning_zero.trainer.precision import ZeroPrecision
 
 #: The stage ``zero_auto`` runs as until the choice: see [Note: zero_auto records as zero3].

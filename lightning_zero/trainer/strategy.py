@@ -34,8 +34,9 @@ from lightning_zero.trainer import early_checks
 from lightning_zero.trainer.checkpoints import CheckpointHooks
 from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.trainer.steps import StepHooks
-from lightning_zero.trainer.auto import (AUTO_UNTIL_SETUP, STEPS_MEASURED, AutoRun, build_whole, check_auto,
-                                         choose_at_setup, register as register_auto)
+from lightning_zero.engine.auto.facts import build_whole
+from lightning_zero.trainer.auto import AUTO_UNTIL_SETUP, STEPS_MEASURED, AutoRun, check_auto, choose_at_setup
+from lightning_zero.trainer.auto import register as register_auto
 
 class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
@@ -67,7 +68,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
 
     def __init__(
         self,
-        stage: Union[Literal[1, 2, 3], Literal["auto"]] = 2,
+        stage: Literal[1, 2, 3, "auto"] = 2,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

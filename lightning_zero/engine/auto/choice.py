@@ -28,7 +28,6 @@ guess, which the margin of the default budget covers (see [Note: the default bud
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.core.memory import (

@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 
