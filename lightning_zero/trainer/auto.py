@@ -65,20 +65,20 @@ def check_auto(stage: object, memory_budget: Optional[Union[str, float]], option
 
 
 def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: ZeroPrecision, config: ZeroConfig,
-                    budget: Optional[float], agree: Callable[[float], float]) -> AutoRun:
+                    budget: Optional[float], agree: Callable[[float], float], ranks: tuple[int, int]) -> AutoRun:
     """Start the peak meter, probe the first micro-batch and choose (see [Note: the predicted peak]).
 
-    ``agree``: the smallest of a number over the ranks. The default budget is read on each rank at its own moment,
+    ``ranks``: the world size and the ranks of this node. ``agree``: the smallest of a number over the ranks. The default budget is read on each rank at its own moment,
     so the ranks choose from the smallest of them: every rank must choose the same configuration.
     """
-    strategy = trainer.strategy
-    device = strategy.root_device
+    device = trainer.strategy.root_device
     meter = PeakMeter(device, held_bytes(module))
     facts = replace(model_facts(module, first_batch(trainer), precision.mode, config, device,
                                 accumulates=trainer.accumulate_grad_batches > 1), first_run=not _RUNS)
     _RUNS.append(True)
-    limit = agree(budget if budget is not None else default_budget(device, strategy.num_processes))
-    choice = choose(facts, strategy.world_size, precision.mode.precision, config, limit, on_host=device.type == "cpu")
+    world_size, local_ranks = ranks
+    limit = agree(budget if budget is not None else default_budget(device, local_ranks))
+    choice = choose(facts, world_size, precision.mode.precision, config, limit, on_host=device.type == "cpu")
     return AutoRun(choice, meter)
 
 

@@ -189,7 +189,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         meta device is built whole for stages 1 and 2."""
         assert self.lightning_module is not None
         self._auto = choose_at_setup(trainer, self.lightning_module, self.precision_plugin, self.config,
-                                     self._auto_budget, lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")))
+                                     self._auto_budget, lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")),
+                                     (self.world_size, self.num_processes))
         self.config = self._auto.choice.chosen.candidate.apply(self.config)
         self.policy = policy_for(self.config.stage)
         if not self.policy.shards_params:

@@ -83,7 +83,7 @@ def probe_activations(module: nn.Module, batch: Any, param_dtype: Optional[torch
         try:
             with _reparametrize_module(module, leaves, tie_weights=True), _quiet(module), counter:
                 with forward_context():
-                    loss = module.training_step(fake_batch, 0)
+                    loss = getattr(module, "training_step")(fake_batch, 0)
                 loss = loss.get("loss") if isinstance(loss, dict) else loss
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()
@@ -107,9 +107,9 @@ def _drop_grad(param: torch.Tensor) -> None:
 def _quiet(module: nn.Module) -> Iterator[None]:
     """``self.log`` / ``self.log_dict`` do nothing, and the module's optimizers do not step, during the probe."""
     saved = {name: module.__dict__.get(name) for name in ("log", "log_dict", "optimizers")}
-    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    module.optimizers = lambda *args, **kwargs: _Idle()  # type: ignore[method-assign]
+    module.__dict__["log"] = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    module.__dict__["log_dict"] = lambda *args, **kwargs: None
+    module.__dict__["optimizers"] = lambda *args, **kwargs: _Idle()
     try:
         yield
     finally:
