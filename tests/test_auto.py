@@ -25,7 +25,8 @@ TOLERANCE = 0.15
 
 
 def test_the_probe_on_fake_tensors_counts_what_a_real_step_makes_alive():
-    model = BenchGPT(GPTSize(width=64, depth=2, vocab=512, seq=32, batch=2), samples=4, meta_init=False)
+    """Also: a gradient dies once accumulated (weights heavier than the activations: kept, they would be the peak)."""
+    model = BenchGPT(GPTSize(width=64, depth=2, vocab=16, seq=8, batch=1), samples=4, meta_init=False)
     batch = next(iter(model.train_dataloader()))
     fake = probe_activations(model, batch, None, contextlib.nullcontext, torch.device("cpu"))
     handles = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]

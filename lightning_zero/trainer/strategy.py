@@ -1,5 +1,5 @@
 """``ZeroStrategy``: the Trainer's adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`. It registers
-``zero1``, ``zero2``, ``zero3`` and their ``_spawn`` / ``_fork`` variants, makes the engine at setup and wires it into
+``zero1``, ``zero2``, ``zero3``, ``zero_auto`` (``auto.py``) and their ``_spawn`` / ``_fork`` variants, makes the engine at setup and wires it into
 Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``, ``steps.py``, ``checkpoints.py``)."""
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from lightning_zero.trainer.auto import register as register_auto
 class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
-    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` (``"zero2_spawn"`` to launch with ``spawn``), or
+    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` / ``"zero_auto"`` (``"zero2_spawn"`` to launch with
+    ``spawn``), or
     construct it:
 
     Args:
