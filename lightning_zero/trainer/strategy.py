@@ -1,6 +1,7 @@
 """``ZeroStrategy``: the Trainer's adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`. It registers
-``zero1``, ``zero2``, ``zero3``, ``zero_auto`` (``auto.py``) and their ``_spawn`` / ``_fork`` variants, makes the engine at setup and wires it into
-Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``, ``steps.py``, ``checkpoints.py``)."""
+``zero1``, ``zero2``, ``zero3``, ``zero_auto`` (``auto.py``) and their ``_spawn`` / ``_fork`` variants, makes the
+engine at setup and wires it into Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``,
+``steps.py``, ``checkpoints.py``)."""
 
 from __future__ import annotations
 
