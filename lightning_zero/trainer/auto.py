@@ -68,8 +68,9 @@ def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: Z
                     budget: Optional[float], agree: Callable[[float], float], ranks: tuple[int, int]) -> AutoRun:
     """Start the peak meter, probe the first micro-batch and choose (see [Note: the predicted peak]).
 
-    ``ranks``: the world size and the ranks of this node. ``agree``: the smallest of a number over the ranks. The default budget is read on each rank at its own moment,
-    so the ranks choose from the smallest of them: every rank must choose the same configuration.
+    ``ranks``: the world size and the ranks of this node. ``agree``: the smallest of a number over the ranks. The
+    default budget is read on each rank at its own moment, so the ranks choose from the smallest of them: every rank
+    must choose the same configuration.
     """
     device = trainer.strategy.root_device
     meter = PeakMeter(device, held_bytes(module))

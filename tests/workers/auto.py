@@ -5,9 +5,9 @@ Usage (through ``lightning_zero.testing.launch``): ``auto.py OUT SIZE PRECISION 
 ``BUDGET:CONSTRUCTION``: BUDGET ``default`` (no ``memory_budget``), ``zero2`` / ``zero3`` (halfway between that
 candidate's predicted peak and the next cheaper one's, from the latest fit before), ``nothing`` (half the smallest
 prediction) or ``only-zeroK`` (the one candidate zeroK, whatever the budget: for the benchmark's table), and
-CONSTRUCTION ``init`` (built in ``__init__``) or ``configure`` (``configure_model``). A first fit, ``cold``, is the process's
-first run (see ``FIRST_RUN_BYTES`` in ``lightning_zero/engine/auto/choice.py``). Each fit saves the choice, every prediction and the
-measured peak; a fit refused for its budget saves the error and how many training steps ran.
+CONSTRUCTION ``init`` (built in ``__init__``) or ``configure`` (``configure_model``). A first fit, ``cold``, is the
+process's first run (see ``FIRST_RUN_BYTES`` in ``lightning_zero/engine/auto/choice.py``). Each fit saves the choice,
+every prediction and the measured peak; a fit refused for its budget saves the error and how many training steps ran.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def fit(size: GPTSize, precision: str, construction: str, budget: Any, steps: in
         return {"error": str(error), "steps": trainer.global_step}
     run = strategy.auto_run
     assert run is not None
-    return {"chosen": run.choice.chosen.candidate.name, "predictions": run.choice.by_name(), "budget": run.choice.budget,
-            "measured": run.measured, "parts": vars(run.choice.chosen) | {"candidate": run.choice.chosen.candidate.name}}
+    chosen = run.choice.chosen
+    return {"chosen": chosen.candidate.name, "predictions": run.choice.by_name(), "budget": run.choice.budget,
+            "measured": run.measured, "parts": vars(chosen) | {"candidate": chosen.candidate.name}}
 
 
 def main() -> None:

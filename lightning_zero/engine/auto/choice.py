@@ -197,6 +197,7 @@ def choose(facts: ModelFacts, world_size: int, precision: str, config: ZeroConfi
     smallest = min(predictions, key=lambda p: p.peak)
     raise BudgetTooSmall(
         f"zero_auto: no configuration fits the memory budget of {human_bytes(budget)} per rank; the smallest, "
-        f"{smallest.candidate.name}, needs {human_bytes(smallest.peak)} (activations {human_bytes(facts.activation_bytes)}"
+        f"{smallest.candidate.name}, needs {human_bytes(smallest.peak)} (activations "
+        f"{human_bytes(facts.activation_bytes)}"
         f" of it): set `memory_budget` to at least {human_bytes(smallest.peak)}, add ranks, or make the micro-batch "
         "smaller.")
