@@ -24,7 +24,7 @@ from lightning_zero.checkpoints.storage import CheckpointError, missing_message
 from lightning_zero.checkpoints.export import add_export_arguments, run_export
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
 from lightning_zero.estimate import (
-    count_parameters,
+    build_on_meta,
     format_estimate,
     human_bytes,
     parse_bytes,
@@ -257,8 +257,9 @@ def _estimate(args: argparse.Namespace) -> None:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}.")
     _import_from_cwd()
-    params = args.params if args.params is not None else count_parameters(args.model, args.init_args)
-    print(format_estimate(params, args.world_size, args.memory))
+    module = build_on_meta(args.model, args.init_args) if args.params is None else None
+    params = args.params if module is None else sum(p.numel() for p in module.parameters() if p.requires_grad)
+    print(format_estimate(params, args.world_size, args.memory, module))
 
 
 def _inspect(args: argparse.Namespace) -> None:

@@ -18,13 +18,18 @@ import torch
 import yaml
 
 from lightning_zero.checkpoints import pretrained
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.auto.choice import BudgetTooSmall, ModelFacts, choose
+from lightning_zero.engine.auto.facts import model_sizes
 from lightning_zero.stages import all_policies
-from lightning_zero.core.memory import (  # noqa: F401  (human_bytes: the CLI's import)
+from lightning_zero.core.memory import (  # noqa: F401  (human_bytes, parse_bytes: the CLI's imports)
     BYTES_PER_PARAM,
     expected_disk_bytes,
     expected_model_state_bytes,
     expected_offload_bytes,
     human_bytes,
+    number as _number,
+    parse_bytes,
 )
 
 STRATEGIES = {"ddp": 0, **{policy.name: policy.stage for policy in all_policies()}}
@@ -34,7 +39,12 @@ PRECISIONS = tuple(BYTES_PER_PARAM)
 
 
 def count_parameters(class_path: str, init_args: Optional[dict[str, Any]] = None) -> int:
-    """Trainable parameters of ``class_path(**init_args)``, built on the meta device (no memory, no weights).
+    """Trainable parameters of ``class_path(**init_args)``, built on the meta device (no memory, no weights)."""
+    return sum(p.numel() for p in build_on_meta(class_path, init_args).parameters() if p.requires_grad)
+
+
+def build_on_meta(class_path: str, init_args: Optional[dict[str, Any]] = None) -> torch.nn.Module:
+    """``class_path(**init_args)`` built on the meta device (no memory, no weights).
 
     ``configure_model`` runs as zero3 runs it: ``load_pretrained`` there checks the names and shapes against the
     files' headers and reads no weights (see [Note: three moments to load pretrained weights] in ``pretrained.py``).
@@ -50,7 +60,25 @@ def count_parameters(class_path: str, init_args: Optional[dict[str, Any]] = None
                          f"{type(error).__name__}: {error}{_signature_hint(cls, error)}") from error
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{class_path} built a {type(model).__name__}, not a torch.nn.Module.")
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model
+
+
+def auto_lines(num_params: int, world_size: int, memory_bytes: float,
+               module: Optional[torch.nn.Module] = None) -> list[str]:
+    """What ``zero_auto`` would choose for ``memory_bytes`` of device memory per rank, one line per precision,
+    without activations (they come from the data at setup: see ``docs/zero_auto.md``). With ``module``: its buffers
+    and stage 3's units from its plan; without: Ψ alone (no unit gathered is counted)."""
+    config = ZeroConfig(stage=3)
+    facts = model_sizes(module, config) if module is not None else ModelFacts(num_params, 0, 0, (), 0)
+    lines = ["", (f"`strategy='zero_auto'` with `memory_budget` {both_units(memory_bytes)} per device (activations "
+                  "not counted: the run measures them on its first micro-batch at setup):"), ""]
+    for precision in ("32-true", "bf16-mixed"):
+        try:
+            lines.append(f"- {precision}: " + choose(facts, world_size, precision, config, memory_bytes,
+                                                      on_host=False).line("would choose"))
+        except BudgetTooSmall as error:
+            lines.append(f"- {precision}: {error}")
+    return lines
 
 
 def _import_class(class_path: str) -> Any:
@@ -132,26 +160,6 @@ def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, i
                         for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
 
 
-def parse_bytes(text: str) -> float:
-    """``"80GiB"``, ``"16GB"``, ``"512MiB"``, ``"4096B"``: a positive size with its unit.
-
-    [Note: no bare numbers] ``--memory 32`` meant 32 GiB to the user who typed it and 32 bytes to the parser, which
-    then printed a table of zeros. A unit is required (``B`` for bytes), so the two can never be confused.
-    """
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-             "b": 1}
-    lowered = text.strip().lower().replace("_", "")
-    unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), None)
-    number = _number(lowered[: -len(unit)] if unit else lowered)
-    if unit is None:
-        hint = f" ({text.strip()}GiB or {text.strip()}GB?)" if number is not None else ""
-        raise ValueError(f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for "
-                         "bytes.")
-    if number is None or not number > 0 or math.isinf(number):
-        raise ValueError(f"{text!r} is not a positive size: write e.g. 80GiB, 16GB, 512MiB or 4096B.")
-    return number * units[unit]
-
-
 def parse_count(text: str) -> int:
     """``"1.5e9"``, ``"1.5B"``, ``"350M"``, ``"125k"`` or a plain integer: a positive number of parameters."""
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -161,15 +169,6 @@ def parse_count(text: str) -> int:
     if number is None or math.isinf(number) or int(number * factor) < 1:
         raise ValueError(f"{text!r} is not a positive parameter count: write e.g. 350M, 1.5B, 7e9 or 125000.")
     return int(number * factor)
-
-
-def _number(text: str) -> Optional[float]:
-    """``float(text)``, or ``None`` where it is not a number (NaN included)."""
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return None if math.isnan(value) else value
 
 
 def human_count(n: float) -> str:
@@ -211,8 +210,10 @@ def zeropp_traffic_table(num_params: int, block: int = 256) -> dict[str, dict[st
     return table
 
 
-def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[float] = None) -> str:
-    """The markdown tables ``lightning-zero estimate`` prints."""
+def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[float] = None,
+                    module: Optional[torch.nn.Module] = None) -> str:
+    """The markdown tables ``lightning-zero estimate`` prints; with ``memory_bytes`` also ``zero_auto``'s choice
+    (see :func:`auto_lines`)."""
     lines = [f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
              f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; GiB = 2^30 bytes, GB = 10^9 as in the paper):", "",
              "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
@@ -244,6 +245,8 @@ def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[flo
                          + " |")
         lines.append("(with offload, device memory only: the host holds the rest, see the table above; no bound: no "
                      "model state on the device, only the units in flight and the bucket buffers)")
+    if memory_bytes is not None:
+        lines += auto_lines(num_params, world_size, memory_bytes, module)
     return "\n".join(lines + _zeropp_lines(num_params))
 
 

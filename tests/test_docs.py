@@ -82,7 +82,7 @@ def test_every_option_is_in_both_options_tables() -> None:
     import dataclasses
 
     options = [f.name for f in dataclasses.fields(lightning_zero.ZeroConfig)]
-    options += ["process_group_backend", "timeout", "start_method"]  # the strategies' own
+    options += ["process_group_backend", "timeout", "start_method", "memory_budget"]  # the strategies' own
     for path in (ROOT / "README.md", ROOT / "docs" / "options.md"):
         rows = set(re.findall(r"^\| `(\w+)` \|", path.read_text(encoding="utf-8"), re.MULTILINE))
         missing = [name for name in options if name not in rows]

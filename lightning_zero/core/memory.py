@@ -13,6 +13,7 @@ the host are bucket buffers (``comm_buffers``), not model states.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -190,3 +191,32 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GiB"``, ``"16GB"``, ``"512MiB"``, ``"4096B"``: a positive size with its unit.
+
+    [Note: no bare numbers] ``--memory 32`` meant 32 GiB to the user who typed it and 32 bytes to the parser, which
+    then printed a table of zeros. A unit is required (``B`` for bytes), so the two can never be confused.
+    """
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "b": 1}
+    lowered = text.strip().lower().replace("_", "")
+    unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), None)
+    value = number(lowered[: -len(unit)] if unit else lowered)
+    if unit is None:
+        hint = f" ({text.strip()}GiB or {text.strip()}GB?)" if value is not None else ""
+        raise ValueError(f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for "
+                         "bytes.")
+    if value is None or not value > 0 or math.isinf(value):
+        raise ValueError(f"{text!r} is not a positive size: write e.g. 80GiB, 16GB, 512MiB or 4096B.")
+    return value * units[unit]
+
+
+def number(text: str) -> Optional[float]:
+    """``float(text)``, or ``None`` where it is not a number (NaN included)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value

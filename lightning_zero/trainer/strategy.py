@@ -1,12 +1,14 @@
 """``ZeroStrategy``: the Trainer's adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`. It registers
-``zero1``, ``zero2``, ``zero3`` and their ``_spawn`` / ``_fork`` variants, makes the engine at setup and wires it into
-Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``, ``steps.py``, ``checkpoints.py``)."""
+``zero1``, ``zero2``, ``zero3``, ``zero_auto`` (``auto.py``) and their ``_spawn`` / ``_fork`` variants, makes the
+engine at setup and wires it into Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``,
+``steps.py``, ``checkpoints.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -28,19 +30,29 @@ from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.processes import StartMethod, ZeroProcesses
+from lightning_zero.stages import policy_for
 from lightning_zero.trainer import early_checks
 from lightning_zero.trainer.checkpoints import CheckpointHooks
 from lightning_zero.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.trainer.steps import StepHooks
+from lightning_zero.engine.auto.facts import build_whole
+from lightning_zero.trainer.auto import AUTO_UNTIL_SETUP, STEPS_MEASURED, AutoRun, check_auto, choose_at_setup
+from lightning_zero.trainer.auto import register as register_auto
 
 class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
-    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` (``"zero2_spawn"`` to launch with ``spawn``), or
+    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` / ``"zero_auto"`` (``"zero2_spawn"`` to launch with
+    ``spawn``), or
     construct it:
 
     Args:
-        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters.
+        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters;
+            ``"auto"`` (``strategy="zero_auto"``): chosen at the setup of ``fit`` from the memory budget, the least
+            costly of zero1, zero2, zero3, zero3 with ``offload_optimizer``, zero3 with ``offload_params`` whose
+            predicted peak fits (see ``docs/zero_auto.md``); outside ``fit``, zero3.
+        memory_budget: with ``stage="auto"``: bytes per rank, a size such as ``"20GiB"`` or a number; ``None``: the
+            device's free memory (CPU: the host's available memory shared among this node's ranks) less 10%.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -58,7 +70,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
 
     def __init__(
         self,
-        stage: Literal[1, 2, 3] = 2,
+        stage: Literal[1, 2, 3, "auto"] = 2,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -67,11 +79,17 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
         start_method: StartMethod = "popen",
+        memory_budget: Optional[Union[str, float]] = None,
         **options: Any,
     ) -> None:
         check_option_names(options)
-        self.config = ZeroConfig(stage=stage, **options)
-        self._init_processes(stage, process_group_backend, timeout, start_method)
+        self._auto_budget = check_auto(stage, memory_budget, options)
+        self._auto: Optional[AutoRun] = None
+        """``zero_auto``: the choice of the last setup of ``fit``, and the peak measured after it."""
+        fixed = AUTO_UNTIL_SETUP if stage == "auto" else stage  # see [Note: zero_auto records as zero3]
+        self.config = ZeroConfig(stage=fixed, **options)
+        self._init_processes(fixed, process_group_backend, timeout, start_method)
+        self._choosing = stage == "auto"
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -81,6 +99,13 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """Stage 3: the recording of ``trainer.init_module(empty_init=True)``, on until setup."""
         self._failure: Optional[BaseException] = None
         """The exception the run is ending on (Lightning's ``on_exception``), until teardown."""
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``zero1``, ``zero2``, ``zero3``, ``zero_auto`` and their ``_spawn`` / ``_fork`` variants."""
+        super().register_strategies(strategy_registry)
+        register_auto(strategy_registry, cls)
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -143,6 +168,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._ranks_in_step = True
+        if self._choosing and fitting:
+            self._choose(trainer)
         if not self.policy.shards_params:
             self.model_to_device()
         if fitting:
@@ -158,6 +185,48 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             rank_zero_info(self.engine.summary())
+
+    def _choose(self, trainer: "pl.Trainer") -> None:
+        """``zero_auto``: pick the configuration for this fit (see ``docs/zero_auto.md``); a model recorded on the
+        meta device is built whole for stages 1 and 2."""
+        assert self.lightning_module is not None
+        self._auto = choose_at_setup(trainer, self.lightning_module, self.precision_plugin, self.config,
+                                     self._auto_budget, lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")),
+                                     (self.world_size, self.num_processes))
+        self.config = self._auto.choice.chosen.candidate.apply(self.config)
+        self.policy = policy_for(self.config.stage)
+        if not self.policy.shards_params:
+            recording = self._recording if self._recording is not None else self._init_module.take(
+                self.lightning_module)
+            build_whole(self.lightning_module, self.root_device, recording)
+            self._recording = None
+        rank_zero_info(self._auto.choice.line())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """``zero_auto``: after the first steps, the measured peak next to the predicted one."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._auto is not None and self._auto.measured is None and self.lightning_module is not None and (
+                self.lightning_module.trainer.global_step >= STEPS_MEASURED):
+            self._measure_peak()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._auto is not None and self._auto.measured is None:
+            self._measure_peak()
+
+    def _measure_peak(self) -> None:
+        assert self._auto is not None
+        peak = torch.tensor(float(self._auto.meter.peak()))
+        self._auto.measured = int(self.reduce(peak, reduce_op="max"))
+        rank_zero_info(self._auto.report())
+
+    @property
+    def auto_run(self) -> Optional[AutoRun]:
+        """``zero_auto``: the last choice (``.choice``, with every prediction) and the measured peak (``.measured``),
+        ``None`` for a fixed stage."""
+        return self._auto
 
     @override
     def model_to_device(self) -> None:
@@ -212,6 +281,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
         super().teardown()
+        if self._choosing:  # the next fit chooses again, recording `configure_model` as zero3 until then
+            self.config = replace(self.config, stage=AUTO_UNTIL_SETUP, offload_optimizer=False, offload_params=False)
+            self.policy = policy_for(AUTO_UNTIL_SETUP)
         failure, self._failure = self._failure, None
         self._release_signals(failure)
 
