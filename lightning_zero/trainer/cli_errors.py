@@ -1,0 +1,95 @@
+"""LightningCLI's error for a wrong ``ZeroStrategy`` option in a YAML file or on the command line, in one line.
+
+[Note: one line for a wrong option in a config]
+A wrong stage or option in ``strategy: {class_path: lightning_zero.ZeroStrategy, init_args: {...}}`` fails in
+jsonargparse's type check of the strategy's signature: it prints the whole usage of the Trainer's arguments and a
+nested "Does not validate against any of the Union subtypes" report (55 lines for ``stage: 4``), in any user's
+``LightningCLI`` script. Importing ``lightning_zero`` wraps ``LightningArgumentParser.error`` (once): when the error
+is about ``ZeroStrategy``'s arguments, the arguments jsonargparse was given are passed to ``ZeroStrategy`` itself,
+and its own error, the one the same mistake gets in Python, is printed as one line with the key and the config
+file(s) it came from. Any other error is left to jsonargparse as it is.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import sys
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+_MARK = "__lightning_zero_one_line__"
+_argv: list[str] = []  # the command line of the last parse (the config files a wrong option may come from)
+
+
+def zero_option_error(message: str, argv: Sequence[str]) -> Optional[str]:
+    """The one-line error for jsonargparse's ``message`` about ``ZeroStrategy``'s arguments (``None`` for any other
+    message, or when ``ZeroStrategy`` accepts the arguments given)."""
+    from lightning_zero.trainer.strategy import ZeroStrategy
+
+    given = re.search(r"Given value: (\{.*'class_path': 'lightning_zero\.ZeroStrategy'.*\})", message)
+    if given is None:
+        return None
+    try:
+        init_args = dict(ast.literal_eval(given.group(1)).get("init_args") or {})
+        ZeroStrategy(**init_args)
+    except (ValueError, TypeError, SyntaxError) as error:
+        keys = re.findall(r'Parser key "([^"]+)"', message)
+        key = f"trainer.strategy.init_args.{keys[-1]}" if len(keys) > 1 else "trainer.strategy.init_args"
+        files = [f for f in _config_files(argv) if "ZeroStrategy" in _read(f)]
+        where = f"{', '.join(files)}: " if files else ""
+        return f"{where}`{key}`: {error}".replace("\n", " ")
+    return None
+
+
+def _config_files(argv: Sequence[str]) -> list[str]:
+    """The files given to ``--config``/``-c``/``--trainer`` (the ``=`` form too)."""
+    files = []
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in ("--config", "-c", "--trainer"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            if value and not value.startswith("-"):
+                files.append(value)
+    return files
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _one_line(error: Callable[..., NoReturn]) -> Callable[..., NoReturn]:
+    @functools.wraps(error)
+    def wrapped(self: LightningArgumentParser, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        line = zero_option_error(message, _argv) if self.exit_on_error else None
+        if line is None:
+            error(self, message, ex)
+        sys.stderr.write(f"error: {line}\n")
+        self.exit(2)
+
+    setattr(wrapped, _MARK, True)
+    return wrapped
+
+
+def _remembers_argv(parse_args: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(parse_args)
+    def wrapped(self: LightningArgumentParser, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        _argv[:] = [str(a) for a in args] if isinstance(args, (list, tuple)) else sys.argv[1:]
+        return parse_args(self, args, *rest, **kwargs)
+
+    return wrapped
+
+
+def install() -> None:
+    """Wrap ``LightningArgumentParser.error`` and ``parse_args`` (once; see [Note: one line for a wrong option in a
+    config])."""
+    if not getattr(LightningArgumentParser.error, _MARK, False):
+        LightningArgumentParser.error = _one_line(LightningArgumentParser.error)  # type: ignore[method-assign]
+        LightningArgumentParser.parse_args = _remembers_argv(  # type: ignore[method-assign]
+            LightningArgumentParser.parse_args)
