@@ -48,3 +48,15 @@ def test_an_error_that_is_not_about_the_strategy_is_left_to_jsonargparse(tmp_pat
     with pytest.raises(SystemExit):
         LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
     assert "max_steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make", ["Trainer", "Fabric"])
+@pytest.mark.parametrize("name", ["zero4", "zero_3", "Zero-2"])
+def test_a_misspelled_zero_strategy_name_lists_ours_in_python(make, name):
+    import lightning as L
+
+    with pytest.raises(ValueError) as raised:
+        getattr(L, make)(strategy=name, accelerator="cpu", devices=1)
+    message = str(raised.value)
+    assert message.startswith(f"There is no strategy {name!r}. lightning-zero registers zero1, zero2 and zero3")
+    assert "\n" not in message

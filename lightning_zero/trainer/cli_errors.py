@@ -1,4 +1,5 @@
-"""LightningCLI's error for a wrong ``ZeroStrategy`` option in a YAML file or on the command line, in one line.
+"""Lightning's errors for a wrong strategy name or option, in one line that says what to do: a wrong ``ZeroStrategy``
+option in a LightningCLI YAML file or command line, and a misspelled ``zero`` strategy name.
 
 [Note: one line for a wrong option in a config]
 A wrong stage or option in ``strategy: {class_path: lightning_zero.ZeroStrategy, init_args: {...}}`` fails in
@@ -18,7 +19,9 @@ import re
 import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
+from lightning.fabric import connector as fabric_connector
 from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.trainer.connectors import accelerator_connector
 
 _MARK = "__lightning_zero_one_line__"
 _argv: list[str] = []  # the command line of the last parse (the config files a wrong option may come from)
@@ -86,9 +89,33 @@ def _remembers_argv(parse_args: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def _names_ours(check: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's check of the strategy argument, whose error for a name starting with ``zero`` lists ours (see
+    [Note: misspelled strategy names] in ``cli.py``)."""
+
+    @functools.wraps(check)
+    def wrapped(self: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        from lightning_zero.cli import unknown_zero_strategy
+
+        try:
+            return check(self, strategy, *args, **kwargs)
+        except ValueError as error:
+            ours = unknown_zero_strategy(strategy) if "invalid strategy name" in str(error) else None
+            if ours is None:
+                raise
+            raise ValueError(ours) from None
+
+    setattr(wrapped, _MARK, True)
+    return wrapped
+
+
 def install() -> None:
-    """Wrap ``LightningArgumentParser.error`` and ``parse_args`` (once; see [Note: one line for a wrong option in a
-    config])."""
+    """Wrap ``LightningArgumentParser.error`` and ``parse_args`` (see [Note: one line for a wrong option in a
+    config]) and the Trainer's and Fabric's check of the strategy name, once."""
+    for connector in (accelerator_connector._AcceleratorConnector, fabric_connector._Connector):
+        if not getattr(connector._check_config_and_set_final_flags, _MARK, False):
+            connector._check_config_and_set_final_flags = _names_ours(  # type: ignore[method-assign]
+                connector._check_config_and_set_final_flags)
     if not getattr(LightningArgumentParser.error, _MARK, False):
         LightningArgumentParser.error = _one_line(LightningArgumentParser.error)  # type: ignore[method-assign]
         LightningArgumentParser.parse_args = _remembers_argv(  # type: ignore[method-assign]
