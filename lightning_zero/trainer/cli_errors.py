@@ -89,14 +89,32 @@ def _remembers_argv(parse_args: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def unknown_zero_strategy(name: object) -> Optional[str]:
+    """The error for a strategy name that starts with ``zero`` but is not registered (``"zero4"``), else ``None``.
+
+    [Note: misspelled strategy names]
+    ``Trainer(strategy="zero4")`` fails in Lightning's accelerator connector, whose message lists ``auto, ddp,
+    ddp_spawn, deepspeed`` and not ours. That check runs inside ``Trainer.__init__`` (and ``Fabric.__init__``) against
+    a plain list of the registry's keys, before any code of ours, so importing ``lightning_zero`` wraps it
+    (:func:`_names_ours`): a name starting with ``zero`` gets this message instead. The ``lightning-zero``
+    command checks the name itself, before the Trainer is built.
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if not isinstance(name, str) or not name.lower().startswith("zero") or name.lower() in StrategyRegistry:
+        return None
+    ours = sorted(n for n in StrategyRegistry if n.startswith("zero"))
+    return (f"There is no strategy {name!r}. lightning-zero registers zero1, zero2 and zero3 (ZeRO stages 1-3) and "
+            f"their _spawn/_fork variants: {', '.join(ours)}. For options, use the long form `strategy: {{class_path: "
+            "lightning_zero.ZeroStrategy, init_args: {stage: 3, ...}}`.")
+
+
 def _names_ours(check: Callable[..., Any]) -> Callable[..., Any]:
     """Lightning's check of the strategy argument, whose error for a name starting with ``zero`` lists ours (see
-    [Note: misspelled strategy names] in ``cli.py``)."""
+    [Note: misspelled strategy names])."""
 
     @functools.wraps(check)
     def wrapped(self: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
-        from lightning_zero.cli import unknown_zero_strategy
-
         try:
             return check(self, strategy, *args, **kwargs)
         except ValueError as error:
