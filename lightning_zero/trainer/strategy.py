@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.core import one_report
+from lightning_zero.engine import one_report
 from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.processes import StartMethod, ZeroProcesses
