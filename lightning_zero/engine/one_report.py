@@ -34,7 +34,9 @@ REPORT_WAIT = 5.0
 
 _PREFIX = "lightning_zero/error"
 _count = itertools.count()
-_lines: dict[int, str] = {}  # id(exception) -> what replaces its traceback ("" for nothing)
+# the last exception reported and what replaces its traceback ("" for nothing); the exception itself, not its id (an
+# id is reused once the object is freed), and only the last one
+_pending: list[tuple[BaseException, str]] = []
 _previous_hook = sys.excepthook
 
 
@@ -56,12 +58,12 @@ def report_once(error: BaseException, log_dir: Path) -> None:
     same = [r for r, text in sorted(posted.items()) if text == posted[first]]
     ranks = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
     if me == first:
-        _lines[id(error)] = (f"{posted[first]}\n[raised on {ranks} of {world}; each rank's traceback: "
-                             f"{log.parent}/rank<r>.log]")
+        line = f"{posted[first]}\n[raised on {ranks} of {world}; each rank's traceback: {log.parent}/rank<r>.log]"
     elif posted[me] == posted[first]:
-        _lines[id(error)] = ""
+        line = ""
     else:
-        _lines[id(error)] = f"{posted[me]}\n[raised on rank {me}; its traceback: {log}]"
+        line = f"{posted[me]}\n[raised on rank {me}; its traceback: {log}]"
+    _pending[:] = [(error, line)]
     sys.excepthook = _excepthook
 
 
@@ -82,8 +84,9 @@ def _exchange(store: Any, key: str, me: int, world: int, text: str) -> dict[int,
 
 
 def _excepthook(kind: type[BaseException], error: BaseException, tb: Optional[TracebackType]) -> None:
-    line = _lines.pop(id(error), None)
-    if line is None:
+    if not _pending or _pending[0][0] is not error:
         _previous_hook(kind, error, tb)
-    elif line:
+        return
+    line = _pending.pop()[1]
+    if line:
         print(line, file=sys.stderr, flush=True)
