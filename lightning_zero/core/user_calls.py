@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from lightning_zero.core import collectives
 
-#: Seconds a call waits for every rank to make it too. Calls every rank makes meet within a step's skew.
+#: Seconds a call waits for every rank to make it too. Calls every rank makes meet within a step's skew; a rank that
+#: works alone for longer before the call (an evaluation on rank 0 only, then a save on every rank) needs more.
 CALL_TIMEOUT = 30.0
 
 #: The calls that are checked, by their index.
@@ -35,6 +36,10 @@ _count = itertools.count()
 _ADVICE = ("Call it on every rank, outside `if trainer.is_global_zero:` (a sharded stage gathers from every rank); or "
            "save a checkpoint on every rank and turn it into one file with `lightning_zero.consolidate(path, out)` "
            "(or `lightning-zero consolidate`).")
+
+
+_LATE = ("If the other ranks only come later (a long evaluation on one rank before a save), set "
+         "`lightning_zero.core.user_calls.CALL_TIMEOUT` to more seconds.")
 
 
 class OneRankCallError(RuntimeError):
@@ -53,7 +58,8 @@ def check_every_rank_calls(call: int) -> None:
         store.wait([f"{_PREFIX}/{n}/{r}" for r in range(world)], timedelta(seconds=CALL_TIMEOUT))
     except RuntimeError:  # torch's DistStoreError, a RuntimeError: the other ranks did not come
         raise OneRankCallError(f"{CALLS[call]} was called on rank {me} and not on every rank within "
-                               f"{CALL_TIMEOUT:g} s: it is a collective under a sharded stage. {_ADVICE}") from None
+                               f"{CALL_TIMEOUT:g} s: it is a collective under a sharded stage. {_ADVICE} {_LATE}"
+                               ) from None
     calls = [int(store.get(f"{_PREFIX}/{n}/{r}")) for r in range(world)]
     if any(c != call for c in calls):
         doing = ", ".join(f"rank {r}: {CALLS[c]}" for r, c in enumerate(calls))
