@@ -8,7 +8,8 @@
 ``torch.distributed`` itself (gloo on CPUs, NCCL on GPUs), builds the model under ``sharded_construction`` (zero3: no
 rank ever holds it whole), gives each rank its part of the data with a ``DistributedSampler``, and writes the same
 sharded checkpoint the Trainer and Fabric write (``examples/generate.py`` reads it; ``python examples/gpt.py fit
---config examples/configs/zero3.yaml --ckpt_path checkpoints/gpt-engine/last.ckpt`` resumes it under the Trainer).
+--config examples/configs/zero3.yaml --model.n_layer 2 --model.dropout 0 --ckpt_path checkpoints/gpt-engine/last.ckpt``
+resumes it under the Trainer: weights, optimizer states and the step counter, with the same model and param groups).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank (zero3 builds each rank's shard of them)
     with sharded_construction(device) as recording:  # zero3 only: recorded on the meta device, built unit by unit
         model = GPT(n_layer=2, dropout=0.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.param_groups(), lr=3e-3)  # the Trainer's groups: it resumes the checkpoint
     engine = ZeroEngine(model, [optimizer], stage=args.stage, precision=args.precision, device=device,
                         recording=recording if args.stage == 3 else None)
 

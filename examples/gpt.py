@@ -225,11 +225,15 @@ class GPT(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
-    def configure_optimizers(self) -> Any:
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Weight decay on the matrices, none on biases and norms: the optimizer's groups (``examples/engine_gpt.py``
+        makes the same, so that the Trainer resumes its checkpoint)."""
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
+        return [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.param_groups(), lr=self.hparams.lr)
         warmup, total = self.hparams.warmup_steps, max(self.trainer.max_steps, self.hparams.warmup_steps + 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, warmup=warmup,
                                                                                    total=total))

@@ -26,10 +26,12 @@ from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
 from lightning_zero.stage3.guard import ParameterNotGatheredError
 from lightning_zero.trainer.strategy import ZeroStrategy
 
-from lightning_zero.trainer import early_checks, lightning_loads
+from lightning_zero.trainer import cli_errors, early_checks, grad_norm, lightning_loads
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 lightning_loads.install()  # MyModule.load_from_checkpoint(dir) and ddp's ckpt_path=dir read sharded directories
+grad_norm.install()  # Lightning's grad_norm reads the gradient shards (see trainer/grad_norm.py)
+cli_errors.install()  # a wrong ZeroStrategy option in a LightningCLI config: one line (see cli_errors.py)
 early_checks.install()  # the Trainer's ckpt_path is checked before the model is built (see early_checks.py)
 ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 

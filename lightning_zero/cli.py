@@ -23,6 +23,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 from lightning_zero.checkpoints.storage import CheckpointError, missing_message
 from lightning_zero.checkpoints.export import add_export_arguments, run_export
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
+from lightning_zero.trainer.cli_errors import unknown_zero_strategy
 from lightning_zero.estimate import (
     build_on_meta,
     format_estimate,
@@ -169,25 +170,6 @@ def expand_short_strategy(argv: Sequence[str]) -> list[str]:
                 long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
         return argv[:i] + long_form + argv[i + width:]
     return argv
-
-
-def unknown_zero_strategy(name: object) -> Optional[str]:
-    """The error for a strategy name that starts with ``zero`` but is not registered (``"zero4"``), else ``None``.
-
-    [Note: misspelled strategy names]
-    ``Trainer(strategy="zero4")`` fails in Lightning's accelerator connector, whose message lists ``auto, ddp,
-    ddp_spawn, deepspeed`` and not ours. That check runs inside ``Trainer.__init__`` against a plain list of the
-    registry's keys, before any code of ours: there is no hook to improve it short of patching Lightning. The
-    ``lightning-zero`` command checks the name itself, before the Trainer is built; README.md lists the names.
-    """
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    if not isinstance(name, str) or not name.lower().startswith("zero") or name.lower() in StrategyRegistry:
-        return None
-    ours = sorted(n for n in StrategyRegistry if n.startswith("zero"))
-    return (f"There is no strategy {name!r}. lightning-zero registers zero1, zero2 and zero3 (ZeRO stages 1-3) and "
-            f"their _spawn/_fork variants: {', '.join(ours)}. For options, use the long form `strategy: {{class_path: "
-            "lightning_zero.ZeroStrategy, init_args: {stage: 3, ...}}`.")
 
 
 def option_hints(message: str) -> str:

@@ -149,6 +149,14 @@ def test_engine_example_under_torchrun_with_a_distributed_sampler(tmp_path):
 
     model = lightning_zero.load_from_checkpoint(GPT, tmp_path / "checkpoints" / "gpt-engine" / "last.ckpt")
     assert model.hparams.n_layer == 2 and model.generate("ROMEO:", 4).startswith("ROMEO:")
+    # the Trainer resumes it as the example's docstring says: weights, optimizer states, and on from its step 3
+    run(sys.executable, str(EXAMPLES / "gpt.py"), "fit", "--config", str(EXAMPLES / "configs" / "zero3.yaml"),
+        "--model.n_layer", "2", "--model.dropout", "0", "--ckpt_path", "checkpoints/gpt-engine/last.ckpt",
+        "--trainer.max_steps", "5", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+        cwd=tmp_path)
+    resumed = json.loads(run(sys.executable, "-m", "lightning_zero", "inspect", "checkpoints/gpt-zero3/last.ckpt",
+                             "--json", cwd=tmp_path))
+    assert resumed["global_step"] == 5
 
 
 def test_docs_engine_snippet_is_the_shipped_example():

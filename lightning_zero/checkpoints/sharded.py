@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.core import collectives
+from lightning_zero.checkpoints.key_match import RENAME, check_coverage, coverage_message, prefix_hint
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
 from lightning_zero.core.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
@@ -96,9 +98,10 @@ def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard]
 
 # ---------------------------------------------------------------------- model
 def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], strict: bool, source: str,
-                     full: bool = False) -> None:
+                     full: bool = False, warn: bool = True) -> None:
     """Refuse a checkpoint of another model: shapes must match (``full``: the shapes of whole tensors, as a file in
-    ``ddp``'s form has them); with ``strict`` the keys too (as ``nn.Module``)."""
+    ``ddp``'s form has them); with ``strict`` the keys too (as ``nn.Module``); without, at least one key, and fewer
+    than half of them warns when ``warn`` (see [Note: a non-strict load says what it skipped])."""
     shape_of = (lambda d: d.full_shape) if full else (lambda d: d.shape)
     mismatched = [f"{k}: checkpoint {tuple(saved[k])}, model {shape_of(d)}" for k, d in dest.items()
                   if k in saved and tuple(saved[k]) != tuple(shape_of(d))]
@@ -112,9 +115,22 @@ def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], 
     if strict and unexpected:
         problems.append("unexpected keys " + _some(unexpected))
     if problems:
-        hint = "" if mismatched else "; pass `strict=False` to load the keys both have"
+        hint = _keys_hint(saved, dest, mismatched)
         raise CheckpointError(f"The checkpoint {source} does not fit this model: " + "; ".join(problems) +
                               f". It comes from a different model (or another version of it){hint}.")
+    if not strict:
+        check_coverage(saved, dest, source, warn)
+
+
+def _keys_hint(saved: Collection[str], dest: Collection[str], mismatched: list[str]) -> str:
+    """What to do about keys that differ: the prefix that makes them match, else ``strict=False`` where that loads at
+    least half of the model."""
+    hint = prefix_hint(saved, dest)
+    if hint is not None:
+        return f"; to load it, {hint}{RENAME}"
+    if mismatched or coverage_message(saved, dest, "") is not None:
+        return ""
+    return "; pass `strict=False` to load the keys both have"
 
 
 def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool,

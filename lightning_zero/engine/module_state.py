@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.core import user_calls
 from lightning_zero.engine.state import load_model
 from lightning_zero.checkpoints.shards import Shard
 
@@ -103,6 +104,7 @@ def _save_post_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         if not streaming.pop():
             return
+        user_calls.check_every_rank_calls(user_calls.STATE_DICT)  # see [Note: a collective called on one rank]
         for unit, entries in _entries_by_unit(engine, prefix).items():
             with _gathered(engine, unit):
                 for key, param in entries:

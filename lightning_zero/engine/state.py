@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from torch.optim import Optimizer
 
-from lightning_zero.core import collectives
+from lightning_zero.core import collectives, user_calls
 from lightning_zero.core.slices import tensor_parallel_slice
 from lightning_zero.checkpoints.errors import agree_on_failure
 from lightning_zero.checkpoints.export import PRETRAINED, pretrained_configs
@@ -52,7 +52,8 @@ INTERNAL_KEYS = (KEY, "state_dict", "optimizer_states")
 
 def model_state(engine: "ZeroEngine") -> dict[str, Any]:
     """``"sharded"``: this rank's pieces (``Shard``) of every entry; ``"full"``: full weights in the master precision
-    (fp32 under mixed precision) on rank 0 (a collective)."""
+    (fp32 under mixed precision) on rank 0 (a collective, checked: see [Note: a collective called on one rank])."""
+    user_calls.check_every_rank_calls(user_calls.SAVE)
     if engine.config.state_dict_type == "full":
         return full_model_state_dict(engine.module, engine.store.storages)
     # whole tensors are written by rank 0, under tensor parallelism by the first rank of every data-parallel group

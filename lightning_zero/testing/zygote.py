@@ -201,10 +201,8 @@ def _run_child(request: dict[str, Any]) -> None:
         _finish()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
+    except BaseException:  # as Python does: the interpreter's excepthook reports it (a script's own, if it set one)
+        sys.excepthook(*sys.exc_info())
     _finish()
     os._exit(code)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning
+import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -64,10 +65,15 @@ class CheckpointHooks:
         if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, False if trusted else weights_only)
         meta = engine_state.read(Path(checkpoint_path), trusted=trusted)
-        if meta[KEY].get("writer") == "fabric":
-            # Fabric's loop state is the user's own entries: the Trainer's loops start afresh, with no schedulers
+        writer = meta[KEY].get("writer")
+        if writer in ("fabric", "engine"):
+            # Fabric's and a plain loop's loop state is the user's own entries: the Trainer's loops start afresh,
+            # with no schedulers, from the step counter a plain loop recorded (see [Note: a plain loop's step])
             meta.setdefault("lr_schedulers", [])
             meta.setdefault("pytorch-lightning_version", lightning.__version__)
+            trainer = self.lightning_module.trainer
+            if writer == "engine" and "loops" not in meta and trainer.state.fn == "fit":
+                meta["loops"] = {"fit_loop": _fit_loop_at_step(trainer, int(meta.get("global_step") or 0))}
         return meta
 
     @override
@@ -77,3 +83,22 @@ class CheckpointHooks:
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         engine_state.load_optimizers(self.engine, checkpoint)
+
+
+def _fit_loop_at_step(trainer: "pl.Trainer", global_step: int) -> dict[str, Any]:
+    """The state of a fresh fit loop whose optimizer steps stand at ``global_step``.
+
+    [Note: a plain loop's step]
+    A ``ZeroEngine`` checkpoint records ``global_step`` (its optimizer steps) but no loop state: the Trainer resumes
+    it with that step count (``trainer.global_step``, ``max_steps`` and the loggers' step go on from it), at the start
+    of an epoch, its data from the beginning. The step counter lives in the optimizer progress of the automatic or
+    manual optimization loop, whichever the module uses; both are set.
+    """
+    state = trainer.fit_loop.state_dict()
+    steps = {"ready": global_step, "completed": global_step}
+    automatic = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
+    manual = state["epoch_loop.manual_optimization.optim_step_progress"]
+    for progress in (automatic, manual):
+        progress["total"].update(steps)
+    state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
+    return state

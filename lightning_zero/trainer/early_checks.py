@@ -121,7 +121,7 @@ def _check_shapes(path: Path, module: nn.Module, strict: bool, trusted: bool) ->
     here = {key: SimpleNamespace(shape=tuple(t.shape), full_shape=tuple(t.shape))
             for key, t in module.state_dict(keep_vars=True).items() if hasattr(t, "shape")}
     try:
-        check_model_keys(saved, here, strict, str(path))  # type: ignore[arg-type]
+        check_model_keys(saved, here, strict, str(path), warn=False)  # type: ignore[arg-type]  # the load warns
     except CheckpointError as error:
         raise CheckpointError(f"`ckpt_path`: {error} Found before the model was built and sharded; "
                               "nothing was loaded.") from None

@@ -9,6 +9,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.config import ZeroConfig, check_option_names
+from lightning_zero.engine import one_report
 from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.processes import StartMethod, ZeroProcesses
@@ -267,6 +269,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         # a refused checkpoint is refused by every rank at the same point (its checks are agreed across ranks)
         self._ranks_in_step = self.world_size == 1 or isinstance(exception, CheckpointError)
         self._failure = exception
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        root = trainer.default_root_dir if trainer is not None else "."
+        one_report.report_once(exception, Path(root) / "lightning_zero_errors")  # one report, not one per rank
 
     @override
     def teardown(self) -> None:
