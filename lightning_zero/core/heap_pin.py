@@ -16,7 +16,8 @@ from the top of the heap when no free hole is large enough. It keeps the highest
 frees any other at once (a pin glibc mapped on its own, above the threshold, lies far from the heap, next to no small
 allocation, and is not kept), so the pin only ever moves up and, once at the top, keeps the activation region below it
 from being trimmed, as DDP's gradients do. The pin is never written: it costs address space and no resident
-memory, and a pin that lands in a free hole instead of at the top is dropped at the next backward. What the pin
+memory (nor is it counted among the engine's large allocations in ``core/costs.py``, which count memory a step
+makes), and a pin that lands in a free hole instead of at the top is dropped at the next backward. What the pin
 keeps is what the peak of a step needed anyway, so the peak resident memory does not rise; the level between
 steps stays at the peak, as under DDP. Nothing process-wide is set: under another allocator (or a GPU) the pin is
 one idle allocation. Stage 3 keeps its own heap discipline (its pool; see ``stage3/pool.py``) and takes no pin.
