@@ -433,4 +433,3 @@ def _gaps(layout: FlatLayout, bucket: Bucket) -> list[tuple[int, int]]:
     if at < total:
         gaps.append((at, total))
     return gaps
-
