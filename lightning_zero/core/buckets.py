@@ -52,6 +52,7 @@ import torch
 from lightning_zero.core import collectives, costs
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.groups import ShardGroups
+from lightning_zero.core.heap_pin import HeapPin
 from lightning_zero.core.layout import Bucket, FlatLayout
 from lightning_zero.core.quantize import Scratch, reduce_scatter_quantized
 
@@ -116,6 +117,7 @@ class GradientReducer:
         unit_names: Sequence[str] = (),
         sink: Optional[GradSink] = None,
         quantize_block: Optional[int] = None,
+        heap_pin: Optional[HeapPin] = None,
     ) -> None:
         self.layout = layout
         self.unit_names = unit_names
@@ -135,6 +137,8 @@ class GradientReducer:
         self._quantize_scratch = Scratch()  # qgZ's codes, scales and sums, reused from bucket to bucket
         """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
         reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
+        self.heap_pin = heap_pin
+        """Taken at the first gradient of each backward (see [Note: the heap pin] in ``heap_pin.py``); ``None``: none."""
         self.grad_shard: Optional[torch.Tensor] = None
         """This rank's reduced gradients (``None`` until the first reduction, after :meth:`clear`, and always with a
         ``sink``)."""
@@ -164,6 +168,8 @@ class GradientReducer:
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
         """Copy the gradient of one parameter into its bucket(s); launch the buckets that are full, in order."""
         flat = grad.detach().reshape(-1)
+        if not self._pending and self.heap_pin is not None:
+            self.heap_pin.take()  # the first gradient of a backward: the heap at its highest
         self._pending = True
         costs.count_copy(flat)
         for bucket, start, length, offset in self._param_parts[param_index]:
@@ -250,6 +256,8 @@ class GradientReducer:
         self._free.clear()
         self.buffers_allocated = len(self._open)
         self.grad_shard = None
+        if self.heap_pin is not None:
+            self.heap_pin.release()
 
     @property
     def buffer_bytes(self) -> int:

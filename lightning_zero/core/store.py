@@ -31,6 +31,7 @@ from lightning_zero.core import collectives, disk, offload
 from lightning_zero.core.buckets import GradientReducer
 from lightning_zero.core.compiled import eager_hook
 from lightning_zero.core.groups import ShardGroups
+from lightning_zero.core.heap_pin import HeapPin
 from lightning_zero.core.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
 from lightning_zero.core.optimizer_support import backward_order
 from lightning_zero.stages import StagePolicy
@@ -90,6 +91,7 @@ class ShardedStorage:
             self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
             unit_names if self.by_units else (), sink=self.host_grads,
             quantize_block=config.quantization_block_size if config.quantized_gradients else None,
+            heap_pin=HeapPin() if self._pins_heap(device) else None,
         )
         self._hooks: list[Any] = []
         self.holding = False
@@ -99,6 +101,11 @@ class ShardedStorage:
         self.uninstalled = False
         self.clears = 0
         """How many times :meth:`clear_grads` ran (an optimizer's reduced gradients are stale once it moved)."""
+
+    def _pins_heap(self, device: torch.device) -> bool:
+        """Whether the reducer keeps a pin at the top of the host heap (see [Note: the heap pin] in ``heap_pin.py``):
+        stages 1 and 2 on a CPU (stage 3 keeps its own heap discipline, its pool)."""
+        return device.type == "cpu" and not self.policy.shards_params
 
     def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
                       config: ZeroConfig) -> None:
