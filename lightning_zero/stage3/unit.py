@@ -1,11 +1,21 @@
-"""Stage 3: one unit, the parameters gathered and freed together, and the state it is in.
+"""Stage 3: one object per unit group, the parameters gathered and freed together: its buffers in every storage,
+its gathers, its hpZ copy, its gradient count and the state it is in.
+
+[Note: one object per unit group]
+A unit's parameters may live in several storages of the parameter store (one per optimizer and dtype, see
+``core/store.py``), each with the unit's flat buffer and its memory from that storage's pool (``params.py``,
+``pool.py``), and under hpZ a secondary copy (``secondary.py``). The :class:`UnitGroup` is the one place that acts on
+the unit as a whole (as FSDP2's ``FSDPParamGroup`` does for a ``fully_shard`` module): it gathers, waits and frees
+over all of those storages, keeps or drops the hpZ copy, counts the gradients backward has produced, and holds the
+state. The runtime (``units.py``) keeps only what spans units: the hooks that call into the groups, the order the
+units run in, the prefetch policy, the lockstep check and the training phase.
 
 [Note: a unit's state and the runtime's phase]
-Each unit is one :class:`Unit` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
+Each unit is one :class:`UnitGroup` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
 ``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full values).
-The moves are ``SHARDED -> GATHERING`` (:meth:`Unit.start_gather`), ``GATHERING -> GATHERED`` (:meth:`Unit.wait`),
-``GATHERED -> GATHERING`` (:meth:`Unit.regather`, after a step wrote new shards) and ``GATHERED -> SHARDED``
-(:meth:`Unit.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping mistake fails where it is
+The moves are ``SHARDED -> GATHERING`` (:meth:`UnitGroup.start_gather`), ``GATHERING -> GATHERED`` (:meth:`UnitGroup.wait`),
+``GATHERED -> GATHERING`` (:meth:`UnitGroup.regather`, after a step wrote new shards) and ``GATHERED -> SHARDED``
+(:meth:`UnitGroup.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping mistake fails where it is
 made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
 ``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``; ``UnitRuntime`` in ``units.py``) says what the hooks are
 inside: a unit is freed after its forward except when recomputing (backward needs it next) or ``SUMMONED``
@@ -48,8 +58,9 @@ class IllegalUnitTransition(RuntimeError):
     """A unit was asked for a move its state does not allow (a bug in the runtime, never in user code)."""
 
 
-class Unit:
-    """One stage 3 unit: its gathers and frees over every storage holding its parameters, and its state."""
+class UnitGroup:
+    """One stage 3 unit: its gathers and frees over every storage holding its parameters, its hpZ copy, its gradient
+    count and its state (see [Note: one object per unit group])."""
 
     def __init__(self, index: int, name: str, storages: Sequence["PartitionedStorage"]) -> None:
         self.index = index
@@ -61,6 +72,7 @@ class Unit:
         self.grads_expected = 0
         """Parameters of the unit whose gradient backward produces (the unit is freed once all of them have)."""
         self.grads_seen = 0
+        """Those whose gradient the current backward has produced (see :meth:`grad_arrived`)."""
         self.guarded_while_gathering = False
         """Whether the parameters refuse reads until :meth:`wait` (a gather started between steps)."""
 
@@ -121,3 +133,38 @@ class Unit:
     def gathered(self) -> bool:
         """Whether its buffers hold memory (``GATHERING`` or ``GATHERED``)."""
         return self.state is not UnitState.SHARDED
+
+    @property
+    def numel(self) -> int:
+        """Elements of the unit over every storage (what a gather of it moves into its buffers)."""
+        return sum(storage.unit_numel(self.index) for storage in self.storages)
+
+    # ------------------------------------------------------------------ gradients
+    def expect_grad(self) -> None:
+        """Count one more parameter of the unit whose gradient backward produces."""
+        self.grads_expected += 1
+
+    def grad_arrived(self) -> bool:
+        """One of the unit's gradients is accumulated; returns whether it was the last of this backward (the count
+        starts again)."""
+        self.grads_seen += 1
+        if self.grads_seen != self.grads_expected:
+            return False
+        self.grads_seen = 0
+        return True
+
+    # ------------------------------------------------------------------ hpZ
+    def keep_secondary(self) -> None:
+        """hpZ: keep this rank's secondary piece of the gathered unit in every storage (see [Note: hpZ, the secondary
+        partition] in ``secondary.py``)."""
+        for storage in self.storages:
+            storage.keep_secondary(self.index)
+
+    def drop_secondary(self) -> None:
+        """hpZ: forget the unit's secondary copy in every storage (its values change, or no backward needs it)."""
+        for storage in self.storages:
+            storage.drop_secondary(self.index)
+
+
+Unit = UnitGroup
+"""The name this class had first, kept importable."""

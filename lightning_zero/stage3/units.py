@@ -1,5 +1,6 @@
-"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after; each
-unit and its state is a :class:`~lightning_zero.stage3.unit.Unit` (``unit.py``).
+"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after, the
+order units run in and the prefetch policy; each unit, its buffers, hpZ copy, gradient count and state is a
+:class:`~lightning_zero.stage3.unit.UnitGroup` (``unit.py``, [Note: one object per unit group]).
 
 [Note: gather, free, and autograd]
 Each unit's parameters are views of one flat buffer per storage; freeing resizes that buffer's *storage* to zero
@@ -49,7 +50,7 @@ from lightning_zero.core import collectives
 from lightning_zero.core.compiled import eager_hook
 from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
-from lightning_zero.stage3.unit import TrainingPhase, Unit, UnitState
+from lightning_zero.stage3.unit import TrainingPhase, UnitGroup, UnitState
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedStorage
@@ -63,7 +64,7 @@ class UnitRuntime:
         self.plan = plan
         self.storages = storages
         self.prefetch_size = prefetch_size
-        self.units = [Unit(index, name, storages) for index, name in enumerate(plan.names)]
+        self.units = [UnitGroup(index, name, storages) for index, name in enumerate(plan.names)]
         self.phase = TrainingPhase.IDLE
         self.forward_order: list[int] = []
         self.order_final = False
@@ -88,7 +89,7 @@ class UnitRuntime:
         for storage in storages:
             for j, p in enumerate(storage.params):
                 unit = storage.param_units[j]
-                self.units[unit].grads_expected += 1
+                self.units[unit].expect_grad()
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
         for unit, mod in enumerate(plan.modules):
             if mod is not None:
@@ -245,8 +246,7 @@ class UnitRuntime:
         (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         training = needs_grad or module.training
         keep = unit != ROOT and self.phase is TrainingPhase.FORWARD and training
-        for storage in self.storages:
-            storage.keep_secondary(unit) if keep else storage.drop_secondary(unit)
+        self.units[unit].keep_secondary() if keep else self.units[unit].drop_secondary()
 
     def _drop_secondary(self) -> None:
         for storage in self.storages:
@@ -262,10 +262,7 @@ class UnitRuntime:
 
     def _grad_hook(self, unit: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            u = self.units[unit]
-            u.grads_seen += 1
-            if u.grads_seen == u.grads_expected:
-                u.grads_seen = 0
+            if self.units[unit].grad_arrived():
                 self.release(unit)
 
         return eager_hook(hook, "stage 3's gradient hook (frees the unit)")
@@ -349,7 +346,7 @@ class UnitRuntime:
             budget -= size
 
     def _numel(self, unit: int) -> int:
-        return sum(storage.unit_numel(unit) for storage in self.storages)
+        return self.units[unit].numel
 
 
 def _in_backward() -> bool:
