@@ -73,7 +73,7 @@ class PartitionedStorage(ShardedStorage):
     # ------------------------------------------------------------------ units
     def has_unit(self, unit: int) -> bool:
         """Whether this storage holds parameters of ``unit``."""
-        return unit in self.sharded.buffers
+        return unit in self.sharded.units
 
     def fill_unit(self, unit: int) -> None:
         """Shard ``unit``'s materialized (or gathered) parameters into the master and working shards, then make
@@ -118,7 +118,7 @@ class PartitionedStorage(ShardedStorage):
     def keep_secondary(self, unit: int) -> None:
         """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""
         if self.secondary is not None and self.has_unit(unit):
-            self.secondary.keep(unit, self.sharded.buffers[unit])
+            self.secondary.keep(unit, self.sharded.units[unit].tensor)
 
     def drop_secondary(self, unit: Optional[int] = None) -> None:
         """hpZ: forget ``unit``'s secondary copy (``None``: every unit's)."""
@@ -143,7 +143,7 @@ class PartitionedStorage(ShardedStorage):
         else:  # never leave a view of freed storage behind (reading it crashes)
             for p in self.params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        for unit in list(self.sharded.buffers):
+        for unit in list(self.sharded.units):
             self.sharded.release(unit)
         self.sharded.pool.clear()
         guard.restore(self.params)  # they hold storage of their own now
