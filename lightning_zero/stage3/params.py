@@ -131,12 +131,6 @@ class ShardedParams:
         if unit in self.units:
             self._live_bytes -= self.units[unit].take_back()
 
-    def guard(self, unit: int, released: bool) -> None:
-        """Make ``unit``'s parameters refuse reads (``released``) or plain again, whatever their buffer holds (a
-        gather in flight between steps: see [Note: the root is gathered ahead of the next step] in ``units.py``)."""
-        if unit in self.units:
-            self.units[unit].guard(released)
-
     def _allocate(self, unit: int) -> Tensor:
         buffer = self.units[unit]
         self._live_bytes += buffer.lend()

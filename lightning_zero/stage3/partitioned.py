@@ -13,6 +13,7 @@ from lightning_zero.core import collectives, offload
 from lightning_zero.core.layout import MasterSlot
 from lightning_zero.core.store import ShardedStorage
 from lightning_zero.stage3 import guard
+from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.params import ShardedParams
 from lightning_zero.stage3.secondary import SecondaryShards
 
@@ -75,6 +76,10 @@ class PartitionedStorage(ShardedStorage):
         """Whether this storage holds parameters of ``unit``."""
         return unit in self.sharded.units
 
+    def unit_buffer(self, unit: int) -> Optional[UnitBuffer]:
+        """``unit``'s buffer in this storage (``None`` if it has no parameter here): what its group holds."""
+        return self.sharded.units.get(unit)
+
     def fill_unit(self, unit: int) -> None:
         """Shard ``unit``'s materialized (or gathered) parameters into the master and working shards, then make
         them views of the unit's buffer and free it."""
@@ -124,11 +129,6 @@ class PartitionedStorage(ShardedStorage):
         """hpZ: forget ``unit``'s secondary copy (``None``: every unit's)."""
         if self.secondary is not None:
             self.secondary.drop_all() if unit is None else self.secondary.drop(unit)
-
-    def guard_unit(self, unit: int, released: bool) -> None:
-        """Make ``unit``'s parameters refuse reads (``released``) or plain again (see ``guard.py``)."""
-        if self.has_unit(unit):
-            self.sharded.guard(unit, released)
 
     def release_unit(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""

@@ -11,12 +11,12 @@ state. The runtime (``units.py``) keeps only what spans units: the hooks that ca
 units run in, the prefetch policy, the lockstep check and the training phase.
 
 [Note: a unit's state and the runtime's phase]
-Each unit is one :class:`UnitGroup` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
-``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full values).
-The moves are ``SHARDED -> GATHERING`` (:meth:`UnitGroup.start_gather`), ``GATHERING -> GATHERED`` (:meth:`UnitGroup.wait`),
-``GATHERED -> GATHERING`` (:meth:`UnitGroup.regather`, after a step wrote new shards) and ``GATHERED -> SHARDED``
-(:meth:`UnitGroup.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping mistake fails where it is
-made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
+Each unit is one :class:`UnitGroup` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no
+memory), ``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full
+values). The moves are ``SHARDED -> GATHERING`` (:meth:`UnitGroup.start_gather`), ``GATHERING -> GATHERED``
+(:meth:`UnitGroup.wait`), ``GATHERED -> GATHERING`` (:meth:`UnitGroup.regather`, after a step wrote new shards) and
+``GATHERED -> SHARDED`` (:meth:`UnitGroup.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping
+mistake fails where it is made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
 ``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``; ``UnitRuntime`` in ``units.py``) says what the hooks are
 inside: a unit is freed after its forward except when recomputing (backward needs it next) or ``SUMMONED``
 (``UnitRuntime.all_gathered``). Whether a forward is a recomputation inside backward is read from autograd
@@ -31,6 +31,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Sequence
 
 from lightning_zero.core import collectives
+from lightning_zero.stage3.buffer import UnitBuffer
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedStorage
@@ -66,6 +67,9 @@ class UnitGroup:
         self.index = index
         self.name = name
         self.storages = storages
+        found = (storage.unit_buffer(index) for storage in storages)
+        self.buffers: list[UnitBuffer] = [b for b in found if b is not None]
+        """The unit's buffer in each storage that has parameters of it (see ``buffer.py``)."""
         self.state = UnitState.SHARDED
         self.pending: list[Any] = []
         """The all-gathers in flight (``GATHERING``)."""
@@ -95,8 +99,8 @@ class UnitGroup:
 
     def _guard(self, released: bool) -> None:
         self.guarded_while_gathering = released
-        for storage in self.storages:
-            storage.guard_unit(self.index, released)
+        for buffer in self.buffers:
+            buffer.guard(released)
 
     def regather(self) -> None:
         """``GATHERED -> GATHERING``: gather again into the same buffers (the shards changed under them)."""
@@ -130,6 +134,11 @@ class UnitGroup:
             self._guard(False)
 
     @property
+    def gathered_bytes(self) -> int:
+        """Bytes the unit's buffers hold now."""
+        return sum(buffer.held_bytes for buffer in self.buffers)
+
+    @property
     def gathered(self) -> bool:
         """Whether its buffers hold memory (``GATHERING`` or ``GATHERED``)."""
         return self.state is not UnitState.SHARDED
@@ -137,7 +146,7 @@ class UnitGroup:
     @property
     def numel(self) -> int:
         """Elements of the unit over every storage (what a gather of it moves into its buffers)."""
-        return sum(storage.unit_numel(self.index) for storage in self.storages)
+        return sum(buffer.numel for buffer in self.buffers)
 
     # ------------------------------------------------------------------ gradients
     def expect_grad(self) -> None:
