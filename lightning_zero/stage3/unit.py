@@ -143,6 +143,29 @@ class UnitGroup:
         """Whether its buffers hold memory (``GATHERING`` or ``GATHERED``)."""
         return self.state is not UnitState.SHARDED
 
+    def gather(self, compute: bool = False, backward: bool = False, wait: bool = True) -> bool:
+        """Start the unit's gather if it is ``SHARDED`` (``compute``, ``backward``: as :meth:`start_gather`) and, with
+        ``wait``, wait for a gather in flight; returns whether a gather started."""
+        started = self.state is UnitState.SHARDED
+        if started:
+            self.start_gather(compute=compute, backward=backward)
+        if wait and self.state is UnitState.GATHERING:
+            self.wait()
+        return started
+
+    def land(self) -> None:
+        """Wait for a gather in flight, if any (the unit stays gathered)."""
+        if self.state is UnitState.GATHERING:
+            self.wait()
+
+    def free(self) -> None:
+        """Release the unit whatever it is doing: a gather in flight lands first (its buffers must not go while an
+        all-gather writes them); nothing if it is ``SHARDED``."""
+        if self.state is UnitState.SHARDED:
+            return
+        self.land()
+        self.release()
+
     @property
     def numel(self) -> int:
         """Elements of the unit over every storage (what a gather of it moves into its buffers)."""
@@ -152,6 +175,10 @@ class UnitGroup:
     def expect_grad(self) -> None:
         """Count one more parameter of the unit whose gradient backward produces."""
         self.grads_expected += 1
+
+    def reset_grads(self) -> None:
+        """Forget the gradients counted so far (a backward ended before all of them arrived)."""
+        self.grads_seen = 0
 
     def grad_arrived(self) -> bool:
         """One of the unit's gradients is accumulated; returns whether it was the last of this backward (the count

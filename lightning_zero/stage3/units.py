@@ -104,13 +104,10 @@ class UnitRuntime:
         self._gather(unit, wait)
 
     def _gather(self, unit: int, wait: bool = True) -> None:
-        u = self.units[unit]
-        if u.state is UnitState.SHARDED:
-            backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
-            u.start_gather(compute=backward or self.phase is TrainingPhase.FORWARD, backward=backward)
+        backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
+        compute = backward or self.phase is TrainingPhase.FORWARD
+        if self.units[unit].gather(compute=compute, backward=backward, wait=wait):
             self._track_peak()
-        if wait and u.state is UnitState.GATHERING:
-            u.wait()
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`; nothing while ``SUMMONED``)."""
@@ -139,12 +136,7 @@ class UnitRuntime:
                     self._free(unit)
 
     def _free(self, unit: int) -> None:
-        u = self.units[unit]
-        if u.state is UnitState.SHARDED:
-            return
-        if u.state is UnitState.GATHERING:
-            u.wait()  # a prefetch still in flight must land before its buffer goes
-        u.release()
+        self.units[unit].free()
 
     def end_backward(self, include_root: bool) -> None:
         """After a backward: the forward order is known from now on; free what is still gathered."""
@@ -168,8 +160,7 @@ class UnitRuntime:
         """Wait for every gather in flight (the units stay gathered): before code that writes the shards they read."""
         self.settle()
         for u in self.units:
-            if u.state is UnitState.GATHERING:
-                u.wait()
+            u.land()
 
     def _track_peak(self) -> None:
         """Record the gathered bytes now if they are the most so far (after a gather starts)."""
@@ -187,17 +178,16 @@ class UnitRuntime:
         secondary copies (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self._drop_secondary()
         for u in self.units:
-            u.grads_seen = 0
+            u.reset_grads()
             if u.index != ROOT or include_root:
-                self._free(u.index)
+                u.free()
 
     def refresh(self) -> None:
         """After an optimizer step the gathered units hold old values: gather them again from the new shards."""
         self.settle()
         self._drop_secondary()
         for u in self.units:
-            if u.state is UnitState.GATHERING:
-                u.wait()  # let a prefetch in flight land first
+            u.land()  # let a prefetch in flight land first
             if u.state is UnitState.GATHERED:
                 u.regather()
                 u.wait()
@@ -336,17 +326,14 @@ class UnitRuntime:
         if unit not in order or self.prefetch_size <= 0:
             return
         ahead = order[order.index(unit) + 1:]
-        budget = self.prefetch_size + (self._numel(ahead[0]) if beyond_next and ahead else 0)
+        budget = self.prefetch_size + (self.units[ahead[0]].numel if beyond_next and ahead else 0)
         for candidate in ahead:
-            size = self._numel(candidate)
+            size = self.units[candidate].numel
             if size > budget:
                 return
             if not self.units[candidate].gathered:
                 self._gather(candidate, wait=False)
             budget -= size
-
-    def _numel(self, unit: int) -> int:
-        return self.units[unit].numel
 
 
 def _in_backward() -> bool:
