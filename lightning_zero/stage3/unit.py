@@ -11,24 +11,28 @@ state. The runtime (``units.py``) keeps only what spans units: the hooks that ca
 units run in, the prefetch policy, the lockstep check and the training phase.
 
 [Note: a unit's state and the runtime's phase]
-Each unit is one :class:`UnitGroup` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no
-memory), ``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full
-values). The moves are ``SHARDED -> GATHERING`` (:meth:`UnitGroup.start_gather`), ``GATHERING -> GATHERED``
+Each unit is one :class:`UnitGroup` that owns its state, a :class:`UnitState`: ``SHARDED`` (its buffers hold no memory),
+``GATHERING`` (all-gathers issued, not waited for: a prefetch), ``GATHERED`` (its parameters hold their full values).
+The moves are ``SHARDED -> GATHERING`` (:meth:`UnitGroup.start_gather`), ``GATHERING -> GATHERED``
 (:meth:`UnitGroup.wait`), ``GATHERED -> GATHERING`` (:meth:`UnitGroup.regather`, after a step wrote new shards) and
 ``GATHERED -> SHARDED`` (:meth:`UnitGroup.release`); any other raises :class:`IllegalUnitTransition`, so a bookkeeping
-mistake fails where it is made instead of freeing memory an all-gather is still writing. The runtime's own :class:`TrainingPhase` (``IDLE``,
-``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``; ``UnitRuntime`` in ``units.py``) says what the hooks are
-inside: a unit is freed after its forward except when recomputing (backward needs it next) or ``SUMMONED``
-(``UnitRuntime.all_gathered``). Whether a forward is a recomputation inside backward is read from autograd
-(``_current_graph_task_id``), the only thing that can tell: a reentrant checkpoint recomputes before any of our
-backward hooks ran (its first forward ran under ``no_grad``, so no unit output carried a hook), and a backward run
-outside the engine never tells the runtime that it started or ended.
+mistake fails where it is made instead of freeing memory an all-gather is still writing. The runtime's own
+:class:`TrainingPhase` (``IDLE``, ``FORWARD``, ``RECOMPUTE``, ``BACKWARD``, ``SUMMONED``; ``UnitRuntime`` in
+``units.py``) says what the hooks are inside: a unit is freed after its forward except when recomputing (backward needs
+it next) or ``SUMMONED`` (``UnitRuntime.all_gathered``). Whether a forward is a recomputation inside backward is read
+from autograd (``_current_graph_task_id``), the only thing that can tell: a reentrant checkpoint recomputes before any
+of our backward hooks ran (its first forward ran under ``no_grad``, so no unit output carried a hook), and a backward
+run outside the engine never tells the runtime that it started or ended.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Sequence
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.core import collectives
 from lightning_zero.stage3.buffer import UnitBuffer
@@ -79,6 +83,8 @@ class UnitGroup:
         """Those whose gradient the current backward has produced (see :meth:`grad_arrived`)."""
         self.guarded_while_gathering = False
         """Whether the parameters refuse reads until :meth:`wait` (a gather started between steps)."""
+        self.handles: list[RemovableHandle] = []
+        """The unit's hooks: its module's forward hooks and its parameters' gradient hooks (the runtime's code)."""
 
     def _move(self, allowed: UnitState, to: UnitState, what: str) -> None:
         if self.state is not allowed:
@@ -170,6 +176,24 @@ class UnitGroup:
     def numel(self) -> int:
         """Elements of the unit over every storage (what a gather of it moves into its buffers)."""
         return sum(buffer.numel for buffer in self.buffers)
+
+    # ------------------------------------------------------------------ hooks
+    def hook_module(self, module: nn.Module, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
+        """Hold the unit module's forward hooks (the runtime's, which call into the group)."""
+        self.handles.append(module.register_forward_pre_hook(pre_forward))
+        self.handles.append(module.register_forward_hook(post_forward))
+
+    def watch_grad(self, param: Tensor, hook: Callable[[Tensor], None]) -> None:
+        """Hold ``param``'s gradient hook (the runtime's, which calls :meth:`grad_arrived`), and count its gradient
+        among those a backward produces."""
+        self.expect_grad()
+        self.handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        """Remove every hook the group holds."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     # ------------------------------------------------------------------ gradients
     def expect_grad(self) -> None:

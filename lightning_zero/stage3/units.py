@@ -71,7 +71,6 @@ class UnitRuntime:
         """Whether :attr:`forward_order` is complete (from the end of the first backward on)."""
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
-        self._handles: list[Any] = []
         # a collective: every rank makes it; with nobody to compare with, nothing to check
         check = LockstepCheck(plan.names, strict=lockstep_check == "strict") if lockstep_check else None
         self.lockstep = check if check is not None and check.active else None
@@ -89,12 +88,10 @@ class UnitRuntime:
         for storage in storages:
             for j, p in enumerate(storage.params):
                 unit = storage.param_units[j]
-                self.units[unit].expect_grad()
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+                self.units[unit].watch_grad(p, self._grad_hook(unit))
         for unit, mod in enumerate(plan.modules):
             if mod is not None:
-                self._handles.append(mod.register_forward_pre_hook(self._pre_forward_hook(unit)))
-                self._handles.append(mod.register_forward_hook(self._post_forward_hook(unit)))
+                self.units[unit].hook_module(mod, self._pre_forward_hook(unit), self._post_forward_hook(unit))
 
     # ------------------------------------------------------------------ gather / free
     def gather(self, unit: int, wait: bool = True) -> None:
@@ -194,9 +191,8 @@ class UnitRuntime:
 
     def remove(self) -> None:
         """Remove every hook."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for u in self.units:
+            u.remove_hooks()
         for storage in self.storages:
             storage.reducer.before_launch = None
             storage.gathers_verified = False
