@@ -1,12 +1,15 @@
-"""Stage 3: one unit's flat buffer in one storage, the memory it borrows from the pool while gathered, and the
-parameters that view it (see [Note: stage 3 storage] in ``params.py``).
+"""Stage 3: one unit's flat buffer in one storage, the memory it borrows from the pool while gathered, the
+parameters that view it (see [Note: stage 3 storage] in ``params.py``) and its hpZ copy.
 
 A :class:`UnitBuffer` is the per-storage piece of a unit group (see [Note: one object per unit group] in ``unit.py``):
 the group holds one per storage that has parameters of the unit, and the storage's :class:`ShardedParams` fills it
-(gathers, uploads) from its working shard.
+(gathers, uploads) from its working shard, as its :class:`~lightning_zero.stage3.secondary.SecondaryShards` fills and
+reads the hpZ copy.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from torch import Tensor
 
@@ -25,6 +28,11 @@ class UnitBuffer:
         """The parameters viewing :attr:`tensor` (released with it: see [Note: a released parameter raises, it never
         crashes] in ``guard.py``)."""
         self.pool = pool
+        self.secondary: Optional[Tensor] = None
+        """hpZ: this rank's secondary pieces of the unit, made at the first keep and reused by every later one (see
+        [Note: hpZ, the secondary partition] in ``secondary.py``); ``None`` without hpZ or before the first keep."""
+        self.secondary_current = False
+        """Whether :attr:`secondary` holds the unit's current values (a backward may gather from it)."""
         self.tensor.untyped_storage().resize_(0)
 
     @property

@@ -36,7 +36,8 @@ class PartitionedStorage(ShardedStorage):
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
-        self.secondary = SecondaryShards(self.layout, self.groups) if self.groups.secondary is not None else None
+        self.secondary = (SecondaryShards(self.layout, self.groups, self.sharded.units)
+                          if self.groups.secondary is not None else None)
         """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self.weight_block = config.quantization_block_size if config.quantized_weights else None
         """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
