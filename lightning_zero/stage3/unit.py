@@ -64,8 +64,9 @@ class IllegalUnitTransition(RuntimeError):
 
 
 class UnitGroup:
-    """One stage 3 unit: its gathers and frees over every storage holding its parameters, its hpZ copy, its gradient
-    count and its state (see [Note: one object per unit group])."""
+    """One stage 3 unit: its buffer in every storage holding its parameters (with their pool memory and hpZ copies),
+    its gathers, guard and frees over them, its hooks, its gradient count and its state (see [Note: one object per
+    unit group])."""
 
     def __init__(self, index: int, name: str, storages: Sequence["PartitionedStorage"]) -> None:
         self.index = index
