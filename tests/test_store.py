@@ -104,7 +104,7 @@ class _Work:
 
 
 class _Storage:
-    """What a :class:`Unit` uses of a storage: it gathers (one work handle) and releases."""
+    """What a :class:`Unit` uses of a storage: it gathers (one work handle), releases, and asks for its buffer."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
@@ -115,6 +115,9 @@ class _Storage:
 
     def release_unit(self, unit: int) -> None:
         self.log.append(f"release {unit}")
+
+    def unit_buffer(self, unit: int) -> None:
+        return None  # no buffer of its own: the log stands for the gathers and frees
 
 
 def test_a_unit_moves_sharded_gathering_gathered_and_back():

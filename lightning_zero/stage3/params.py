@@ -32,7 +32,7 @@ from lightning_zero.core import collectives, costs
 from lightning_zero.core.layout import FlatLayout
 from lightning_zero.core.offload import copy_to_device, pins
 from lightning_zero.core.quantize import Scratch, all_gather_quantized
-from lightning_zero.stage3 import guard
+from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.pool import BlockPool
 
 
@@ -53,42 +53,43 @@ class ShardedParams:
         self._uploads_pending = False
         self.uploaded_bytes = 0
         """Bytes copied from the host shard to the device since setup (0 unless ``offloaded``)."""
-        self.buffers: dict[int, Tensor] = {}
-        self.unit_params: dict[int, list[Tensor]] = {}
-        """The parameters viewing each unit's buffer (released with it: see [Note: a released parameter raises, it
-        never crashes] in ``guard.py``)."""
         self._live_bytes = 0
         self.pool = BlockPool(self.device)
         """The memory the unit buffers hold while gathered (see [Note: the engine owns its memory] in ``pool.py``)."""
         self.scratch = Scratch()
         """qwZ's codes and scales in flight, reused from gather to gather."""
-        for j, p in enumerate(params):
-            self.unit_params.setdefault(layout.param_units[j], []).append(p)
+        self.units: dict[int, UnitBuffer] = {}
+        """Each unit's buffer in this storage (units with a bucket here only)."""
+        members: dict[int, list[int]] = {}
+        for j in range(len(params)):
+            members.setdefault(layout.param_units[j], []).append(j)
         for unit in sorted({b.unit for b in layout.buckets}):
             start, end = layout.unit_range(unit)
-            self.buffers[unit] = torch.empty(end - start, dtype=working_shard.dtype, device=self.device)
-            self.buffers[unit].untyped_storage().resize_(0)
+            tensor = torch.empty(end - start, dtype=working_shard.dtype, device=self.device)
+            self.units[unit] = UnitBuffer(unit, tensor, [params[j] for j in members.get(unit, [])], self.pool)
+
+    @property
+    def buffers(self) -> dict[int, Tensor]:
+        """Each unit's flat buffer (the tensors of :attr:`units`)."""
+        return {unit: buffer.tensor for unit, buffer in self.units.items()}
 
     def unit_numel(self, unit: int) -> int:
         """Elements of ``unit`` gathered by this optimizer (0 if it has no parameter there)."""
-        buffer = self.buffers.get(unit)
-        return buffer.numel() if buffer is not None else 0
+        buffer = self.units.get(unit)
+        return buffer.numel if buffer is not None else 0
 
     def attach_views(self, unit: int) -> None:
         """Make ``unit``'s parameters views of its buffer (their values must already be in the shards)."""
         start, _ = self.layout.unit_range(unit)
-        buffer = self._allocate(unit)  # views can only be made of a tensor that has its storage
-        for j, p in enumerate(self.params):
-            if self.layout.param_units[j] == unit:
-                offset = self.layout.offsets[j] - start
-                p.data = buffer[offset : offset + p.numel()].view(p.shape)
+        offsets = [self.layout.offsets[j] - start for j, u in enumerate(self.layout.param_units) if u == unit]
+        self._live_bytes += self.units[unit].attach_views(offsets)
 
     def gather(self, unit: int, quantize_block: Optional[int] = None, verified: bool = False) -> list[Any]:
         """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles. With
         ``quantize_block``, as blockwise int8 (qwZ: see [Note: qwZ, the quantized all-gather of weights] in
         ``core/quantize.py``). ``verified``: the lockstep check matched this gather on every rank (see
         :func:`~lightning_zero.core.collectives.all_gather`)."""
-        if unit not in self.buffers:
+        if unit not in self.units:
             return []
         buffer = self._allocate(unit)
         start, _ = self.layout.unit_range(unit)
@@ -127,28 +128,13 @@ class ShardedParams:
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""
-        if unit in self.buffers:
-            self._free(unit)
-
-    def guard(self, unit: int, released: bool) -> None:
-        """Make ``unit``'s parameters refuse reads (``released``) or plain again, whatever their buffer holds (a
-        gather in flight between steps: see [Note: the root is gathered ahead of the next step] in ``units.py``)."""
-        params = self.unit_params.get(unit, [])
-        guard.release(params) if released else guard.restore(params)
+        if unit in self.units:
+            self._live_bytes -= self.units[unit].take_back()
 
     def _allocate(self, unit: int) -> Tensor:
-        buffer = self.buffers[unit]
-        storage = buffer.untyped_storage()
-        if storage.nbytes() == 0:
-            self._live_bytes += buffer.numel() * buffer.element_size()
-            self.pool.lend(buffer)
-            guard.restore(self.unit_params.get(unit, []))
-        return buffer
-
-    def _free(self, unit: int) -> None:
-        self._live_bytes -= self.buffers[unit].untyped_storage().nbytes()
-        self.pool.take_back(self.buffers[unit])
-        guard.release(self.unit_params.get(unit, []))
+        buffer = self.units[unit]
+        self._live_bytes += buffer.lend()
+        return buffer.tensor
 
     @property
     def gathered_bytes(self) -> int:

@@ -13,6 +13,7 @@ from lightning_zero.core import collectives, offload
 from lightning_zero.core.layout import MasterSlot
 from lightning_zero.core.store import ShardedStorage
 from lightning_zero.stage3 import guard
+from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.params import ShardedParams
 from lightning_zero.stage3.secondary import SecondaryShards
 
@@ -35,7 +36,8 @@ class PartitionedStorage(ShardedStorage):
         self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
                                      params_moved)
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
-        self.secondary = SecondaryShards(self.layout, self.groups) if self.groups.secondary is not None else None
+        self.secondary = (SecondaryShards(self.layout, self.groups, self.sharded.units)
+                          if self.groups.secondary is not None else None)
         """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self.weight_block = config.quantization_block_size if config.quantized_weights else None
         """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
@@ -73,7 +75,11 @@ class PartitionedStorage(ShardedStorage):
     # ------------------------------------------------------------------ units
     def has_unit(self, unit: int) -> bool:
         """Whether this storage holds parameters of ``unit``."""
-        return unit in self.sharded.buffers
+        return unit in self.sharded.units
+
+    def unit_buffer(self, unit: int) -> Optional[UnitBuffer]:
+        """``unit``'s buffer in this storage (``None`` if it has no parameter here): what its group holds."""
+        return self.sharded.units.get(unit)
 
     def fill_unit(self, unit: int) -> None:
         """Shard ``unit``'s materialized (or gathered) parameters into the master and working shards, then make
@@ -118,17 +124,12 @@ class PartitionedStorage(ShardedStorage):
     def keep_secondary(self, unit: int) -> None:
         """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""
         if self.secondary is not None and self.has_unit(unit):
-            self.secondary.keep(unit, self.sharded.buffers[unit])
+            self.secondary.keep(unit, self.sharded.units[unit].tensor)
 
     def drop_secondary(self, unit: Optional[int] = None) -> None:
         """hpZ: forget ``unit``'s secondary copy (``None``: every unit's)."""
         if self.secondary is not None:
             self.secondary.drop_all() if unit is None else self.secondary.drop(unit)
-
-    def guard_unit(self, unit: int, released: bool) -> None:
-        """Make ``unit``'s parameters refuse reads (``released``) or plain again (see ``guard.py``)."""
-        if self.has_unit(unit):
-            self.sharded.guard(unit, released)
 
     def release_unit(self, unit: int) -> None:
         """Free ``unit``'s gathered memory."""
@@ -143,7 +144,7 @@ class PartitionedStorage(ShardedStorage):
         else:  # never leave a view of freed storage behind (reading it crashes)
             for p in self.params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        for unit in list(self.sharded.buffers):
+        for unit in list(self.sharded.units):
             self.sharded.release(unit)
         self.sharded.pool.clear()
         guard.restore(self.params)  # they hold storage of their own now

@@ -26,7 +26,7 @@ per rank instead of (N-1)/N, over the node's links only). Reduce-scatter is unch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -34,21 +34,21 @@ from torch import Tensor
 from lightning_zero.core import collectives, costs
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.layout import FlatLayout
+from lightning_zero.stage3.buffer import UnitBuffer
 
 
 class SecondaryShards:
-    """The secondary pieces of one storage's units (see [Note: hpZ, the secondary partition])."""
+    """The secondary pieces of one storage's units (see [Note: hpZ, the secondary partition]); each unit's copy lives
+    on its :class:`~lightning_zero.stage3.buffer.UnitBuffer` (``units``), this object makes and reads them."""
 
-    def __init__(self, layout: FlatLayout, groups: ShardGroups) -> None:
+    def __init__(self, layout: FlatLayout, groups: ShardGroups, units: dict[int, UnitBuffer]) -> None:
         assert groups.secondary is not None
         self.layout = layout
         self.group = groups.secondary
         self.size = collectives.world_size(self.group)
         self.position = collectives.rank(self.group)
-        self.pieces: dict[int, Tensor] = {}
-        """Each kept unit's secondary pieces, bucket after bucket, in one flat tensor (current copies only)."""
-        self._memory: dict[int, Tensor] = {}
-        """Each unit's copy once made, current or stale, reused by its next keep."""
+        self.units = units
+        """The storage's unit buffers, which hold the copies (current or stale)."""
 
     def _ranges(self, unit: int) -> list[tuple[int, int]]:
         """Each bucket of ``unit`` as (start in the unit's buffer, elements of one secondary piece)."""
@@ -63,25 +63,27 @@ class SecondaryShards:
     def keep(self, unit: int, buffer: Tensor) -> None:
         """Copy this rank's secondary pieces of ``unit`` out of its gathered ``buffer``."""
         ranges = self._ranges(unit)
-        kept = self._memory.get(unit)
-        if kept is None:
-            kept = self._memory[unit] = costs.empty(sum(n for _, n in ranges), buffer.dtype, buffer.device)
-        at = 0
+        owner = self.units[unit]
+        if owner.secondary is None:
+            owner.secondary = costs.empty(sum(n for _, n in ranges), buffer.dtype, buffer.device)
+        kept, at = owner.secondary, 0
         with torch.no_grad():
             for b0, n in ranges:
                 kept[at : at + n].copy_(buffer[b0 + self.position * n : b0 + (self.position + 1) * n])
                 at += n
         costs.count_copy(kept)
-        self.pieces[unit] = kept
+        owner.secondary_current = True
 
     def has(self, unit: int) -> bool:
         """Whether ``unit`` has a secondary copy to gather from."""
-        return unit in self.pieces
+        owner = self.units.get(unit)
+        return owner is not None and owner.secondary_current
 
     def gather(self, unit: int, buffer: Tensor, verified: bool = False) -> list[Any]:
         """All-gather ``unit`` inside the secondary group into ``buffer`` (which holds memory); the work handles.
         ``verified``: as for the primary gathers (``ShardedParams.gather`` in ``params.py``)."""
-        kept, works, at = self.pieces[unit], [], 0
+        kept, works, at = self.units[unit].secondary, [], 0
+        assert kept is not None and self.has(unit), "gathered only from a current copy"
         for b0, n in self._ranges(unit):
             works.append(collectives.all_gather(buffer[b0 : b0 + n * self.size], kept[at : at + n], group=self.group,
                                                 async_op=True, verified=verified))
@@ -90,18 +92,25 @@ class SecondaryShards:
 
     def drop(self, unit: int) -> None:
         """Forget ``unit``'s copy (its values are about to change, or the forward did not free it)."""
-        self.pieces.pop(unit, None)
+        owner = self.units.get(unit)
+        if owner is not None:
+            owner.secondary_current = False
 
     def drop_all(self) -> None:
         """Forget every copy (the end of backward, a step, an evaluation step)."""
-        self.pieces.clear()
+        for owner in self.units.values():
+            owner.secondary_current = False
 
     @property
     def kept_bytes(self) -> int:
         """Bytes of current secondary pieces."""
-        return sum(t.numel() * t.element_size() for t in self.pieces.values())
+        return sum(_bytes(b.secondary) for b in self.units.values() if b.secondary_current)
 
     @property
     def held_bytes(self) -> int:
         """Bytes held for secondary pieces, current or stale."""
-        return sum(t.numel() * t.element_size() for t in self._memory.values())
+        return sum(_bytes(b.secondary) for b in self.units.values())
+
+
+def _bytes(tensor: Optional[Tensor]) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -1,5 +1,6 @@
-"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after; each
-unit and its state is a :class:`~lightning_zero.stage3.unit.Unit` (``unit.py``).
+"""Stage 3: the hooks that gather units (see [Note: units] in ``plan.py``) around their use and free them after, the
+order units run in and the prefetch policy; each unit, its buffers, hpZ copy, gradient count and state is a
+:class:`~lightning_zero.stage3.unit.UnitGroup` (``unit.py``, [Note: one object per unit group]).
 
 [Note: gather, free, and autograd]
 Each unit's parameters are views of one flat buffer per storage; freeing resizes that buffer's *storage* to zero
@@ -49,7 +50,7 @@ from lightning_zero.core import collectives
 from lightning_zero.core.compiled import eager_hook
 from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
-from lightning_zero.stage3.unit import TrainingPhase, Unit, UnitState
+from lightning_zero.stage3.unit import TrainingPhase, UnitGroup, UnitState
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedStorage
@@ -63,14 +64,13 @@ class UnitRuntime:
         self.plan = plan
         self.storages = storages
         self.prefetch_size = prefetch_size
-        self.units = [Unit(index, name, storages) for index, name in enumerate(plan.names)]
+        self.units = [UnitGroup(index, name, storages) for index, name in enumerate(plan.names)]
         self.phase = TrainingPhase.IDLE
         self.forward_order: list[int] = []
         self.order_final = False
         """Whether :attr:`forward_order` is complete (from the end of the first backward on)."""
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
-        self._handles: list[Any] = []
         # a collective: every rank makes it; with nobody to compare with, nothing to check
         check = LockstepCheck(plan.names, strict=lockstep_check == "strict") if lockstep_check else None
         self.lockstep = check if check is not None and check.active else None
@@ -88,12 +88,10 @@ class UnitRuntime:
         for storage in storages:
             for j, p in enumerate(storage.params):
                 unit = storage.param_units[j]
-                self.units[unit].grads_expected += 1
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit)))
+                self.units[unit].watch_grad(p, self._grad_hook(unit))
         for unit, mod in enumerate(plan.modules):
             if mod is not None:
-                self._handles.append(mod.register_forward_pre_hook(self._pre_forward_hook(unit)))
-                self._handles.append(mod.register_forward_hook(self._post_forward_hook(unit)))
+                self.units[unit].hook_module(mod, self._pre_forward_hook(unit), self._post_forward_hook(unit))
 
     # ------------------------------------------------------------------ gather / free
     def gather(self, unit: int, wait: bool = True) -> None:
@@ -103,13 +101,10 @@ class UnitRuntime:
         self._gather(unit, wait)
 
     def _gather(self, unit: int, wait: bool = True) -> None:
-        u = self.units[unit]
-        if u.state is UnitState.SHARDED:
-            backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
-            u.start_gather(compute=backward or self.phase is TrainingPhase.FORWARD, backward=backward)
+        backward = self.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE)
+        compute = backward or self.phase is TrainingPhase.FORWARD
+        if self.units[unit].gather(compute=compute, backward=backward, wait=wait):
             self._track_peak()
-        if wait and u.state is UnitState.GATHERING:
-            u.wait()
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s gathered storage (the root stays until :meth:`end_step`; nothing while ``SUMMONED``)."""
@@ -138,12 +133,7 @@ class UnitRuntime:
                     self._free(unit)
 
     def _free(self, unit: int) -> None:
-        u = self.units[unit]
-        if u.state is UnitState.SHARDED:
-            return
-        if u.state is UnitState.GATHERING:
-            u.wait()  # a prefetch still in flight must land before its buffer goes
-        u.release()
+        self.units[unit].free()
 
     def end_backward(self, include_root: bool) -> None:
         """After a backward: the forward order is known from now on; free what is still gathered."""
@@ -167,8 +157,7 @@ class UnitRuntime:
         """Wait for every gather in flight (the units stay gathered): before code that writes the shards they read."""
         self.settle()
         for u in self.units:
-            if u.state is UnitState.GATHERING:
-                u.wait()
+            u.land()
 
     def _track_peak(self) -> None:
         """Record the gathered bytes now if they are the most so far (after a gather starts)."""
@@ -186,26 +175,24 @@ class UnitRuntime:
         secondary copies (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self._drop_secondary()
         for u in self.units:
-            u.grads_seen = 0
+            u.reset_grads()
             if u.index != ROOT or include_root:
-                self._free(u.index)
+                u.free()
 
     def refresh(self) -> None:
         """After an optimizer step the gathered units hold old values: gather them again from the new shards."""
         self.settle()
         self._drop_secondary()
         for u in self.units:
-            if u.state is UnitState.GATHERING:
-                u.wait()  # let a prefetch in flight land first
+            u.land()  # let a prefetch in flight land first
             if u.state is UnitState.GATHERED:
                 u.regather()
                 u.wait()
 
     def remove(self) -> None:
         """Remove every hook."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for u in self.units:
+            u.remove_hooks()
         for storage in self.storages:
             storage.reducer.before_launch = None
             storage.gathers_verified = False
@@ -245,8 +232,7 @@ class UnitRuntime:
         (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         training = needs_grad or module.training
         keep = unit != ROOT and self.phase is TrainingPhase.FORWARD and training
-        for storage in self.storages:
-            storage.keep_secondary(unit) if keep else storage.drop_secondary(unit)
+        self.units[unit].keep_secondary() if keep else self.units[unit].drop_secondary()
 
     def _drop_secondary(self) -> None:
         for storage in self.storages:
@@ -262,10 +248,7 @@ class UnitRuntime:
 
     def _grad_hook(self, unit: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            u = self.units[unit]
-            u.grads_seen += 1
-            if u.grads_seen == u.grads_expected:
-                u.grads_seen = 0
+            if self.units[unit].grad_arrived():
                 self.release(unit)
 
         return eager_hook(hook, "stage 3's gradient hook (frees the unit)")
@@ -339,17 +322,14 @@ class UnitRuntime:
         if unit not in order or self.prefetch_size <= 0:
             return
         ahead = order[order.index(unit) + 1:]
-        budget = self.prefetch_size + (self._numel(ahead[0]) if beyond_next and ahead else 0)
+        budget = self.prefetch_size + (self.units[ahead[0]].numel if beyond_next and ahead else 0)
         for candidate in ahead:
-            size = self._numel(candidate)
+            size = self.units[candidate].numel
             if size > budget:
                 return
             if not self.units[candidate].gathered:
                 self._gather(candidate, wait=False)
             budget -= size
-
-    def _numel(self, unit: int) -> int:
-        return sum(storage.unit_numel(unit) for storage in self.storages)
 
 
 def _in_backward() -> bool:
