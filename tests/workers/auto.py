@@ -2,8 +2,8 @@
 
 Usage (through ``lightning_zero.testing.launch``): ``auto.py OUT SIZE PRECISION FITS [STEPS]`` with SIZE ``test``
 (:data:`TEST_SIZE`) or a name of ``benchmarks._model.SIZES``, and FITS a comma-separated list of
-``BUDGET:CONSTRUCTION``: BUDGET ``default`` (no ``memory_budget``), ``zero2`` / ``zero3`` (halfway between that
-candidate's predicted peak and the next cheaper one's, from the latest fit before), ``nothing`` (half the smallest
+``BUDGET:CONSTRUCTION``: BUDGET ``default`` (no ``memory_budget``), ``zero2`` / ``zero3`` (halfway between what that
+candidate needs, its predicted peak and the headroom, and what the next cheaper one needs, from the latest fit before), ``nothing`` (half the smallest
 prediction) or ``only-zeroK`` (the one candidate zeroK, whatever the budget: for the benchmark's table), and
 CONSTRUCTION ``init`` (built in ``__init__``) or ``configure`` (``configure_model``). A first fit, ``cold``, is the
 process's first run (see ``FIRST_RUN_BYTES`` in ``lightning_zero/engine/auto/choice.py``). Each fit saves the choice,
@@ -45,7 +45,7 @@ def budget_for(spec: str, predictions: dict[str, float]) -> Any:
     if spec.startswith("only-"):
         return None
     cheaper = ORDER[ORDER.index(spec) - 1]
-    return (predictions[spec] + predictions[cheaper]) / 2
+    return (predictions[spec] + predictions[cheaper]) / 2 * (1 + choice.HEADROOM)  # between what each needs
 
 
 def fit(size: GPTSize, precision: str, construction: str, budget: Any, steps: int) -> dict[str, Any]:

@@ -19,10 +19,18 @@ A candidate's peak per rank is what stays for the whole run plus the larger of t
 On CPU, the first run of a process adds :data:`FIRST_RUN_BYTES`: what its resident memory grows by once, whatever
 the configuration and the model (the threads' stacks and heaps, the collectives' transport, the first use of the
 kernels), measured with ``benchmarks/auto.py`` as the cold fit's peak less the same fit's peak run again in the same
-process: 36 to 43 MiB per rank on the GPT at 5.3M and 18.2M parameters, fp32 and bf16-mixed (torch 2.13, gloo, two
-ranks on two cores). It is a constant of the machine and the framework, not of the model: on another host it is a
+process: 27 to 30 MiB per rank on the GPT at 5.3M and 18.2M parameters, fp32 and bf16-mixed (torch 2.13, gloo, two
+ranks on two cores; 36 to 43 MiB before the engine gave back its setup's free heap, see ``give_back_free_heap`` in
+``core/host_memory.py``). It is a constant of the machine and the framework, not of the model: on another host it is a
 guess, which the margin of the default budget covers (see [Note: the default budget] in ``budget.py``). A GPU's
 ``max_memory_allocated`` does not see it.
+
+[Note: the headroom]
+A candidate fits when its predicted peak plus :data:`HEADROOM` of it is within the budget: the measured peak falls
+within about 10% of the prediction either way (what the allocator does with the holes a step leaves, e.g. on CPU the
+heap pin of stages 1 and 2 lets a later forward's activations land above it: +5 to +8% at 5.3M parameters), and a
+budget is a limit the run must stay under, so the choice errs on the side of the cheaper-in-memory candidate. Every
+"would need" and the smallest budget of the refusal include the headroom.
 """
 
 from __future__ import annotations
@@ -65,7 +73,10 @@ CANDIDATES = (Candidate(1), Candidate(2), Candidate(3), Candidate(3, offload_opt
 
 
 #: What a process's resident memory grows by once, in its first run on CPU (see [Note: the predicted peak]).
-FIRST_RUN_BYTES = 40 * 2**20
+FIRST_RUN_BYTES = 28 * 2**20
+
+#: The share of a predicted peak kept free in the budget (see [Note: the headroom]).
+HEADROOM = 0.10
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,11 @@ class Prediction:
         """Bytes per rank at the peak of a step (see [Note: the predicted peak])."""
         return (self.model_states + self.buffers + self.pool + self.buckets + max(self.activations, self.step)
                 + self.runtime)
+
+    @property
+    def needs(self) -> float:
+        """The budget this candidate needs: its peak and the headroom (see [Note: the headroom])."""
+        return self.peak * (1 + HEADROOM)
 
 
 def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig,
@@ -166,7 +182,7 @@ class Choice:
                 f"{human_bytes(self.budget)} per rank")
         cheaper = list(self.predictions[: self.predictions.index(self.chosen)])
         if cheaper:
-            text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.peak)}" for p in cheaper)
+            text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.needs)}" for p in cheaper)
         c = self.chosen
         parts = {"model states": c.model_states, "activations": c.activations, "gathered units": c.pool,
                  "gradient buckets": c.buckets, "optimizer step": c.step, "first run of the process": c.runtime,
@@ -192,12 +208,12 @@ def choose(facts: ModelFacts, world_size: int, precision: str, config: ZeroConfi
     :class:`BudgetTooSmall`, naming the smallest budget that would fit, when none does."""
     predictions = tuple(predict(candidate, facts, world_size, precision, config, on_host) for candidate in CANDIDATES)
     for prediction in predictions:
-        if prediction.peak <= budget:
+        if prediction.needs <= budget:
             return Choice(prediction, budget, predictions)
-    smallest = min(predictions, key=lambda p: p.peak)
+    smallest = min(predictions, key=lambda p: p.needs)
     raise BudgetTooSmall(
         f"zero_auto: no configuration fits the memory budget of {human_bytes(budget)} per rank; the smallest, "
-        f"{smallest.candidate.name}, needs {human_bytes(smallest.peak)} (activations "
+        f"{smallest.candidate.name}, needs {human_bytes(smallest.needs)} with {HEADROOM:.0%} headroom (activations "
         f"{human_bytes(facts.activation_bytes)}"
-        f" of it): set `memory_budget` to at least {human_bytes(smallest.peak)}, add ranks, or make the micro-batch "
+        f" of it): set `memory_budget` to at least {human_bytes(smallest.needs)}, add ranks, or make the micro-batch "
         "smaller.")
