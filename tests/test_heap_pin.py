@@ -1,4 +1,4 @@
-"""The heap pin (see [Note: the heap pin] in ``lightning_zero/core/heap_pin.py``): stages 1 and 2 keep the memory of
+"""The heap pin (see [Note: the heap pin] in ``lightning_zero/core/heap_pin.py``): every stage keeps the memory of
 a step's activations mapped from one step to the next, so a forward does not fault them in again."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_the_highest_pin_is_kept():
         highest = pin.block
 
 
-def test_the_pin_is_taken_in_backward_kept_by_stages_1_and_2_and_released_at_teardown():
+def test_the_pin_is_taken_in_backward_kept_by_every_stage_and_released_at_teardown():
     torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # freed: glibc's mmap threshold rises above the pin's size
     for stage in (1, 2, 3):
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
@@ -83,9 +83,6 @@ def test_the_pin_is_taken_in_backward_kept_by_stages_1_and_2_and_released_at_tea
         model(torch.ones(4, 64)).sum().backward()
         engine.finish_backward()
         engine.step()
-        if stage == 3:  # stage 3 keeps its own heap discipline (its pool)
-            assert all(r.heap_pin is None for r in reducers)
-        else:
-            assert all(r.heap_pin is not None and r.heap_pin.block is not None for r in reducers)
+        assert all(r.heap_pin is not None and r.heap_pin.block is not None for r in reducers), stage
         engine.teardown()
         assert all(r.heap_pin is None or r.heap_pin.block is None for r in reducers)

@@ -104,8 +104,8 @@ class ShardedStorage:
 
     def _pins_heap(self, device: torch.device) -> bool:
         """Whether the reducer keeps a pin at the top of the host heap (see [Note: the heap pin] in ``heap_pin.py``):
-        stages 1 and 2 on a CPU (stage 3 keeps its own heap discipline, its pool)."""
-        return device.type == "cpu" and not self.policy.shards_params
+        every stage on a CPU (stage 3's gathered units come from its pool, but the activations are the heap's)."""
+        return device.type == "cpu"
 
     def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
                       config: ZeroConfig) -> None:
