@@ -5,8 +5,9 @@ one made on one rank only fails within seconds instead of waiting for the proces
 ``if trainer.is_global_zero: torch.save(model.state_dict(), ...)`` is a common pattern that is right under ``ddp``
 and wrong under a sharded stage: the call gathers pieces from every rank, and the other ranks never join it; the
 job waits for the process group's timeout (30 minutes). So each such call first tells every rank which call it is,
-through the job's key-value store (the ``n``-th checked call of each rank under its own key), and waits at most
-:data:`CALL_TIMEOUT` seconds for the other ranks' ``n``-th call. When they do not come, or come to another call, the
+through the job's key-value store (the ``n``-th checked call of each rank under its own key, ``n`` counted in that
+store: a process group made again, on some ranks only or with a fresh store, starts its count again), and waits at
+most :data:`CALL_TIMEOUT` seconds for the other ranks' ``n``-th call. When they do not come, or come to another call, the
 rank raises :class:`OneRankCallError`, which says what to do. The store and not a collective: a wait that ends
 leaves no operation pending in a process group (a pending gloo collective would keep the process from exiting).
 The other ranks wait in their next collective with this rank, which fails when this rank's process ends.
@@ -14,7 +15,6 @@ The other ranks wait in their next collective with this rank, which fails when t
 
 from __future__ import annotations
 
-import itertools
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -31,7 +31,6 @@ CALLS = ("`model.state_dict()`", "a checkpoint save (`save_checkpoint`)")
 STATE_DICT, SAVE = 0, 1
 
 _PREFIX = "lightning_zero/user_call"
-_count = itertools.count()
 
 _ADVICE = ("Call it on every rank, outside `if trainer.is_global_zero:` (a sharded stage gathers from every rank); or "
            "save a checkpoint on every rank and turn it into one file with `lightning_zero.consolidate(path, out)` "
@@ -52,7 +51,8 @@ def check_every_rank_calls(call: int) -> None:
     store = _store()
     if store is None:
         return
-    n, me, world = next(_count), collectives.rank(), collectives.world_size()
+    me, world = collectives.rank(), collectives.world_size()
+    n = store.add(f"{_PREFIX}/count/{me}", 1)  # this rank's calls under this store (see the note)
     store.set(f"{_PREFIX}/{n}/{me}", str(call))
     try:
         store.wait([f"{_PREFIX}/{n}/{r}" for r in range(world)], timedelta(seconds=CALL_TIMEOUT))
