@@ -17,16 +17,9 @@ from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.guard import ParameterNotGatheredError
 from lightning_zero.stage3.pool import BlockPool
 from lightning_zero.stage3.unit import UnitGroup, UnitState
+from tests.fake_work import LoggedWork
 
 SHAPES = [(3, 4), (5,)]
-
-
-class _Work:
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-
-    def wait(self) -> None:
-        self.log.append("wait")
 
 
 class _Storage:
@@ -44,10 +37,10 @@ class _Storage:
     def unit_buffer(self, unit: int) -> UnitBuffer | None:
         return self.buffer if unit == self.unit else None
 
-    def gather_unit(self, unit: int) -> list[_Work]:
+    def gather_unit(self, unit: int) -> list[LoggedWork]:
         self.log.append(f"gather {unit}")
         self.buffer.lend()
-        return [_Work(self.log)]
+        return [LoggedWork(self.log)]
 
     def release_unit(self, unit: int) -> None:
         self.log.append(f"release {unit}")

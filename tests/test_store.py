@@ -17,6 +17,7 @@ from torch import nn
 from lightning_zero import ZeroEngine
 from lightning_zero.core.optimizer import StepPhase
 from lightning_zero.stage3.unit import IllegalUnitTransition, TrainingPhase, Unit, UnitState
+from tests.fake_work import LoggedWork
 
 
 def _model() -> nn.Module:
@@ -95,23 +96,15 @@ def test_a_zero_grad_of_the_store_makes_a_reduced_optimizer_reduce_again():
     engine.teardown()
 
 
-class _Work:
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-
-    def wait(self) -> None:
-        self.log.append("wait")
-
-
 class _Storage:
     """What a :class:`Unit` uses of a storage: it gathers (one work handle), releases, and asks for its buffer."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
 
-    def gather_unit(self, unit: int) -> list[_Work]:
+    def gather_unit(self, unit: int) -> list[LoggedWork]:
         self.log.append(f"gather {unit}")
-        return [_Work(self.log)]
+        return [LoggedWork(self.log)]
 
     def release_unit(self, unit: int) -> None:
         self.log.append(f"release {unit}")

@@ -31,25 +31,19 @@ the round): see [Note: the replica all-reduce overlaps]. The first
 reduction of a bucket after the gradients were cleared writes straight into the shard; later ones (gradient
 accumulation) land in a side buffer and are added, so the shard accumulates exactly as ``.grad`` does under DDP.
 
-[Note: a sink instead of a device shard]
-With a :class:`GradSink` (``offload_optimizer``: ``offload.HostGrads``) the reducer keeps no gradient shard at all
-(``grad_shard`` stays ``None``): every reduce-scatter writes into its slot's side output, a scratch chunk of one
-bucket's chunk size (after the replica all-reduce under hybrid sharding, as above), and the sink copies that chunk
-into its shard (the first reduction after a clear) or adds it (accumulation). Zeroing (buckets that got no
-gradient, ``clear_params``) goes to the sink too. The sink may read the chunk asynchronously: it returns a fence
-(a CUDA event) that the slot keeps, and the slot's next reduce-scatter is ordered after it, so a chunk is never
-overwritten before it was read. The device memory of the gradients is then the pool's: constant in the model size.
+The pooled buffers (slots), the sink a reducer may write into instead of a shard, and the filling helpers are in
+``bucket_slots.py``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from lightning_zero.core import collectives, costs
+from lightning_zero.core.bucket_slots import BucketSlot, GradSink, bucket_gaps, scaled_copy
 from lightning_zero.core.faults import fault_point
 from lightning_zero.core.groups import ShardGroups
 from lightning_zero.core.heap_pin import HeapPin
@@ -57,53 +51,10 @@ from lightning_zero.core.layout import Bucket, FlatLayout
 from lightning_zero.core.quantize import Scratch, reduce_scatter_quantized
 
 
-class GradSink(Protocol):
-    """Where the reduced chunks go instead of a device gradient shard (see [Note: a sink instead of a device shard])."""
-
-    def write(self, bucket: Bucket, chunk: torch.Tensor, accumulate: bool) -> Optional[Any]:
-        """Copy (``accumulate=False``) or add ``bucket``'s reduced ``chunk`` into the shard; returns a fence the chunk
-        must not be overwritten before (a CUDA event), or ``None`` when ``chunk`` has been read already."""
-
-    def zero(self, start: int, end: int) -> None:
-        """Zero positions ``[start, end)`` of the shard."""
-
-    def shard(self) -> torch.Tensor:
-        """The whole shard, once every write has landed."""
-
-    def clear(self) -> None:
-        """Forget what is in flight (the gradients were cleared: the next write of each bucket copies)."""
-
-
-@dataclass
-class _Slot:
-    """One pooled buffer, sized for the largest bucket, and (only once accumulation or a sink needs it) a side output
-    with the fence of the sink's last read of it."""
-
-    bucket: torch.Tensor
-    out: Optional[torch.Tensor] = None
-    fence: Optional[Any] = None
-
-    def wait_fence(self, device: torch.device) -> None:
-        """Order the next write of the side output after the sink's read of it (a stream wait, no CPU block)."""
-        if self.fence is not None:
-            torch.cuda.current_stream(device).wait_event(self.fence)
-            self.fence = None
-
-    def input(self, bucket: Bucket, world_size: int) -> torch.Tensor:
-        """The part of the input buffer that ``bucket`` uses."""
-        return self.bucket[: bucket.chunk_size * world_size]
-
-    def output(self, bucket: Bucket, world_size: int) -> torch.Tensor:
-        """The side output of a reduce-scatter that must be added to the shard (gradient accumulation) or handed to
-        the sink."""
-        if self.out is None:
-            self.out = costs.empty(self.bucket.numel() // world_size, self.bucket.dtype, self.bucket.device)
-        return self.out[: bucket.chunk_size]
-
-
 class GradientReducer:
     """Copies gradients into buckets and reduce-scatters every full bucket into ``grad_shard`` (or, with ``sink``,
-    into a scratch chunk handed to the sink: see [Note: a sink instead of a device shard])."""
+    into a scratch chunk handed to the sink: see [Note: a sink instead of a device shard] in
+    ``bucket_slots.py``)."""
 
     def __init__(
         self,
@@ -148,11 +99,11 @@ class GradientReducer:
         self._order = layout.reduce_order  # launch order (see [Note: launch order] in layout.py)
         self._next = 0  # position in that order of the next bucket to launch in this round
         self._pending = False  # gradients arrived since the last flush
-        self._open: dict[int, _Slot] = {}
-        self._in_flight: deque[tuple[Bucket, Any, _Slot, bool]] = deque()
+        self._open: dict[int, BucketSlot] = {}
+        self._in_flight: deque[tuple[Bucket, Any, BucketSlot, bool]] = deque()
         # hybrid sharding: replica all-reduces in flight, with the slot whose side output they reduce (None: the shard)
-        self._replicating: deque[tuple[Bucket, Any, Optional[_Slot], bool]] = deque()
-        self._free: list[_Slot] = []
+        self._replicating: deque[tuple[Bucket, Any, Optional[BucketSlot], bool]] = deque()
+        self._free: list[BucketSlot] = []
         self.buffers_allocated = 0
         """How many bucket buffers were ever made (the pool's high-water mark, see [Note: constant memory])."""
         self.peak_buffer_bytes = 0
@@ -162,7 +113,7 @@ class GradientReducer:
             for p, start, length, offset in layout.bucket_pieces(bucket):
                 self._param_parts[p].append((bucket, start, length, offset))
         self._got: list[set[int]] = [set() for _ in layout.buckets]  # params written into each open bucket
-        self._gaps = [_gaps(layout, b) for b in layout.buckets]
+        self._gaps = [bucket_gaps(layout, b) for b in layout.buckets]
 
     # ------------------------------------------------------------------ filling
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
@@ -174,7 +125,7 @@ class GradientReducer:
         costs.count_copy(flat)
         for bucket, start, length, offset in self._param_parts[param_index]:
             view = self._slot_for(bucket).input(bucket, self.layout.world_size)
-            _scaled_copy(view[offset : offset + length], flat[start : start + length], self._divisor)
+            scaled_copy(view[offset : offset + length], flat[start : start + length], self._divisor)
             self._got[bucket.index].add(param_index)
             self._received[bucket.index] += length
             # launch before filling the next part: a parameter spanning many buckets needs no more buffers
@@ -276,14 +227,14 @@ class GradientReducer:
             self.grad_shard = costs.empty(self.layout.shard_size, self.dtype, self.device)
         return self.grad_shard
 
-    def _slot_for(self, bucket: Bucket) -> _Slot:
+    def _slot_for(self, bucket: Bucket) -> BucketSlot:
         slot = self._open.get(bucket.index)
         if slot is None:
             slot = self._acquire()  # not cleared: see [Note: filling without extra passes]
             self._open[bucket.index] = slot
         return slot
 
-    def _acquire(self) -> _Slot:
+    def _acquire(self) -> BucketSlot:
         while not self._free and self._busy() >= self.max_buffers and (self._in_flight or self._holding()):
             if self._holding():  # a buffer whose reduce-scatter was waited for first
                 self._finish_replica()
@@ -292,11 +243,11 @@ class GradientReducer:
         if self._free:
             return self._free.pop()
         self.buffers_allocated += 1
-        slot = _Slot(costs.empty(self.layout.max_bucket_elements, self.dtype, self.device))
+        slot = BucketSlot(costs.empty(self.layout.max_bucket_elements, self.dtype, self.device))
         self._in_flight_peak(slot)
         return slot
 
-    def _in_flight_peak(self, extra: Optional[_Slot] = None) -> None:
+    def _in_flight_peak(self, extra: Optional[BucketSlot] = None) -> None:
         mine = (extra.bucket, extra.out) if extra is not None else ()
         held = self.buffer_bytes + sum(t.numel() * t.element_size() for t in mine if t is not None)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
@@ -383,12 +334,12 @@ class GradientReducer:
         if slot is not None:
             self._deliver(bucket, slot, accumulate)
 
-    def _reduced(self, bucket: Bucket, slot: _Slot, accumulate: bool) -> torch.Tensor:
+    def _reduced(self, bucket: Bucket, slot: BucketSlot, accumulate: bool) -> torch.Tensor:
         """Where ``bucket``'s reduce-scatter wrote this rank's chunk: the slot's side output or the shard slice."""
         scratch = accumulate or self.sink is not None
         return slot.output(bucket, self.layout.world_size) if scratch else self._shard_slice(bucket)
 
-    def _deliver(self, bucket: Bucket, slot: _Slot, accumulate: bool) -> None:
+    def _deliver(self, bucket: Bucket, slot: BucketSlot, accumulate: bool) -> None:
         """Hand the fully reduced chunk to the sink, or add it to the shard (accumulation); free the slot."""
         reduced = self._reduced(bucket, slot, accumulate)
         if self.sink is not None:
@@ -411,25 +362,3 @@ class GradientReducer:
 
     def _shard_slice(self, bucket: Bucket) -> torch.Tensor:
         return self._shard()[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size]
-
-
-def _scaled_copy(target: torch.Tensor, source: torch.Tensor, world_size: int) -> None:
-    """``target = source / world_size`` in one pass (two when the dtypes differ: cast, then divide as before)."""
-    if target.dtype == source.dtype:
-        torch.div(source, world_size, out=target)
-    else:
-        target.copy_(source).div_(world_size)
-
-
-def _gaps(layout: FlatLayout, bucket: Bucket) -> list[tuple[int, int]]:
-    """Ranges of ``bucket``'s input buffer that no parameter piece covers (padding)."""
-    spans = sorted((offset, offset + length) for _, _, length, offset in layout.bucket_pieces(bucket))
-    gaps, at = [], 0
-    for begin, end in spans:
-        if begin > at:
-            gaps.append((at, begin))
-        at = max(at, end)
-    total = bucket.chunk_size * layout.world_size
-    if at < total:
-        gaps.append((at, total))
-    return gaps

@@ -88,7 +88,7 @@ def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offloa
 
 class HostGrads:
     """A storage's reduced gradient shard, in host memory and the master dtype: the reducer's
-    :class:`~lightning_zero.core.buckets.GradSink` (step 1 of [Note: what lives where ...]).
+    :class:`~lightning_zero.core.bucket_slots.GradSink` (step 1 of [Note: what lives where ...]).
 
     [Note: the gradient shard goes to the host bucket by bucket]
     No gradient shard exists on the device. Each bucket's reduce-scatter (and, under hybrid sharding, the replica
@@ -103,7 +103,7 @@ class HostGrads:
     copies straight into the host slice; an accumulation copies into a pinned staging chunk (a small pool, constant
     size) whose addition to the host slice runs on the CPU once the copy has landed. Every copy records a CUDA
     event, kept in issue order: it is returned to the reducer, whose slot waits for it before the scratch chunk is
-    written again ([Note: a sink instead of a device shard] in ``buckets.py``), and the host side waits for it (and
+    written again ([Note: a sink instead of a device shard] in ``bucket_slots.py``), and the host side waits for it (and
     so, in issue order, for every earlier copy, among them the first write of the slice an addition lands on)
     before any CPU read or write of the buffer: an addition, a zeroing, :meth:`shard` before the step.
     :meth:`clear` waits for what is in flight and drops pending additions (their gradients were cleared).
