@@ -4,12 +4,12 @@ and model-state bytes per rank.
 [Note: one traffic counter for everybody]
 :func:`count_collectives` wraps the ``torch.distributed`` collectives (``all_reduce``, the tensor all-gathers and
 reduce-scatters under their old and new names, the list forms, ``broadcast``) *before* any strategy imports them,
-and counts the logical payload with ``lightning_zero.core.collectives``' rule: the input of a reduce-scatter, the output
+and counts the logical payload with ``lightning_zero.comm.collectives``' rule: the input of a reduce-scatter, the output
 of an all-gather, the tensor of an all-reduce or broadcast. DDP's C++ reducer does not go through Python, so the
 ``ddp`` run installs the stock ``allreduce_hook`` as its communication hook (:func:`counted_ddp_strategy`),
 which calls ``dist.all_reduce`` once per gradient bucket (registered by hand: Lightning does it on CUDA only); FSDP2 and DeepSpeed call the Python functions
 themselves. Point-to-point sends (``isend``, ``send``: lightning_zero's pairwise exchanges on gloo, see [Note:
-reduce-scatter and all-gather on gloo] in ``lightning_zero/core/collectives.py``) count as ``send``, the bytes this
+reduce-scatter and all-gather on gloo] in ``lightning_zero/comm/collectives.py``) count as ``send``, the bytes this
 rank sent. The counter runs only between the start and the end of a measured step.
 """
 

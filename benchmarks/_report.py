@@ -9,7 +9,7 @@ with ratios against ``ddp``, a JSON file for machines, and a PNG plot (matplotli
 - model states / rank: measured from live tensors after a backward (rank 0).
 - faults / step: the median of the slowest rank's minor page faults per measured step (fresh pages the kernel
   mapped: memory freed and made again shows here, whoever made it).
-- allocs / step, copied / step: ZeRO only, ``ZeroEngine.step_costs()`` (``lightning_zero/core/costs.py``): the
+- allocs / step, copied / step: ZeRO only, ``ZeroEngine.step_costs()`` (``lightning_zero/memory/costs.py``): the
   engine's own large allocations per measured step (0 once it owns its memory) and the bytes it copied, in units
   of 4Ψ (one fp32 copy of the model).
 - comm / step: bytes of collective payload one rank issued in one measured step (plus the bytes it sent point to

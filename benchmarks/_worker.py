@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import _peers as peers  # noqa: E402
 from benchmarks._model import BenchGPT, FSDP2GPT, GPTSize  # noqa: E402
-from lightning_zero.core import disk  # noqa: E402
+from lightning_zero.shards import disk  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -64,7 +64,7 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.timer.stop()
         engine = _counting_engine(trainer)
-        if engine is not None and self.timer.measured_last:  # the engine's own counts (see lightning_zero/core/costs.py)
+        if engine is not None and self.timer.measured_last:  # the engine's own counts (see lightning_zero/memory/costs.py)
             self.costs.append(engine.step_costs())
         if self.profiler is not None:
             self.profiler.step()

@@ -5,7 +5,7 @@
 
 Every configuration runs in its own subprocess (so its peak resident memory is its own), trains the same GPT-style
 model (examples/gpt.py's ``GPT``, dropout 0.1, untied head) with AdamW for a few steps through
-``lightning_zero.core.activations.checkpoint_blocks`` (the code path ``ZeroStrategy(activation_checkpointing=...)`` uses)
+``lightning_zero.activations.checkpointing.checkpoint_blocks`` (the code path ``ZeroStrategy(activation_checkpointing=...)`` uses)
 and reports:
 
 - activations held at the end of forward: the bytes autograd saved outside checkpointed blocks (each storage once,
@@ -101,7 +101,7 @@ def memory(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     """One configuration in its own process: warm up, then the memory of ``args.steps`` steps."""
     import torch
 
-    from lightning_zero.core.activations import checkpoint_blocks
+    from lightning_zero.activations.checkpointing import checkpoint_blocks
 
     run = _Run(args)
     store = checkpoint_blocks(run.model, **options).store if options else None
@@ -124,8 +124,8 @@ def memory(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
 def timing(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every configuration in one process, one step each in turn, ``args.rounds`` times: whatever else runs on the
     machine slows all of them alike. The fastest step of each, wall-clock and CPU time, and its forward's CPU time."""
-    from lightning_zero.core.activations import ActivationCheckpointing, ActivationStore
-    from lightning_zero.core.blocks import find_blocks
+    from lightning_zero.activations.checkpointing import ActivationCheckpointing, ActivationStore
+    from lightning_zero.activations.blocks import find_blocks
 
     run = _Run(args)
     stores = {name: ActivationStore(o.get("offload", False), None, o.get("contiguous", False)) if o else None

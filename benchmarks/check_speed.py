@@ -7,7 +7,7 @@
 Runs ``benchmarks.compare`` for ``ddp`` and ``zero1``-``zero3`` at N = 2 on the ``small`` GPT (5.3M parameters,
 fp32 AdamW, gradient clipping 1.0, the strategies' default options), interleaved over ``--repeats`` rounds, in the
 conditions a user's run has: glibc's own allocator settings (no ``MALLOC_MMAP_THRESHOLD_`` in the environment, see
-[Note: no allocator setting decides speed or memory] in ``lightning_zero/core/host_memory.py``). It prints each strategy's median
+[Note: no allocator setting decides speed or memory] in ``lightning_zero/memory/host_memory.py``). It prints each strategy's median
 step time (``--metric wall``, the slowest rank's) or CPU time per step (``--metric cpu``, less sensitive to a shared
 machine), its ratio to DDP's, the ratio repeat by repeat (each repeat's median against DDP's in the same repeat: how
 far the machine's slow phases move it) and the page faults per step, and exits with status 1 when a ratio exceeds

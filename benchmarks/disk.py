@@ -7,7 +7,7 @@ Each (model, variant) is its own launch of 2 gloo ranks (``benchmarks._worker``)
 and file-mapped pages alike) is its own. The models are GPTs with a small vocabulary and short sequences, so that
 activations are negligible and the model states dominate. What the disk tier takes out of a rank's memory is its
 fp32 master shard and the two Adam states (the working shard *is* the master file in fp32: [Note: what lives on
-disk] in ``lightning_zero/core/disk.py``), 12Ψ/N bytes; the gradient shard (4Ψ/N) stays in host memory. The window
+disk] in ``lightning_zero/shards/disk.py``), 12Ψ/N bytes; the gradient shard (4Ψ/N) stays in host memory. The window
 traffic per step and rank is, by [Note: the step one window at a time]: written 12Ψ/N (each window's master and
 states once), read 12Ψ/N by the step plus 4Ψ/N per gather of the parameter shard (at most 8Ψ/N: forward, and
 backward again; the table's read column holds the measured bytes against that bound).

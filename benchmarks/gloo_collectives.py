@@ -1,4 +1,4 @@
-"""gloo's collectives on one buffer: why ``lightning_zero.core.collectives`` runs reduce-scatter and all-gather as
+"""gloo's collectives on one buffer: why ``lightning_zero.comm.collectives`` runs reduce-scatter and all-gather as
 pairwise exchanges on CPU, and a larger group's reduce-scatter as an all-reduce (see its [Note: reduce-scatter and
 all-gather on gloo]).
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 
 
 def _ops(n: int, world_size: int, rank: int) -> dict[str, object]:

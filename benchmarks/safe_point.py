@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world_size: int, calls: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from lightning_zero.core.groups import ShardGroups  # noqa: PLC0415
-    from lightning_zero.core.shutdown import GUARD  # noqa: PLC0415
+    from lightning_zero.comm.groups import ShardGroups  # noqa: PLC0415
+    from lightning_zero.process.shutdown import GUARD  # noqa: PLC0415
 
     groups = ShardGroups()
 

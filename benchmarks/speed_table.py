@@ -12,7 +12,7 @@ allocator variable or setting of ours in any process (DDP and FSDP2 are Lightnin
 row: the median step against DDP's in the same run, peak resident memory per rank against DDP's (the high-water
 mark, and its growth in ``fit`` above the process's level before it), minor page faults per step (and against
 DDP's), and, for the ZeRO stages, the engine's large allocations per step and the bytes it copied per step in units
-of 4Ψ (``ZeroEngine.step_costs``, see ``lightning_zero/core/costs.py``). Wall times are only worth comparing on an
+of 4Ψ (``ZeroEngine.step_costs``, see ``lightning_zero/memory/costs.py``). Wall times are only worth comparing on an
 idle machine; the counts hold on a busy one too.
 """
 

@@ -2,7 +2,7 @@
 with qwZ, qgZ and both, the same seed and data; prints the per-step training loss difference, the validation loss
 after the last step (twice: with the forward's gathers as in training, so qwZ's int8 weights, and with the exact fp32
 masters after ``teardown``, as a checkpoint loaded for inference holds them) and the bytes per step of each
-collective kind (see the Notes of ``core/quantize.py``).
+collective kind (see the Notes of ``comm/quantize.py``).
 
     python -m benchmarks.zeropp_loss --steps 300 --world-size 2 [--block 64] [--seed 1]
 """

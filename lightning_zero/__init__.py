@@ -8,32 +8,25 @@ so that ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` work;
 Hugging Face ``save_pretrained`` directory, safetensors files or a ``torch.save`` state dict, a tensor at a time.
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.core.traffic import Traffic
-from lightning_zero.config import ZeroConfig
-from lightning_zero.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
+from lightning_zero import _moved
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
 from lightning_zero.checkpoints.export import ExportResult, export_pretrained
+from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.comm.traffic import Traffic
+from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.construction import sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
-from lightning_zero.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
-from lightning_zero.core.memory import ModelStateBytes, expected_model_state_bytes, measure_model_states
-from lightning_zero.trainer.precision import LossScaler, ZeroPrecision
-from lightning_zero.checkpoints.pretrained import LoadResult, load_pretrained
+from lightning_zero.lightning import install
+from lightning_zero.lightning.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
+from lightning_zero.lightning.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
+from lightning_zero.lightning.trainer.precision import LossScaler, ZeroPrecision
+from lightning_zero.lightning.trainer.strategy import ZeroStrategy
+from lightning_zero.pretrained.loading import LoadResult, load_pretrained
+from lightning_zero.shards.accounting import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.stage3.guard import ParameterNotGatheredError
-from lightning_zero.trainer.strategy import ZeroStrategy
 
-from lightning_zero.trainer import cli_errors, early_checks, grad_norm, lightning_loads
-
-ZeroStrategy.register_strategies(StrategyRegistry)
-lightning_loads.install()  # MyModule.load_from_checkpoint(dir) and ddp's ckpt_path=dir read sharded directories
-grad_norm.install()  # Lightning's grad_norm reads the gradient shards (see trainer/grad_norm.py)
-cli_errors.install()  # a wrong ZeroStrategy option in a LightningCLI config: one line (see cli_errors.py)
-early_checks.install()  # the Trainer's ckpt_path is checked before the model is built (see early_checks.py)
-ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+install()  # the strategy names and Lightning's hooks (see [Note: what importing the package does to Lightning])
+_moved.install()  # the module paths of earlier releases still import, with a DeprecationWarning
 
 __version__ = "0.1.0"
 

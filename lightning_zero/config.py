@@ -90,7 +90,7 @@ class ZeroConfig:
     """CPU runs on glibc, an escape hatch: fix the allocator's mmap threshold at this many bytes for the whole
     process, so that freed tensors above it leave the process (lower peaks, more page faults and slower steps).
     ``None`` or 0 (the default): glibc is left alone, as DDP has it (see [Note: no allocator setting decides speed
-    or memory] in ``core/host_memory.py``)."""
+    or memory] in ``memory/host_memory.py``)."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
     in the form ``ddp`` writes."""
@@ -134,11 +134,11 @@ class ZeroConfig:
     quantized_weights: bool = False
     """Stage 3, qwZ (ZeRO++): the all-gathers of units for forward and backward send blockwise int8 codes and one fp32
     scale per ``quantization_block_size`` elements, dequantized on arrival; masters, step and checkpoints stay exact
-    (see [Note: qwZ, the quantized all-gather of weights] in ``core/quantize.py``)."""
+    (see [Note: qwZ, the quantized all-gather of weights] in ``comm/quantize.py``)."""
     quantized_gradients: bool = False
     """Stages 2 and 3, qgZ (ZeRO++): each gradient bucket is reduced by an all-to-all of blockwise int8 codes and
     scales, dequantized and summed in fp32 on the rank that owns the chunk, instead of a reduce-scatter (see
-    [Note: qgZ, the quantized reduce-scatter of gradients] in ``core/quantize.py``)."""
+    [Note: qgZ, the quantized reduce-scatter of gradients] in ``comm/quantize.py``)."""
     quantization_block_size: int = 256
     """qwZ and qgZ: elements per quantization block (one fp32 scale each)."""
     shutdown_timeout: Optional[float] = 120.0

@@ -1,7 +1,7 @@
 """Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
 
-The figures are :func:`~lightning_zero.core.memory.expected_model_state_bytes`, the same formula the tests hold the
-measured bytes (:func:`~lightning_zero.core.memory.measure_model_states`) to. Activations, module buffers, the constant
+The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold the
+measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the constant
 bucket buffers and stage 3's gathered units come on top.
 """
 
@@ -17,12 +17,12 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from lightning_zero.checkpoints import pretrained
+from lightning_zero.pretrained import loading as pretrained
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.auto.choice import BudgetTooSmall, ModelFacts, choose
 from lightning_zero.engine.auto.facts import model_sizes
 from lightning_zero.stages import all_policies
-from lightning_zero.core.memory import (  # noqa: F401  (human_bytes, parse_bytes: the CLI's imports)
+from lightning_zero.shards.accounting import (  # noqa: F401  (human_bytes, parse_bytes: the CLI's imports)
     BYTES_PER_PARAM,
     expected_disk_bytes,
     expected_model_state_bytes,
@@ -47,7 +47,7 @@ def build_on_meta(class_path: str, init_args: Optional[dict[str, Any]] = None) -
     """``class_path(**init_args)`` built on the meta device (no memory, no weights).
 
     ``configure_model`` runs as zero3 runs it: ``load_pretrained`` there checks the names and shapes against the
-    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in ``pretrained.py``).
+    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in ``pretrained/loading.py``).
     """
     cls = _import_class(class_path)
     try:
@@ -200,7 +200,7 @@ def zeropp_traffic_table(num_params: int, block: int = 256) -> dict[str, dict[st
     a ring moves (N-1)/N of it on the wire), exact and with ZeRO++'s quantized collectives, ignoring the padding of
     buckets and blocks: forward and backward all-gather Ψw each and the gradient reduction Ψw, w the working dtype's
     bytes; qwZ sends ``Ψ(1 + 4/block)`` per all-gather, qgZ ``Ψ(1 + 4/block)`` by all-to-all (see the Notes of
-    ``core/quantize.py``). hpZ moves the backward all-gather into the node group and leaves the bytes as they are."""
+    ``comm/quantize.py``). hpZ moves the backward all-gather into the node group and leaves the bytes as they are."""
     quantized = num_params * (1 + 4 / block)
     table = {}
     for name, w in WORKING_BYTES.items():

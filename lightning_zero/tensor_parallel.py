@@ -4,7 +4,7 @@ module tells ZeRO which of its parameters are slices of larger tensors.
 Under ``ZeroStrategy(tensor_parallel_size=t)`` (or Fabric's, or ``ZeroEngine``'s option) the ranks form a
 (data x tensor) ``DeviceMesh``; ``configure_model`` gets it as ``self.device_mesh`` and builds its layers over
 ``self.device_mesh["tensor_parallel"]``. ZeRO then partitions each rank's slices over ``"data_parallel"`` (see
-[Note: ZeRO over the data dimension] in ``core/groups.py``)::
+[Note: ZeRO over the data dimension] in ``comm/groups.py``)::
 
     def configure_model(self):
         tp = self.device_mesh["tensor_parallel"].get_group()
@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_zero.core import collectives
-from lightning_zero.core.traffic import Group
-from lightning_zero.core.groups import make_shard_groups
-from lightning_zero.core.slices import mark_tensor_parallel, tensor_parallel_slice
+from lightning_zero.comm import collectives
+from lightning_zero.comm.traffic import Group
+from lightning_zero.comm.groups import make_shard_groups
+from lightning_zero.shards.slices import mark_tensor_parallel, tensor_parallel_slice
 
 def cut(full: Tensor, size: int, dim: int, parts: int = 1) -> list[Tensor]:
     """The ``size`` slices of a whole tensor (see :class:`TensorParallelSlice`), as views where they can be."""
@@ -94,7 +94,7 @@ def reduce_from_tensor_parallel(x: Tensor, group: Optional[Any]) -> Tensor:
 class _GroupRef:
     """A process group held by a layer: deep copies of the module (EMA callbacks, ``copy.deepcopy(model)``) share it
     (a process group cannot be copied). ``counted``: the same group as a counted
-    :class:`~lightning_zero.core.traffic.Group` of an engine, once :func:`count_tensor_parallel` bound it."""
+    :class:`~lightning_zero.comm.traffic.Group` of an engine, once :func:`count_tensor_parallel` bound it."""
 
     def __init__(self, group: Optional[Any]) -> None:
         self.group = group
@@ -276,7 +276,7 @@ def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> N
 
 def count_tensor_parallel(module: nn.Module, tensor: Group) -> None:
     """Count the collectives of ``module``'s parallel layers over ``tensor``'s process group in ``tensor``'s traffic
-    (an engine does this at setup; see [Note: counted groups] in ``core/traffic.py``). Layers over another group,
+    (an engine does this at setup; see [Note: counted groups] in ``comm/traffic.py``). Layers over another group,
     and :func:`copy_to_tensor_parallel` / :func:`reduce_from_tensor_parallel` called with a bare group, count
     nowhere."""
     for layer in module.modules():

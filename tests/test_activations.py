@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.core.activations import checkpoint_blocks
+from lightning_zero.activations.checkpointing import checkpoint_blocks
 from lightning_zero.testing.launch import launch
 from tests.compare import assert_losses_close, assert_params_close
 from tests.test_parity import RTOL

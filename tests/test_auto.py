@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_zero
 from benchmarks._model import BenchGPT, GPTSize
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core.memory import human_bytes
+from lightning_zero.shards.accounting import human_bytes
 from lightning_zero.engine.auto.choice import HEADROOM, BudgetTooSmall, ModelFacts, choose
 from lightning_zero.engine.auto.probe import LiveBytes, probe_activations
 from lightning_zero.testing.launch import launch

@@ -6,8 +6,8 @@ import pytest
 
 import torch
 
-from lightning_zero.core.buckets import GradientReducer
-from lightning_zero.core.layout import plan_layout
+from lightning_zero.shards.buckets import GradientReducer
+from lightning_zero.shards.layout import plan_layout
 
 
 def _reducer(numels, bucket_size, max_buffers=2):
@@ -100,8 +100,8 @@ def test_the_replica_all_reduce_overlaps_and_lands_before_delivery(monkeypatch, 
     """The replica all-reduce (see [Note: the replica all-reduce overlaps] in ``buckets.py``) is started when its
     reduce-scatter is waited for, waited for only when its buffer is needed or the round ends (with
     ``overlap_comm``), and always before the chunk is read or accumulated."""
-    from lightning_zero.core import collectives
-    from lightning_zero.core.groups import ShardGroups
+    from lightning_zero.comm import collectives
+    from lightning_zero.comm.groups import ShardGroups
 
     started = []
     monkeypatch.setattr(collectives, "all_reduce_async", lambda tensor, group=None: _ReplicaSum(tensor, started))

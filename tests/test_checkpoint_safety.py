@@ -269,7 +269,7 @@ class _Built(TinyGPT):
 
 
 def test_a_bad_ckpt_path_through_the_trainer_is_refused_before_the_model_is_built(saved, copy, tmp_path):
-    # [Note: a checkpoint is checked before the build] in lightning_zero/trainer/early_checks.py
+    # [Note: a checkpoint is checked before the build] in lightning_zero/lightning/trainer/early_checks.py
     model = _Built()
     with pytest.raises(CheckpointError, match=r"`ckpt_path`: No checkpoint at .*nothing\.ckpt\. Nothing was built yet"):
         _trainer("zero3").fit(model, ckpt_path=tmp_path / "nothing.ckpt")

@@ -1,5 +1,5 @@
 """The pairwise exchanges that carry reduce-scatter and all-gather on gloo (see [Note: reduce-scatter and all-gather
-on gloo] in ``lightning_zero/core/collectives.py``), on 2 and 3 gloo ranks (one launch of
+on gloo] in ``lightning_zero/comm/collectives.py``), on 2 and 3 gloo ranks (one launch of
 ``tests/workers/exchange.py`` each): the values against sums computed here, several exchanges in flight over two
 groups and waited for out of order, and at N = 2 the reduced chunk bit-identical to gloo's all-reduce (DDP's)."""
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.core.blocks import find_blocks
+from lightning_zero.activations.blocks import find_blocks
 from lightning_zero.stage3.plan import plan_units, units_under_compile
 from lightning_zero.testing.launch import launch
 from tests.models import Block

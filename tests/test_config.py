@@ -38,8 +38,8 @@ def test_config_rejects_bad_values(kwargs, error, match):
 
 def test_host_mmap_threshold_leaves_glibc_alone_by_default(monkeypatch):
     """``None`` (the default) and 0 change nothing; a number fixes the threshold, never over the environment's (see
-    [Note: no allocator setting decides speed or memory] in core/host_memory.py)."""
-    from lightning_zero.core import host_memory
+    [Note: no allocator setting decides speed or memory] in memory/host_memory.py)."""
+    from lightning_zero.memory import host_memory
 
     assert ZeroConfig().host_mmap_threshold is None
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")

@@ -1,4 +1,4 @@
-"""What a step costs, counted without a clock (see [Note: what a step costs] in ``lightning_zero/core/costs.py``): after
+"""What a step costs, counted without a clock (see [Note: what a step costs] in ``lightning_zero/memory/costs.py``): after
 warm-up a step allocates nothing large of the engine's own and copies the gradients once. One process, no collective
 partner: the engine's buffers, pool and counters are the same at any world size."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroEngine
-from lightning_zero.core import host_memory
+from lightning_zero.memory import host_memory
 from lightning_zero.engine import stepping
 
 
@@ -64,7 +64,7 @@ def test_a_unit_gathered_again_reuses_the_pool_and_a_saved_view_reads_its_new_bl
 
 def test_the_host_heap_is_given_back_after_setup_and_the_first_step_only(monkeypatch):
     # one trim after setup and one after the first optimizer step; a trim per step would fault every step's
-    # activations back in (see [Note: the engine gives back what its setup left behind] in core/host_memory.py)
+    # activations back in (see [Note: the engine gives back what its setup left behind] in memory/host_memory.py)
     trims = []
     monkeypatch.setattr(stepping, "give_back_free_heap", lambda: trims.append(len(spent)) or True)
     spent: list[dict] = []

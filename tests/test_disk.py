@@ -1,4 +1,4 @@
-"""Disk offload (``offload_optimizer="disk"``, ``offload_params="disk"``, see lightning_zero/core/disk.py): the files,
+"""Disk offload (``offload_optimizer="disk"``, ``offload_params="disk"``, see lightning_zero/shards/disk.py): the files,
 residency, the refusals, a full disk mid-step. DDP parity and checkpoint moves between disk, host and plain runs are
 in test_offload.py (the same scenarios, parametrized over the disk placements)."""
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.core import disk, faults
-from lightning_zero.core.disk import DiskOffloadError
+from lightning_zero.shards import disk
+from lightning_zero.process import faults
+from lightning_zero.shards.disk import DiskOffloadError
 from lightning_zero.testing.launch import ROOT
 from tests.models import TinyLM
 
@@ -158,7 +159,7 @@ def test_a_killed_process_leaves_no_file_behind(tmp_path):
 
 
 def test_estimate_knows_disk_offload(capsys):
-    from lightning_zero.core.memory import expected_disk_bytes
+    from lightning_zero.shards.accounting import expected_disk_bytes
     from lightning_zero.cli import main as cli
 
     psi, n = 150_000_000, 2

@@ -114,7 +114,7 @@ def plain_generate(checkpoint: Path, prompt: str, tokens: int) -> str:
 
 def interrupt_in_second_save(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group and press Ctrl-C (SIGINT to the group) while rank 0 writes the second
-    checkpoint event's first directory: a fault point sends it (see lightning_zero/core/faults.py), so where the signal
+    checkpoint event's first directory: a fault point sends it (see lightning_zero/process/faults.py), so where the signal
     lands never depends on timing."""
     log = cwd / "interrupted.log"
     fault = "point=save.written,signal=SIGINT,rank=0,target=group,occurrence=3"  # 2 writes per event: top-k, last

@@ -1,4 +1,4 @@
-"""The fault-injection seam (``lightning_zero/core/faults.py``, see [Note: fault points]): the one module that keeps
+"""The fault-injection seam (``lightning_zero/process/faults.py``, see [Note: fault points]): the one module that keeps
 fault state, armed only by ``LIGHTNING_ZERO_FAULT``, with exactly the points its Note lists marked in the package.
 The faults themselves are exercised end to end by test_shutdown.py, test_checkpoint_safety.py and test_examples.py.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero.core.faults import POINTS, VARIABLE, fault_point
+from lightning_zero.process.faults import POINTS, VARIABLE, fault_point
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_zero"
 

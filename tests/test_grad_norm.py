@@ -1,5 +1,5 @@
 """Lightning's ``grad_norm`` in ``on_before_optimizer_step`` gives ``ddp``'s values under every stage (see
-[Note: grad_norm reads the gradient shards] in ``lightning_zero/trainer/grad_norm.py``), for the whole module and for
+[Note: grad_norm reads the gradient shards] in ``lightning_zero/lightning/trainer/grad_norm.py``), for the whole module and for
 a submodule, whatever the order of the imports. One process (world size 1) against ``ddp`` on one process: the same
 sampler, seed and arithmetic.
 """

@@ -1,4 +1,4 @@
-"""The heap pin (see [Note: the heap pin] in ``lightning_zero/core/heap_pin.py``): every stage keeps the memory of
+"""The heap pin (see [Note: the heap pin] in ``lightning_zero/memory/heap_pin.py``): every stage keeps the memory of
 a step's activations mapped from one step to the next, so a forward does not fault them in again."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroEngine
-from lightning_zero.core.heap_pin import HeapPin
+from lightning_zero.memory.heap_pin import HeapPin
 
 # One fresh process per run: glibc's heap and thresholds depend on everything a process allocated before.
 _RUN = textwrap.dedent("""
     import json, resource, sys
     import torch
-    from lightning_zero.core.heap_pin import HeapPin
+    from lightning_zero.memory.heap_pin import HeapPin
 
     pin = HeapPin() if sys.argv[1] == "1" else None
     # glibc raises its mmap threshold to the size of a mapped block once it is freed (up to 32 MiB; a training

@@ -23,10 +23,10 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_zero import ZeroConfig, ZeroStrategy, load_full_checkpoint
-from lightning_zero.core.traffic import Traffic
-from lightning_zero.core.groups import ShardGroups
-from lightning_zero.core.groups import resolve_shard_group_size
-from lightning_zero.core.layout import hybrid_rank_lists
+from lightning_zero.comm.traffic import Traffic
+from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.comm.groups import resolve_shard_group_size
+from lightning_zero.comm.groups import hybrid_rank_lists
 from tests.compare import relative, traffic_per_step
 from lightning_zero.testing.launch import launch, launch_nodes
 from tests.models import TinyGPT
@@ -139,7 +139,7 @@ def test_replicas_end_bitwise_identical(ranks, stage):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_traffic_inside_and_across_groups(ranks, stage):
-    """Per optimizer step and rank (see [Note: hybrid sharding and its traffic] in core/groups.py), T the padded
+    """Per optimizer step and rank (see [Note: hybrid sharding and its traffic] in comm/groups.py), T the padded
     flat size (Ψ rounded up per bucket to a multiple of k): inside the shard group, reduce-scatters of T per
     reduction (stage 1 reduces once per step, stages 2-3 once per micro-batch) and all-gathers of T (stage 3: T for
     forward and T for backward per micro-batch); across groups one all-reduce of the T/k shard per reduction, i.e.

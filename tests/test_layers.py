@@ -1,13 +1,15 @@
 """The package's import graph: folders in layers, no import from a lower layer to a higher one, no circle.
 
 [Note: the layers of the package]
-Read bottom-up, the folders follow one training step's data path: ``config``/``stages`` (the options) ->
-``core`` (layout, buckets, the gradient reducer, collectives, the sharded optimizer step, precision, offload) ->
-``tensor_parallel`` and ``stage3`` (what is sliced and what is gathered around its use) -> ``checkpoints`` (the
-state of all of it on disk) -> ``engine`` (``ZeroEngine``: one step composed from the above, and the processes the
-adapters share) -> ``trainer`` and ``fabric`` (Lightning's two APIs) -> ``estimate``, ``cli``, ``testing``. A module
-imports only from its own folder or a lower layer; folders in one layer do not import each other; the adapters use
-only the engine, the options and the checkpoint functions. Every import counts, also one inside a function or under
+Read bottom-up, the folders follow one training step's data path: ``stages``/``config`` (the options) -> ``memory``
+(the host heap and the step's cost counters) -> ``comm`` (collectives, process groups, quantized exchanges: the only
+caller of ``torch.distributed``'s process-group API) -> ``process`` (signals, shutdown, fault points, calls every
+rank must make) -> ``shards`` (flat layout, parameter store, buckets, the sharded optimizer, host and disk tiers) ->
+``activations`` (ZeRO-R) -> ``tensor_parallel`` and ``stage3`` (what is sliced and what is gathered around its use)
+-> ``checkpoints`` (the state of all of it on disk) -> ``pretrained`` (weights from Hugging Face files) -> ``engine``
+(``ZeroEngine``: one step composed from the above, without Lightning) -> ``lightning`` (the Trainer's and Fabric's
+adapters: the only code that imports Lightning) -> ``estimate``, ``cli``, ``testing``. A module imports only from
+its own folder or a lower layer; folders in one layer do not import each other. Every import counts, also one inside a function or under
 ``TYPE_CHECKING`` (an annotation that names a higher layer is a dependency too); only the test for circles
 between modules leaves out imports made for annotations alone, which never run.
 """
@@ -22,17 +24,21 @@ PACKAGE = ROOT / "lightning_zero"
 LAYERS: list[tuple[str, ...]] = [
     ("stages",),
     ("config",),
-    ("core",),
+    ("memory",),
+    ("comm",),
+    ("process",),
+    ("shards",),
+    ("activations",),
     ("tensor_parallel", "stage3"),
     ("checkpoints",),
+    ("pretrained",),
     ("engine",),
-    ("trainer", "fabric"),
+    ("lightning",),
     ("estimate",),
-    ("cli", "testing", "__init__"),
+    ("cli", "testing", "_moved"),
+    ("__init__",),
     ("__main__",),
 ]
-ADAPTERS = ("trainer", "fabric")
-ADAPTERS_USE = ("engine", "config", "stages", "checkpoints")
 
 
 def _module_name(path: Path) -> str:
@@ -93,8 +99,6 @@ def test_no_import_goes_up_or_sideways() -> None:
                 continue
             if _layer(there) >= _layer(here):
                 wrong.append(f"{module}:{line} imports {target} ({there} is not below {here})")
-            elif here in ADAPTERS and there not in ADAPTERS_USE:
-                wrong.append(f"{module}:{line} imports {target}: the adapters use only {', '.join(ADAPTERS_USE)}")
     assert not wrong, "Imports against [Note: the layers of the package]:\n" + "\n".join(wrong)
 
 
@@ -123,3 +127,39 @@ def test_benchmarks_and_examples_do_not_import_tests() -> None:
              if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
                  (getattr(node, "module", None) or name.name).split(".")[0] == "tests" for name in node.names)]
     assert not wrong, "Import from tests/ (use lightning_zero.testing or examples/): " + ", ".join(wrong)
+
+
+def _where_imported(root: str, allowed: tuple[str, ...]) -> list[str]:
+    """``path:line`` of every import of the top-level package ``root`` (or of an attribute chain ``root.x.y`` read
+    from it) in the package, outside the folders or modules of ``allowed``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if any(module == f"lightning_zero.{a}" or module.startswith(f"lightning_zero.{a}.") for a in allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else
+                     [ast.unparse(node)] if isinstance(node, ast.Attribute) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                      if name == root or name.startswith(root + ".")]
+    return found
+
+
+def test_only_the_adapters_import_lightning() -> None:
+    """See [Note: the layers of the package]: Lightning is behind one boundary, ``lightning/``; the engine and
+    everything below it run without Lightning."""
+    wrong = _where_imported("lightning", ("lightning",))
+    assert not wrong, "Lightning imported outside lightning_zero/lightning/:\n" + "\n".join(wrong)
+
+
+#: What other folders may use of ``torch.distributed``: its checkpoint library (the checkpoints' storage layer) and
+#: DTensor's placements (the tensor-parallel plans); the process-group API is ``comm/``'s alone.
+DISTRIBUTED_LIBRARIES = ("torch.distributed.checkpoint", "torch.distributed.tensor")
+
+
+def test_only_comm_calls_torch_distributed() -> None:
+    wrong = [line for line in _where_imported("torch.distributed", ("comm",))
+             if not any(line.split()[-1].startswith(library) for library in DISTRIBUTED_LIBRARIES)]
+    assert not wrong, ("torch.distributed used outside lightning_zero/comm/ (call comm.collectives instead):\n"
+                       + "\n".join(wrong))

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lightning_zero.core.layout import plan_layout
+from lightning_zero.shards.layout import plan_layout
 
 
 def _owned_elements(layout):

@@ -11,7 +11,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_zero
 from lightning_zero.cli import main as lightning_zero_command
-from lightning_zero.cli import unknown_zero_strategy
+from lightning_zero.lightning.trainer.cli_errors import unknown_zero_strategy
 from tests.models import Block, TinyGPT
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -120,8 +120,7 @@ def test_a_missing_ckpt_path_is_found_before_the_model_is_built(tmp_path, capsys
 
 def _zero_cli(*args: str) -> LightningCLI:
     """``lightning-zero fit``'s CLI class with its command line as the command would pass it, not run."""
-    from lightning_zero.cli import _zero_cli as zero_cli
-    from lightning_zero.cli import expand_short_strategy
+    from lightning_zero.lightning.cli import expand_short_strategy, zero_cli
 
     return zero_cli()(TinyGPT, args=expand_short_strategy(["--trainer.accelerator", "cpu", "--trainer.devices", "1",
                                                             *args]), run=False, save_config_callback=None)

@@ -77,7 +77,7 @@ def test_a_step_in_pieces_is_bitwise_one_step():
     """Elementwise optimizers step in bucket-size pieces (constant temporaries) with the results of one call."""
     import torch
 
-    from lightning_zero.core.optimizer_support import step_in_pieces
+    from lightning_zero.shards.optimizer_support import step_in_pieces
 
     for foreach in (True, False):
         torch.manual_seed(0)

@@ -187,7 +187,7 @@ def test_the_scan_sees_the_package_notes():
     # a matcher that found nothing would pass the tests above: the known Notes and references must be found
     found = all_mentions()
     defined = {(m.title, m.path) for m in found if m.defines}
-    assert ("hybrid sharding and its traffic", "lightning_zero/core/groups.py") in defined
+    assert ("hybrid sharding and its traffic", "lightning_zero/comm/groups.py") in defined
     assert ("the order of one optimizer step", "lightning_zero/engine/stepping.py") in defined
     assert len(defined) > 50 and sum(not m.defines for m in found) > 100
 
@@ -213,4 +213,4 @@ def test_the_matcher_reads_definitions_wrapped_references_and_named_files():
     stray = Mention("a.py", 1, "frist one", False)
     assert f"defined nowhere; fix: name {NOTE} first one] (defined at pkg/mod.py:3)" in problem(stray, definitions)
     assert problem(Mention("a.py", 1, "sec...", False, "mod.py"), definitions) is None  # a prefix, in that file
-    assert _names("lightning_zero/core/groups.py", "core/groups.py") and not _names("x/mygroups.py", "groups.py")
+    assert _names("lightning_zero/comm/groups.py", "comm/groups.py") and not _names("x/mygroups.py", "groups.py")

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.core.memory import expected_offload_bytes
-from lightning_zero.core.buckets import GradientReducer
-from lightning_zero.core.layout import plan_layout
+from lightning_zero.shards.accounting import expected_offload_bytes
+from lightning_zero.shards.buckets import GradientReducer
+from lightning_zero.shards.layout import plan_layout
 from lightning_zero.estimate import human_bytes
-from lightning_zero.core.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
+from lightning_zero.shards.offload import HostGrads, allocate_master, check_steps_on_host, fused_hint
 from tests.compare import (BF16_DISPLACEMENT_RTOL, assert_displacements_close, assert_losses_close, assert_model_close,
                            assert_params_close, mixed_precision_rtol)
 from lightning_zero.testing.launch import launch
@@ -27,7 +27,7 @@ from tests.models import TinyLM
 
 STAGES = ["zero1+offload", "zero2+offload", "zero3+offload"]
 PARAMS = ["zero3+params", "zero3+offload+params"]  # offload_params without and with offload_optimizer
-#: The same on disk ("+disk": offload_optimizer="disk", "+pdisk": offload_params="disk"; see core/disk.py).
+#: The same on disk ("+disk": offload_optimizer="disk", "+pdisk": offload_params="disk"; see shards/disk.py).
 DISK = ["zero1+disk", "zero2+disk", "zero3+disk", "zero3+pdisk", "zero3+disk+pdisk"]
 RTOL = 1e-5  # fp32: only the reduction order differs from DDP (see test_parity.py)
 
@@ -243,7 +243,7 @@ def test_device_model_states_do_not_grow_with_the_model_when_both_are_offloaded(
     from torch import nn
 
     from lightning_zero import ZeroEngine
-    from lightning_zero.core.memory import measure_model_states
+    from lightning_zero.shards.accounting import measure_model_states
 
     seen = []
     for depth in (2, 8):
@@ -354,7 +354,7 @@ def test_the_refresh_follows_the_step_piece_by_piece(monkeypatch, offload_optimi
     from torch import nn
 
     from lightning_zero import ZeroEngine
-    from lightning_zero.core import collectives
+    from lightning_zero.comm import collectives
 
     def build():
         torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """A collective a user calls on one rank only (``state_dict()`` under zero3, ``save_checkpoint``) fails within
 seconds with a message that says what to do (see [Note: a collective called on one rank] in
-``lightning_zero/core/user_calls.py``), instead of waiting for the process group's 30-minute timeout.
+``lightning_zero/process/user_calls.py``), instead of waiting for the process group's 30-minute timeout.
 """
 
 from __future__ import annotations

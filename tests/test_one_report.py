@@ -1,5 +1,5 @@
 """An error every rank raises is printed once, with the ranks that raised it; each rank's traceback is in a log file
-(see [Note: one report for the ranks that raised] in ``lightning_zero/engine/one_report.py``). The ranks raise at a
+(see [Note: one report for the ranks that raised] in ``lightning_zero/process/one_report.py``). The ranks raise at a
 chosen step of ``training_step`` (tests/workers/raise_everywhere.py), not at a time.
 """
 

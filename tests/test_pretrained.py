@@ -15,8 +15,8 @@ from torch import nn
 
 import lightning_zero
 from lightning_zero import load_pretrained
-from lightning_zero.checkpoints import pretrained_files
-from lightning_zero.checkpoints.pretrained import _PENDING, deferring
+from lightning_zero.pretrained import files as pretrained_files
+from lightning_zero.pretrained.loading import _PENDING, deferring
 from lightning_zero.testing.launch import launch
 
 transformers = pytest.importorskip("transformers")

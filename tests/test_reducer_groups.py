@@ -76,7 +76,7 @@ def test_each_backward_reduce_scatters_in_the_pair_and_all_reduces_the_chunks_on
 
 def test_each_set_of_shard_groups_counts_its_own_traffic_over_process_groups_made_once(ranks):
     """Two ``ShardGroups`` of one size share the job's process groups (made once) but not their counters: the
-    second counted nothing while the first reduced (see [Note: counted groups] in core/traffic.py)."""
+    second counted nothing while the first reduced (see [Note: counted groups] in comm/traffic.py)."""
     for r in ranks:
         assert r["other"] == {"traffic": {}, "same_process_groups": True}, r["other"]
 

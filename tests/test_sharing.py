@@ -1,4 +1,4 @@
-"""Unit tests of parameters shared by several optimizers (``core/sharing.py``): which members an optimizer owns and
+"""Unit tests of parameters shared by several optimizers (``shards/sharing.py``): which members an optimizer owns and
 borrows (:func:`split_members`), and the master tensors it borrows from their owners (:func:`borrowed_slots`).
 
 The owners are stand-ins with only what the two functions read of a ``ShardedStorage``: its parameters, its layout
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_zero.core.layout import FlatLayout, MasterSlot, plan_layout, plan_master_slots
-from lightning_zero.core.sharing import borrowed_slots, split_members
+from lightning_zero.shards.layout import FlatLayout, MasterSlot, plan_layout, plan_master_slots
+from lightning_zero.shards.sharing import borrowed_slots, split_members
 
 
 @dataclass

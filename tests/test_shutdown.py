@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM at chosen points: every rank ends soon, cleanly, and the last complete checkpoint is intact.
 
 Each case runs a user's script on 2 CPU ranks (Lightning's launcher starts rank 1 in the same process group) with
-``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/core/faults.py):
+``LIGHTNING_ZERO_FAULT`` set, so a fault point delivers the signal at a chosen place (see lightning_zero/process/faults.py):
 the outcome never depends on when a timer fired. The signal goes to the whole process group, as Ctrl-C does, so
 rank 1 receives it wherever it happens to be; the outcome must be the same wherever that is.
 """
@@ -180,7 +180,7 @@ def test_a_rank_stalled_away_from_a_step_boundary_ends_every_rank_at_the_deadlin
 
 def test_a_second_ctrl_c_claims_no_agreed_stop():
     """After the second Ctrl-C this rank stops alone: at teardown nothing claims that every rank stopped together."""
-    from lightning_zero.core.shutdown import SignalGuard
+    from lightning_zero.process.shutdown import SignalGuard
 
     guard = SignalGuard()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -197,8 +197,8 @@ def test_a_second_ctrl_c_claims_no_agreed_stop():
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():
     """One process, no collective: what the guard does with Lightning's handlers around it."""
-    from lightning_zero.core.groups import ShardGroups
-    from lightning_zero.core.shutdown import SignalGuard, Stopped
+    from lightning_zero.comm.groups import ShardGroups
+    from lightning_zero.process.shutdown import SignalGuard, Stopped
 
     guard, seen, groups = SignalGuard(), [], ShardGroups()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest runs under nohup

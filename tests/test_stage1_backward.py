@@ -1,5 +1,5 @@
 """Stage 1 reduces its gradients during the backward the step follows, and holds them in ``.grad`` inside
-``no_backward_sync`` (see [Note: stage 1 reduces in the backward the step follows] in ``core/store.py``). One
+``no_backward_sync`` (see [Note: stage 1 reduces in the backward the step follows] in ``shards/store.py``). One
 process: the reduce-scatters the reducer issues are counted where it calls them; the values against DDP over
 several ranks are checked by ``test_parity.py`` and the Fabric parity test (accumulation included)."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroEngine
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 
 _REDUCED = [0]
 

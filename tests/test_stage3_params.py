@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.core import collectives
-from lightning_zero.core.layout import FlatLayout, plan_layout
+from lightning_zero.comm import collectives
+from lightning_zero.shards.layout import FlatLayout, plan_layout
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.params import ShardedParams
 from tests.compare import shard_of

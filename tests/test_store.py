@@ -1,4 +1,4 @@
-"""Unit tests of the engine's parameter store (``core/store.py``) and of stage 3's units (``stage3/units.py``), in
+"""Unit tests of the engine's parameter store (``shards/store.py``) and of stage 3's units (``stage3/units.py``), in
 one process.
 
 A world of one rank: the all-gathers are copies, so what is tested is the bookkeeping. The store: evaluation under
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroEngine
-from lightning_zero.core.optimizer import StepPhase
+from lightning_zero.shards.optimizer import StepPhase
 from lightning_zero.stage3.unit import IllegalUnitTransition, TrainingPhase, Unit, UnitState
 from tests.fake_work import LoggedWork
 

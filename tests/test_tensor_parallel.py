@@ -23,8 +23,8 @@ from torch import nn
 
 from examples.gpt import GPT, ShakespeareData
 from lightning_zero import ZeroConfig, ZeroStrategy, expected_model_state_bytes, inspect_checkpoint
-from lightning_zero.core.groups import resolve_shard_group_size
-from lightning_zero.core.slices import TensorParallelSlice
+from lightning_zero.comm.groups import resolve_shard_group_size
+from lightning_zero.shards.slices import TensorParallelSlice
 from lightning_zero.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

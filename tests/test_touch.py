@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero.stage3 import guard
-from lightning_zero.core.blocks import find_blocks
+from lightning_zero.activations.blocks import find_blocks
 from lightning_zero.testing.launch import launch
 
 STRATEGIES = ["zero1", "zero2", "zero3"]

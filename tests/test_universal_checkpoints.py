@@ -21,7 +21,7 @@ from lightning_zero.checkpoints.recut import (
     whole_to_stacked,
 )
 from lightning_zero.checkpoints.shards import Shard
-from lightning_zero.core.slices import TensorParallelSlice
+from lightning_zero.shards.slices import TensorParallelSlice
 from lightning_zero.tensor_parallel import cut
 from lightning_zero.testing.launch import launch
 

@@ -1,6 +1,6 @@
 """ZeRO++: hpZ (``secondary_shard_group_size``, see [Note: hpZ, the secondary partition] in
 ``lightning_zero/stage3/secondary.py``), qwZ (``quantized_weights``) and qgZ (``quantized_gradients``, see the Notes
-of ``lightning_zero/core/quantize.py``).
+of ``lightning_zero/comm/quantize.py``).
 
 One 4-rank launch (tests/workers/zeropp.py) runs ddp, zero2, zero3, hpZ (s=2, with and without activation
 checkpointing), qwZ (alone and with hpZ) and qgZ (stages 2 and 3) on the same seed and data, with clipping by norm,
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfig, ZeroStrategy
-from lightning_zero.core.groups import resolve_secondary_group_size
-from lightning_zero.core.quantize import QMAX, dequantize, quantize, quantized_bytes, reduce_scatter_quantized
+from lightning_zero.comm.groups import resolve_secondary_group_size
+from lightning_zero.comm.quantize import QMAX, dequantize, quantize, quantized_bytes, reduce_scatter_quantized
 from lightning_zero.testing.launch import launch
 from tests.compare import assert_losses_close, assert_params_close, traffic_per_step
 

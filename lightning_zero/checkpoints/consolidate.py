@@ -3,7 +3,7 @@
 Everything here runs in one plain process (no process group needed) and reads the directory with
 ``torch.distributed.checkpoint`` straight into preallocated full tensors, so the peak memory is about the size of
 what is produced: the output file's tensors for :func:`consolidate`. Building a LightningModule from a checkpoint
-(``load_from_checkpoint``) and ``ZeroCheckpointIO`` are the Trainer's side: ``trainer/checkpoint_io.py``.
+(``load_from_checkpoint``) and ``ZeroCheckpointIO`` are the Trainer's side: ``lightning/trainer/checkpoint_io.py``.
 """
 
 from __future__ import annotations

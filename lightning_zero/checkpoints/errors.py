@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 
 # what went wrong on one rank: (rank, exception type, message, errno or None)
 Report = tuple[int, str, str, Optional[int]]

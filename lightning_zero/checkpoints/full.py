@@ -17,10 +17,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives
-from lightning_zero.core.optimizer import ShardedOptimizer
-from lightning_zero.core.layout import MasterSlot
-from lightning_zero.core.store import ShardedStorage
+from lightning_zero.comm import collectives
+from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.layout import MasterSlot
+from lightning_zero.shards.store import ShardedStorage
 from lightning_zero.checkpoints.shards import Shard, is_per_element, optimizer_destination, param_groups, stack_slices
 
 # (canonical parameter index, state key or None for the weight, start in the flattened parameter, value)

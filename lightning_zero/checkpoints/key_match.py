@@ -16,7 +16,7 @@ from collections.abc import Collection
 from typing import Optional
 
 from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 
 #: A load under ``strict=False`` that fills fewer than this share of the model's keys warns.
 LOW_COVERAGE = 0.5

@@ -3,7 +3,7 @@
 [Note: a checkpoint that explains itself]
 ``ModelCheckpoint`` names a sharded checkpoint ``last.ckpt`` like a file, and ``torch.load(dir)`` (or Lightning's
 ``MyModule.load_from_checkpoint(dir)`` in a process that did not import ``lightning_zero``, see [Note: Lightning's
-own loaders read a sharded directory] in ``trainer/lightning_loads.py``) fails on it with a bare
+own loaders read a sharded directory] in ``lightning/trainer/lightning_loads.py``) fails on it with a bare
 ``IsADirectoryError``. So the directory says what it is: rank 0 writes this text into the staging
 directory before the rename, so a complete checkpoint always has it. It is not one of the checksummed files in
 ``meta.pt`` (a user may read or delete it without damaging the checkpoint).

@@ -20,7 +20,7 @@ before. A tensor written at t = 1 (no slice marker in the checkpoint) is the who
 run at t' = 1 reads the whole tensor the same way, with the dimension and blocks taken from the checkpoint's
 metadata. Column- and row-parallel
 layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
-which comes from the slice marker (``core/slices.py``) here and from the metadata of the checkpoint.
+which comes from the slice marker (``shards/slices.py``) here and from the metadata of the checkpoint.
 
 What cannot be re-cut is refused before anything is read (:func:`cannot_recut`): a state of a sliced parameter that
 is not per element. Adafactor keeps, for a weight of shape (O, I), the running means of its squared gradient over

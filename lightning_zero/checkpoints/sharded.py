@@ -15,10 +15,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 from lightning_zero.checkpoints.key_match import RENAME, check_coverage, coverage_message, prefix_hint
 from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.shards.optimizer import ShardedOptimizer
 from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
 from lightning_zero.checkpoints.recut import (
     Copy,

@@ -39,9 +39,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.core.layout import MasterSlot
-from lightning_zero.core.optimizer import ShardedOptimizer
-from lightning_zero.core.store import ShardedStorage
+from lightning_zero.shards.layout import MasterSlot
+from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.store import ShardedStorage
 from lightning_zero.tensor_parallel import cut, tensor_parallel_slice
 
 

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 from lightning_zero.checkpoints.errors import CheckpointError, agree_on_failure
 from lightning_zero.checkpoints.readme import write_readme
 from lightning_zero.checkpoints.shards import Shard
@@ -56,8 +56,8 @@ from lightning_zero.checkpoints.staging import (
     write_meta_digest,
 )
 from lightning_zero.checkpoints.trust import SafeFileSystemReader, torch_load
-from lightning_zero.core.faults import fault_point
-from lightning_zero.core.shutdown import GUARD
+from lightning_zero.process.faults import fault_point
+from lightning_zero.process.shutdown import GUARD
 
 FORMAT = "lightning-zero/1"
 META_FILE = "meta.pt"

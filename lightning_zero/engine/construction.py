@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_zero.checkpoints import pretrained
+from lightning_zero.pretrained import loading as pretrained
 from lightning_zero.stage3.construction import PendingRecording, Recording, record_construction, storage_key
 from lightning_zero.stage3.materialize import drop_meta, move_materialized
 

@@ -25,13 +25,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.core import collectives, costs, disk
-from lightning_zero.core.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
+from lightning_zero.comm import collectives
+from lightning_zero.memory import costs
+from lightning_zero.shards import disk
+from lightning_zero.comm.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
                                         resolve_shard_group_size)
-from lightning_zero.checkpoints import pretrained
+from lightning_zero.pretrained import loading as pretrained
 from lightning_zero.engine import module_state
-from lightning_zero.core.activations import ActivationCheckpointing, activations_from_config
-from lightning_zero.core.amp import PrecisionMode
+from lightning_zero.activations.checkpointing import ActivationCheckpointing, activations_from_config
+from lightning_zero.engine.amp import PrecisionMode
 from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.materialize import (
@@ -41,13 +43,13 @@ from lightning_zero.stage3.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.core.offload import fused_hint
-from lightning_zero.core.optimizer_support import check_not_dtensor
+from lightning_zero.shards.offload import fused_hint
+from lightning_zero.shards.optimizer_support import check_not_dtensor
 from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
-from lightning_zero.core.flat import FlatStorage
-from lightning_zero.core.optimizer import ShardedOptimizer
-from lightning_zero.core.store import ParameterStore, ShardedStorage
-from lightning_zero.core.sharing import whole_params_per_optimizer
+from lightning_zero.shards.flat import FlatStorage
+from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.store import ParameterStore, ShardedStorage
+from lightning_zero.shards.sharing import whole_params_per_optimizer
 from lightning_zero.stages import policy_for
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
@@ -240,7 +242,7 @@ class ZeroEngine(OptimizerSteps):
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
         """Backwards inside accumulate gradients for a later step (as DDP's ``no_sync``): stage 1 keeps them in
         ``.grad`` and reduces them once, in the backward after the context (see [Note: stage 1 reduces in the
-        backward the step follows] in ``core/store.py``); stages 2 and 3 reduce every backward into their gradient
+        backward the step follows] in ``shards/store.py``); stages 2 and 3 reduce every backward into their gradient
         shard anyway. Every rank enters it for the same backwards. Lightning and Fabric enter it for you
         (``accumulate_grad_batches``, ``fabric.no_backward_sync``)."""
         if not enabled:
@@ -281,7 +283,7 @@ class ZeroEngine(OptimizerSteps):
     # ------------------------------------------------------------------ reports and teardown
     def step_costs(self) -> dict[str, int]:
         """What this process spent since the last call (or setup), without a clock (see [Note: what a step costs] in
-        ``core/costs.py``): ``large_allocations`` and ``allocated_bytes`` of the engine's own buffers (0 per step
+        ``memory/costs.py``): ``large_allocations`` and ``allocated_bytes`` of the engine's own buffers (0 per step
         after warm-up), ``copied_bytes`` (about Ψ elements per step: the gradients into their buckets),
         ``minor_faults`` of the process, and ``collectives`` issued by the engine. Call it once per step."""
         now = {**costs.COSTS.snapshot(), "collectives": sum(self.shard_groups.traffic.calls.values())}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.core import user_calls
+from lightning_zero.process import user_calls
 from lightning_zero.engine.state import load_model
 from lightning_zero.checkpoints.shards import Shard
 

@@ -1,5 +1,5 @@
 """An engine released so that its model can be set up again (Fabric's ``fabric.setup(model)`` then
-``fabric.setup(model, optimizer)``, or a notebook cell re-run: see ``fabric/resetup.py``).
+``fabric.setup(model, optimizer)``, or a notebook cell re-run: see ``lightning/fabric/resetup.py``).
 
 [Note: setting up a model again]
 Under ``ddp`` a second ``fabric.setup`` of the same raw model (or with an optimizer already set up) just wraps it
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoints import full
-from lightning_zero.core import collectives
-from lightning_zero.core.optimizer import ShardedOptimizer
-from lightning_zero.core.optimizer_support import user_class
+from lightning_zero.comm import collectives
+from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.optimizer_support import user_class
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from torch.optim import Optimizer
 
-from lightning_zero.core import collectives, user_calls
-from lightning_zero.core.slices import tensor_parallel_slice
+from lightning_zero.comm import collectives
+from lightning_zero.process import user_calls
+from lightning_zero.shards.slices import tensor_parallel_slice
 from lightning_zero.checkpoints.errors import agree_on_failure
 from lightning_zero.checkpoints.export import PRETRAINED, pretrained_configs
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded

@@ -43,12 +43,13 @@ from torch.optim import Optimizer
 import warnings
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core.host_memory import give_back_free_heap
-from lightning_zero.core import collectives, disk
-from lightning_zero.core.amp import (PrecisionMode, clip_grad_norm, clip_grad_value, global_grad_norm,
+from lightning_zero.memory.host_memory import give_back_free_heap
+from lightning_zero.comm import collectives
+from lightning_zero.shards import disk
+from lightning_zero.engine.amp import (PrecisionMode, clip_grad_norm, clip_grad_value, global_grad_norm,
                                      parameter_grad_norms)
-from lightning_zero.core.groups import ShardGroups
-from lightning_zero.core.optimizer import ShardedOptimizer
+from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.shards.optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.units import UnitRuntime
@@ -72,7 +73,7 @@ class OptimizerSteps:
 
     def _give_back_heap_once(self) -> None:
         """After setup and after the first optimizer step, on a CPU: one trim of the host heap (see [Note: the engine
-        gives back what its setup left behind] in ``core/host_memory.py``); nothing at any later step."""
+        gives back what its setup left behind] in ``memory/host_memory.py``); nothing at any later step."""
         if self._heap_given_back < 2:
             self._heap_given_back += 1
             if self.device.type == "cpu":

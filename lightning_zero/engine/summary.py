@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_zero.core import collectives
-from lightning_zero.core.memory import (expected_disk_bytes, expected_model_state_bytes, expected_offload_bytes,
+from lightning_zero.comm import collectives
+from lightning_zero.shards.accounting import (expected_disk_bytes, expected_model_state_bytes, expected_offload_bytes,
                                         human_bytes)
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import resolve_name
 
-from lightning_zero.core.mixins import with_mixin
+from lightning_zero.shards.mixins import with_mixin
 
 #: What may be asked of a released parameter: nothing here reads its values.
 _METADATA = frozenset(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 
 FORWARD, RECOMPUTE, BACKWARD = 0, 1, 2
 _PASSES = {FORWARD: "forward", RECOMPUTE: "recomputed forward", BACKWARD: "backward"}

@@ -30,13 +30,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_zero.core import collectives
-from lightning_zero.core.groups import ShardGroups
+from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.partitioned import PartitionedStorage
-from lightning_zero.core.faults import fault_point
-from lightning_zero.core.shutdown import GUARD
+from lightning_zero.process.faults import fault_point
+from lightning_zero.process.shutdown import GUARD
 from lightning_zero.stage3.plan import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.

@@ -2,7 +2,7 @@
 
 [Note: stage 3 storage]
 Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per storage of the engine's parameter store (see
-``core/store.py``), in the working dtype, covering the unit's adjacent buckets of the layout. Its parameters are
+``shards/store.py``), in the working dtype, covering the unit's adjacent buckets of the layout. Its parameters are
 views of that buffer from setup on; between uses the buffer's storage holds zero bytes, so the parameters keep their
 shapes but hold no memory. A gather lends the storage a block of the pool and a release takes it back (see [Note:
 the engine owns its memory] in ``pool.py``): no allocation per gather. The only persistent copy of the values is the
@@ -28,10 +28,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives, costs
-from lightning_zero.core.layout import FlatLayout
-from lightning_zero.core.offload import copy_to_device, pins
-from lightning_zero.core.quantize import Scratch, all_gather_quantized
+from lightning_zero.comm import collectives
+from lightning_zero.memory import costs
+from lightning_zero.shards.layout import FlatLayout
+from lightning_zero.shards.offload import copy_to_device, pins
+from lightning_zero.comm.quantize import Scratch, all_gather_quantized
 from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.pool import BlockPool
 
@@ -87,8 +88,8 @@ class ShardedParams:
     def gather(self, unit: int, quantize_block: Optional[int] = None, verified: bool = False) -> list[Any]:
         """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles. With
         ``quantize_block``, as blockwise int8 (qwZ: see [Note: qwZ, the quantized all-gather of weights] in
-        ``core/quantize.py``). ``verified``: the lockstep check matched this gather on every rank (see
-        :func:`~lightning_zero.core.collectives.all_gather`)."""
+        ``comm/quantize.py``). ``verified``: the lockstep check matched this gather on every rank (see
+        :func:`~lightning_zero.comm.collectives.all_gather`)."""
         if unit not in self.units:
             return []
         buffer = self._allocate(unit)

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core import collectives, offload
-from lightning_zero.core.layout import MasterSlot
-from lightning_zero.core.store import ShardedStorage
+from lightning_zero.comm import collectives
+from lightning_zero.shards import offload
+from lightning_zero.shards.layout import MasterSlot
+from lightning_zero.shards.store import ShardedStorage
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.params import ShardedParams
@@ -44,7 +45,7 @@ class PartitionedStorage(ShardedStorage):
         self.gathers_verified = False
         """Whether every unit gather follows from lockstep checks that all ranks have seen agree, or from a call that
         all ranks make between steps (the runtime sets it when the check is on): gloo may then gather by pairwise
-        exchange (see [Note: reduce-scatter and all-gather on gloo] in ``core/collectives.py``)."""
+        exchange (see [Note: reduce-scatter and all-gather on gloo] in ``comm/collectives.py``)."""
 
     @property
     def working_shard(self) -> Optional[Tensor]:
@@ -116,7 +117,7 @@ class PartitionedStorage(ShardedStorage):
         """All-gather ``unit`` (asynchronous work handles). For ``compute`` (a forward, or ``backward`` and its
         recomputations) ZeRO++ applies: in backward from hpZ's secondary copy inside the secondary group where one is
         kept, otherwise from the primary shards as blockwise int8 under qwZ (see ``secondary.py`` and
-        ``core/quantize.py``); otherwise exact, from the primary shards."""
+        ``comm/quantize.py``); otherwise exact, from the primary shards."""
         if compute and backward and self.secondary is not None and self.secondary.has(unit):
             return self.secondary.gather(unit, self.sharded.allocate(unit), self.gathers_verified)
         return self.sharded.gather(unit, self.weight_block if compute else None, self.gathers_verified)

@@ -21,7 +21,7 @@ whole (one root unit), for a user who wants that trade.
 
 [Note: units and torch.compile]
 The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
-always runs eagerly (see [Note: hooks under torch.compile] in ``core/compiled.py``). Where the hooks sit decides
+always runs eagerly (see [Note: hooks under torch.compile] in ``shards/compiled.py``). Where the hooks sit decides
 what a compiled model costs. A block compiled by the user (``self.blocks[i] = torch.compile(block)``) is an
 ``OptimizedModule`` wrapping the original block; the unit is the *wrapper*, whose module hooks run in
 ``nn.Module.__call__`` before and after the compiled call, outside the graph: the graph sees only the block's
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_zero.core.blocks import compiled_inner, find_blocks, has_params
+from lightning_zero.activations.blocks import compiled_inner, find_blocks, has_params
 
 if TYPE_CHECKING:
     from lightning_zero.config import ZeroConfig

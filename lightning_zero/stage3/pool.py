@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.core import costs
+from lightning_zero.memory import costs
 
 _SWAPS = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 

@@ -31,9 +31,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.core import collectives, costs
-from lightning_zero.core.groups import ShardGroups
-from lightning_zero.core.layout import FlatLayout
+from lightning_zero.comm import collectives
+from lightning_zero.memory import costs
+from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.shards.layout import FlatLayout
 from lightning_zero.stage3.buffer import UnitBuffer
 
 

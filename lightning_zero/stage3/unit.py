@@ -3,7 +3,7 @@ its gathers, its hpZ copy, its gradient count and the state it is in.
 
 [Note: one object per unit group]
 A unit's parameters may live in several storages of the parameter store (one per optimizer and dtype, see
-``core/store.py``), each with the unit's flat buffer and its memory from that storage's pool (``params.py``,
+``shards/store.py``), each with the unit's flat buffer and its memory from that storage's pool (``params.py``,
 ``pool.py``), and under hpZ a secondary copy (``secondary.py``). The :class:`UnitGroup` is the one place that acts on
 the unit as a whole (as FSDP2's ``FSDPParamGroup`` does for a ``fully_shard`` module): it gathers, waits and frees
 over all of those storages, keeps or drops the hpZ copy, counts the gradients backward has produced, and holds the
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 from lightning_zero.stage3.buffer import UnitBuffer
 
 if TYPE_CHECKING:

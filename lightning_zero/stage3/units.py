@@ -9,7 +9,7 @@ saved in forward (the weights, and views of them such as ``W.t()``) read the re-
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
 parameters have their gradient. Inside backward (activation checkpointing recomputes a forward) the post-forward
 hook does not free: the backward that follows needs the parameters, and the pre-forward hook prefetches in backward
-order. A block checkpointed by the strategy (:mod:`lightning_zero.core.activations`) recomputes its original ``forward``
+order. A block checkpointed by the strategy (:mod:`lightning_zero.activations.checkpointing`) recomputes its original ``forward``
 without its hooks; the unit is gathered once in backward, by the hook on its output, before the recomputation.
 
 [Note: lockstep and prefetch]
@@ -46,8 +46,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_zero.core import collectives
-from lightning_zero.core.compiled import eager_hook
+from lightning_zero.comm import collectives
+from lightning_zero.shards.compiled import eager_hook
 from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, RECOMPUTE, LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
 from lightning_zero.stage3.unit import TrainingPhase, UnitGroup, UnitState

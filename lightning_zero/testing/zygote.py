@@ -248,8 +248,7 @@ def _finish() -> None:
 def _serve() -> None:
     """The zygote's loop: fork a child per request and report each child's exit, until stdin closes (the test run
     ended); then kill what is still running (a test that timed out leaves it) and exit."""
-    import lightning  # noqa: F401  (the imports every rank needs, done once)
-    import torch  # noqa: F401
+    import torch  # noqa: F401  (the imports every rank needs, done once; lightning_zero imports Lightning)
 
     import lightning_zero  # noqa: F401
 

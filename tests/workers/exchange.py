@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.core import collectives
+from lightning_zero.comm import collectives
 
 CHUNK = 1_000
 """Elements of one rank's chunk (large enough that the exchanges overlap in the transport)."""

@@ -15,7 +15,7 @@ import torch
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import LossScaler, ZeroPrecision, ZeroStrategy, measure_model_states
-from lightning_zero.core import disk
+from lightning_zero.shards import disk
 from tests.models import OverflowOnRank1, SharedOptimizers, TinyGAN, TinyLM
 
 warnings.filterwarnings("ignore")

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.core import user_calls
+from lightning_zero.process import user_calls
 from tests.models import TinyGPT
 
 warnings.filterwarnings("ignore")

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy, load_pretrained
-from lightning_zero.checkpoints import pretrained
+from lightning_zero.pretrained import loading as pretrained
 
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()

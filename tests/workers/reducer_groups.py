@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero.core import collectives
-from lightning_zero.core.buckets import GradientReducer
-from lightning_zero.core.groups import ShardGroups, make_shard_groups
-from lightning_zero.core.layout import FlatLayout, plan_layout
-from lightning_zero.core.offload import HostGrads
+from lightning_zero.comm import collectives
+from lightning_zero.shards.buckets import GradientReducer
+from lightning_zero.comm.groups import ShardGroups, make_shard_groups
+from lightning_zero.shards.layout import FlatLayout, plan_layout
+from lightning_zero.shards.offload import HostGrads
 from lightning_zero.stage3.params import ShardedParams
 from tests.compare import shard_of
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero.core.collectives import Group
-from lightning_zero.core.traffic import Traffic
-from lightning_zero.core.activations import checkpoint_blocks, resolve_partition_group
+from lightning_zero.comm.collectives import Group
+from lightning_zero.comm.traffic import Traffic
+from lightning_zero.activations.checkpointing import checkpoint_blocks, resolve_partition_group
 
 WIDTH, HIDDEN, DEPTH = 16, 64, 4
 

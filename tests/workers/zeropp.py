@@ -1,7 +1,7 @@
 """One rank of the ZeRO++ runs (4 ranks): ddp, zero2, zero3, zero3 with hpZ (``secondary_shard_group_size=2``, with
 and without activation checkpointing), with qwZ (alone and with hpZ) and with qgZ (stages 2 and 3), on the same seed
 and data, with clipping by norm, gradient accumulation and a validation pass (see [Note: hpZ, the secondary
-partition] in ``stage3/secondary.py`` and the Notes of ``core/quantize.py``).
+partition] in ``stage3/secondary.py`` and the Notes of ``comm/quantize.py``).
 
 Saves per run the losses, the final weights, the collective payload and the engine's allocations per training batch
 (bytes, and elements by scope; every allocation counted, the tiny model's buffers being far below the large-size
@@ -20,7 +20,8 @@ import lightning as L
 import torch
 
 from lightning_zero import Traffic, ZeroStrategy
-from lightning_zero.core import collectives, costs
+from lightning_zero.comm import collectives
+from lightning_zero.memory import costs
 from tests.models import TinyLM
 
 warnings.filterwarnings("ignore")

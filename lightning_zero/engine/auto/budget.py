@@ -23,8 +23,8 @@ from typing import Optional, Union
 
 import torch
 
-from lightning_zero.core.host_memory import give_back_free_heap
-from lightning_zero.core.memory import parse_bytes
+from lightning_zero.memory.host_memory import give_back_free_heap
+from lightning_zero.shards.accounting import parse_bytes
 
 #: The part of the free memory the default budget leaves unused (see [Note: the default budget]).
 MARGIN = 0.10

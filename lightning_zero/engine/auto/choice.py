@@ -8,7 +8,7 @@ A candidate's peak per rank is what stays for the whole run plus the larger of t
   CPU, where the device *is* the host, so that offloading there saves nothing and is never chosen for memory), with
   the gradients the engine holds between steps: the gradient shard (Ψ/N, kept from step to step), at stage 1 under
   gradient accumulation the full ``.grad`` (Ψ) instead (see [Note: stage 1 reduces in the backward the step
-  follows] in ``core/store.py``); the module's buffers, held whole by every rank; the engine's own buffers from its
+  follows] in ``shards/store.py``); the module's buffers, held whole by every rank; the engine's own buffers from its
   plan, kept from step to step too: ``bucket_buffers`` gradient buckets of the bucket size and, at stage 3, the pool
   of gathered units (the root unit, the largest unit and up to ``prefetch_size`` elements of the units ahead);
 - the activations' moment: the peak of the activation probe, at the end of forward and the start of backward (see
@@ -21,7 +21,7 @@ the configuration and the model (the threads' stacks and heaps, the collectives'
 kernels), measured with ``benchmarks/auto.py`` as the cold fit's peak less the same fit's peak run again in the same
 process: 27 to 30 MiB per rank on the GPT at 5.3M and 18.2M parameters, fp32 and bf16-mixed (torch 2.13, gloo, two
 ranks on two cores; 36 to 43 MiB before the engine gave back its setup's free heap, see ``give_back_free_heap`` in
-``core/host_memory.py``). It is a constant of the machine and the framework, not of the model: on another host it is a
+``memory/host_memory.py``). It is a constant of the machine and the framework, not of the model: on another host it is a
 guess, which the margin of the default budget covers (see [Note: the default budget] in ``budget.py``). A GPU's
 ``max_memory_allocated`` does not see it.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core.memory import (
+from lightning_zero.shards.accounting import (
     BYTES_PER_PARAM,
     MASTER_BYTES,
     expected_model_state_bytes,

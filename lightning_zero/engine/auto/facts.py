@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.core.amp import PrecisionMode
+from lightning_zero.engine.amp import PrecisionMode
 from lightning_zero.engine.auto.choice import ModelFacts
 from lightning_zero.engine.auto.probe import probe_activations
 from lightning_zero.stage3.construction import Recording

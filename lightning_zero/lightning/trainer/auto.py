@@ -1,0 +1,98 @@
+"""``strategy="zero_auto"`` on the Trainer: the choice made at setup from the first micro-batch of the training data,
+and the predicted peak set against the measured one after the first steps (see ``engine/auto/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+from lightning.pytorch.utilities import CombinedLoader
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.auto.budget import PeakMeter, default_budget, resolve_budget
+from lightning_zero.engine.auto.choice import Choice, choose
+from lightning_zero.engine.auto.facts import held_bytes, model_facts
+from lightning_zero.lightning.trainer.precision import ZeroPrecision
+
+#: The stage ``zero_auto`` runs as until the choice: see [Note: zero_auto records as zero3].
+AUTO_UNTIL_SETUP = 3
+#: Options ``zero_auto`` sets itself.
+CHOSEN_OPTIONS = ("offload_optimizer", "offload_params")
+#: One entry per ``zero_auto`` setup this process made (the first grows the process once: see ``FIRST_RUN_BYTES``).
+_RUNS: list[bool] = []
+#: The measured peak is compared with the prediction once this many training steps have run.
+STEPS_MEASURED = 3
+
+
+@dataclass
+class AutoRun:
+    """One ``zero_auto`` setup: its choice, the meter of the measured peak, and that peak once read."""
+
+    choice: Choice
+    meter: PeakMeter
+    measured: Optional[int] = None
+    """The highest measured peak over the ranks, after :data:`STEPS_MEASURED` steps (or at the end of a shorter fit)."""
+
+    def report(self) -> str:
+        """``zero_auto zero2: predicted peak 11.2 GiB, measured 10.9 GiB (+3%) ...``."""
+        assert self.measured is not None
+        return self.choice.report(self.measured)
+
+
+def check_auto(stage: object, memory_budget: Optional[Union[str, float]], options: dict[str, Any]) -> Optional[float]:
+    """``memory_budget`` in bytes, checked with the stage and the options it goes with.
+
+    [Note: zero_auto records as zero3]
+    The configuration is chosen at setup, from the model ``configure_model`` built and the first micro-batch, but
+    ``configure_model`` runs before setup. So until the choice the strategy is zero3: a model built there (or under
+    ``trainer.init_module(empty_init=True)``) is recorded on the meta device and costs nothing, whatever its size;
+    a choice of stage 1 or 2 then builds it whole, with the values eager construction gives, a choice of stage 3
+    replays it unit by unit. Outside ``fit`` (no optimizer, nothing to choose for) it stays zero3.
+    """
+    if stage != "auto":
+        if memory_budget is not None:
+            raise ValueError(f"`memory_budget` is the budget `stage='auto'` chooses a configuration for; with "
+                             f"`stage={stage!r}` nothing reads it. Use `strategy='zero_auto'` or leave it out.")
+        return None
+    chosen = [name for name in CHOSEN_OPTIONS if options.get(name)]
+    if chosen:
+        raise ValueError(f"`{chosen[0]}` is chosen by `stage='auto'` itself (zero3 with offload comes last, where "
+                         "nothing else fits); to set it, pick the stage too (`strategy='zero3'`).")
+    return resolve_budget(memory_budget)
+
+
+def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: ZeroPrecision, config: ZeroConfig,
+                    budget: Optional[float], agree: Callable[[float], float], ranks: tuple[int, int]) -> AutoRun:
+    """Start the peak meter, probe the first micro-batch and choose (see [Note: the predicted peak]).
+
+    ``ranks``: the world size and the ranks of this node. ``agree``: the smallest of a number over the ranks. The
+    default budget is read on each rank at its own moment, so the ranks choose from the smallest of them: every rank
+    must choose the same configuration.
+    """
+    device = trainer.strategy.root_device
+    meter = PeakMeter(device, held_bytes(module))
+    facts = replace(model_facts(module, first_batch(trainer), precision.mode, config, device,
+                                accumulates=trainer.accumulate_grad_batches > 1), first_run=not _RUNS)
+    _RUNS.append(True)
+    world_size, local_ranks = ranks
+    limit = agree(budget if budget is not None else default_budget(device, local_ranks))
+    choice = choose(facts, world_size, precision.mode.precision, config, limit, on_host=device.type == "cpu")
+    return AutoRun(choice, meter)
+
+
+def register(registry: Any, cls: type) -> None:
+    """``zero_auto`` and its ``_spawn`` / ``_fork`` variants."""
+    for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+        registry.register(f"zero_auto{suffix}", cls, override=True, stage="auto", start_method=start_method,
+                          description="ZeRO, the stage and offload chosen at setup from the memory budget, start "
+                                      f"method '{start_method}'")
+
+
+def first_batch(trainer: "pl.Trainer") -> Any:
+    """The first micro-batch of the training data, as the fit loop will see it before the transfer to the device."""
+    loader = _request_dataloader(trainer.fit_loop._data_source)
+    batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
+    return batch
