@@ -21,25 +21,60 @@ from typing import Optional, Sequence
 
 #: Old module path -> the module that replaced it.
 MOVED: dict[str, str] = {
-    f"lightning_zero.{old}": f"lightning_zero.{new}" for old, new in {
-        "core.heap_pin": "memory.heap_pin", "core.host_memory": "memory.host_memory", "core.costs": "memory.costs",
-        "core.collectives": "comm.collectives", "core.traffic": "comm.traffic", "core.groups": "comm.groups",
-        "core.quantize": "comm.quantize", "core.shutdown": "process.shutdown", "core.deadline": "process.deadline",
-        "core.faults": "process.faults", "core.user_calls": "process.user_calls",
-        "engine.one_report": "process.one_report", "core.layout": "shards.layout", "core.slices": "shards.slices",
-        "core.flat": "shards.flat", "core.store": "shards.store", "core.buckets": "shards.buckets",
-        "core.bucket_slots": "shards.bucket_slots", "core.optimizer": "shards.optimizer",
-        "core.optimizer_support": "shards.optimizer_support", "core.sharing": "shards.sharing",
-        "core.offload": "shards.offload", "core.disk": "shards.disk", "core.mixins": "shards.mixins",
-        "core.memory": "shards.accounting", "core.compiled": "shards.compiled",
-        "core.activations": "activations.checkpointing", "core.blocks": "activations.blocks",
-        "core.amp": "engine.amp", "checkpoints.pretrained": "pretrained.loading",
-        "checkpoints.pretrained_files": "pretrained.files", "engine.processes": "lightning.processes",
+    f"lightning_zero.{old}": f"lightning_zero.{new}"
+    for old, new in {
+        "core.heap_pin": "memory.heap_pin",
+        "core.host_memory": "memory.host_memory",
+        "core.costs": "memory.costs",
+        "core.collectives": "comm.collectives",
+        "core.traffic": "comm.traffic",
+        "core.groups": "comm.groups",
+        "core.quantize": "comm.quantize",
+        "core.shutdown": "process.shutdown",
+        "core.deadline": "process.deadline",
+        "core.faults": "process.faults",
+        "core.user_calls": "process.user_calls",
+        "engine.one_report": "process.one_report",
+        "core.layout": "shards.layout",
+        "core.slices": "shards.slices",
+        "core.flat": "shards.flat",
+        "core.store": "shards.store",
+        "core.buckets": "shards.buckets",
+        "core.bucket_slots": "shards.bucket_slots",
+        "core.optimizer": "shards.optimizer",
+        "core.optimizer_support": "shards.optimizer_support",
+        "core.sharing": "shards.sharing",
+        "core.offload": "shards.offload",
+        "core.disk": "shards.disk",
+        "core.mixins": "shards.mixins",
+        "core.memory": "shards.accounting",
+        "core.compiled": "shards.compiled",
+        "core.activations": "activations.checkpointing",
+        "core.blocks": "activations.blocks",
+        "core.amp": "engine.amp",
+        "checkpoints.pretrained": "pretrained.loading",
+        "checkpoints.pretrained_files": "pretrained.files",
+        "engine.processes": "lightning.processes",
         "engine.precision": "lightning.precision",
-        **{f"{adapter}.{name}": f"lightning.{adapter}.{name}" for adapter, names in {
-            "trainer": ("auto", "checkpoint_io", "checkpoints", "cli_errors", "early_checks", "grad_norm",
-                        "lightning_loads", "precision", "steps", "strategy"),
-            "fabric": ("plain", "resetup", "several", "strategy")}.items() for name in names},
+        **{
+            f"{adapter}.{name}": f"lightning.{adapter}.{name}"
+            for adapter, names in {
+                "trainer": (
+                    "auto",
+                    "checkpoint_io",
+                    "checkpoints",
+                    "cli_errors",
+                    "early_checks",
+                    "grad_norm",
+                    "lightning_loads",
+                    "precision",
+                    "steps",
+                    "strategy",
+                ),
+                "fabric": ("plain", "resetup", "several", "strategy"),
+            }.items()
+            for name in names
+        },
     }.items()
 }
 #: The old packages: stand-ins without contents of their own.
@@ -52,8 +87,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self) -> None:
         self._own_specs: dict[str, Optional[importlib.machinery.ModuleSpec]] = {}
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
-                  target: Optional[types.ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[types.ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname in MOVED:
             return importlib.machinery.ModuleSpec(fullname, self)
         if fullname in OLD_PACKAGES:
@@ -64,8 +100,11 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if spec.name in OLD_PACKAGES:
             return None  # a fresh, empty package
         new = MOVED[spec.name]
-        warnings.warn(f"`{spec.name}` moved to `{new}`; the old path is removed in the next release.",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"`{spec.name}` moved to `{new}`; the old path is removed in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         module = importlib.import_module(new)
         self._own_specs[new] = module.__spec__
         return module

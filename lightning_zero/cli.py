@@ -1,28 +1,22 @@
 """The ``lightning-zero`` command (also ``python -m lightning_zero``): training, memory estimates, checkpoints.
 
-    lightning-zero fit|validate|test|predict --config cfg.yaml [--model pkg.Module] [--data pkg.DataModule] ...
-    lightning-zero estimate (--params 1.5B | --model pkg.MyModule [--init-args '{"width": 512}']) -n 8 [--memory 80GiB]
-    lightning-zero inspect DIR [--verify] [--json] [--trust-code]
-    lightning-zero consolidate DIR OUT.ckpt [--weights-only] [--dtype fp32|bf16|fp16] [--trust-code]
+lightning-zero fit|validate|test|predict --config cfg.yaml [--model pkg.Module] [--data pkg.DataModule] ...
+lightning-zero estimate (--params 1.5B | --model pkg.MyModule [--init-args '{"width": 512}']) -n 8 [--memory 80GiB]
+lightning-zero inspect DIR [--verify] [--json] [--trust-code]
+lightning-zero consolidate DIR OUT.ckpt [--weights-only] [--dtype fp32|bf16|fp16] [--trust-code]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
-import inspect
 import json
 import os
-import re
 import sys
-from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-
-from lightning_zero.checkpoints.storage import CheckpointError
-from lightning_zero.checkpoints.export import add_export_arguments, run_export
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
+from lightning_zero.checkpoints.export import add_export_arguments, run_export
+from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.estimate import (
     build_on_meta,
     format_estimate,
@@ -32,30 +26,46 @@ from lightning_zero.estimate import (
     parse_init_args,
 )
 
-
 #: ``--trust-code``: see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``.
-TRUST_CODE_HELP = ("unpickle any type the checkpoint names, which can run code: only for a checkpoint from someone "
-                   "you trust (by default only tensors, numbers, strings and containers of them are read)")
+TRUST_CODE_HELP = (
+    "unpickle any type the checkpoint names, which can run code: only for a checkpoint from someone "
+    "you trust (by default only tensors, numbers, strings and containers of them are read)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-zero", description="ZeRO for PyTorch Lightning: training, memory "
-                                     "estimates and checkpoint tools.")
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero",
+        description="ZeRO for PyTorch Lightning: training, memory estimates and checkpoint tools.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for name in LIGHTNING_COMMANDS:  # listed for --help; main() hands them to LightningCLI before parsing
-        commands.add_parser(name, help=f"LightningCLI's `{name}` with the zero1/zero2/zero3 strategy names "
-                            f"(`lightning-zero {name} --help`)", add_help=False)
+        commands.add_parser(
+            name,
+            help=f"LightningCLI's `{name}` with the zero1/zero2/zero3 strategy names (`lightning-zero {name} --help`)",
+            add_help=False,
+        )
 
-    estimate = commands.add_parser("estimate", help="model-state bytes per rank under ddp/zero1/zero2/zero3, and "
-                                   "the largest model each fits in a given memory")
+    estimate = commands.add_parser(
+        "estimate",
+        help="model-state bytes per rank under ddp/zero1/zero2/zero3, and "
+        "the largest model each fits in a given memory",
+    )
     size = estimate.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_argument(parse_count), help="a parameter count: 350M, 1.5B, 7e9")
     size.add_argument("--model", help="an importable class, e.g. mypkg.models.GPT (built on the meta device)")
-    estimate.add_argument("--init-args", type=_argument(parse_init_args), default={},
-                          help="the class's init arguments as a JSON/YAML mapping, e.g. '{width: 512, depth: 12}'")
+    estimate.add_argument(
+        "--init-args",
+        type=_argument(parse_init_args),
+        default={},
+        help="the class's init arguments as a JSON/YAML mapping, e.g. '{width: 512, depth: 12}'",
+    )
     estimate.add_argument("-n", "--world-size", type=int, required=True, help="data-parallel ranks")
-    estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device with its unit, e.g. "
-                          "80GiB or 16GB, to find the largest model each stage fits")
+    estimate.add_argument(
+        "--memory",
+        type=_argument(parse_bytes),
+        help="memory per device with its unit, e.g. 80GiB or 16GB, to find the largest model each stage fits",
+    )
     estimate.set_defaults(run=_estimate)
 
     inspect = commands.add_parser("inspect", help="summarize a sharded checkpoint directory")
@@ -69,13 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint", help="the checkpoint directory")
     merge.add_argument("output", help="the file to write, e.g. model.ckpt (loadable by MyModule.load_from_checkpoint)")
     merge.add_argument("--weights-only", action="store_true", help="leave out optimizer states and LR schedulers")
-    merge.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)")
+    merge.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)",
+    )
     merge.add_argument("--trust-code", action="store_true", help=TRUST_CODE_HELP)
     merge.set_defaults(run=_consolidate)
 
-    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face save_pretrained directory "
-                                 "(safetensors shards, config.json), a shard at a time")
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face save_pretrained directory "
+        "(safetensors shards, config.json), a shard at a time",
+    )
     add_export_arguments(export, DTYPES)
     export.set_defaults(run=lambda args: print(run_export(args, DTYPES)))
     return parser
@@ -84,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse`` as an argparse type whose ``ValueError`` message is what the user sees (argparse would otherwise
     print only ``invalid parse_count value``, the name of a function of ours)."""
+
     def convert(text: str) -> Any:
         try:
             return parse(text)
@@ -165,25 +183,28 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"optimizers   {', '.join(summary['optimizers']) or 'none'}"
         + ("" if summary["has_optimizer_state"] else " (weights only: no optimizer state)"),
         f"bytes/rank   {per_rank}  (total {human_bytes(summary['total_bytes'])} with metadata)",
-        "files        complete" + (", checksums verified" if summary["verified"] else " (sizes checked; --verify "
-                                     "also checks the checksums)"),
+        "files        complete"
+        + (", checksums verified" if summary["verified"] else " (sizes checked; --verify also checks the checksums)"),
     ]
     return "\n".join(lines)
 
 
 def _format_file_summary(summary: dict[str, Any]) -> str:
     optimizers = summary["optimizers"]
-    return "\n".join([
-        f"checkpoint   {summary['path']}",
-        "saved as     one file in ddp's form (consolidated, or by ddp or state_dict_type='full'): every strategy "
-        "resumes it",
-        f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
-        f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
-        f"optimizers   {optimizers} optimizer state{'s' if optimizers != 1 else ''}" if optimizers else
-        "optimizers   none (weights only)",
-        f"bytes        {human_bytes(summary['total_bytes'])}",
-        "files        read whole by torch.load (a single file carries no checksums)",
-    ])
+    return "\n".join(
+        [
+            f"checkpoint   {summary['path']}",
+            "saved as     one file in ddp's form (consolidated, or by ddp or state_dict_type='full'): every strategy "
+            "resumes it",
+            f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
+            f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
+            f"optimizers   {optimizers} optimizer state{'s' if optimizers != 1 else ''}"
+            if optimizers
+            else "optimizers   none (weights only)",
+            f"bytes        {human_bytes(summary['total_bytes'])}",
+            "files        read whole by torch.load (a single file carries no checksums)",
+        ]
+    )
 
 
 def _mesh(summary: dict[str, Any]) -> str:
@@ -193,8 +214,13 @@ def _mesh(summary: dict[str, Any]) -> str:
 
 
 def _consolidate(args: argparse.Namespace) -> None:
-    out = consolidate(args.checkpoint, args.output, weights_only=args.weights_only,
-                      dtype=DTYPES[args.dtype] if args.dtype else None, trust_code=args.trust_code)
+    out = consolidate(
+        args.checkpoint,
+        args.output,
+        weights_only=args.weights_only,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        trust_code=args.trust_code,
+    )
     print(f"wrote {out} ({human_bytes(out.stat().st_size)})")
 
 

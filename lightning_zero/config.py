@@ -40,6 +40,8 @@ def auto_bucket_elements(numel: int) -> int:
     each buffer as large as a whole 25M-parameter model.
     """
     return max(MIN_AUTO_BUCKET_ELEMENTS, min(MAX_AUTO_BUCKET_ELEMENTS, -(-numel // AUTO_BUCKET_FRACTION)))
+
+
 #: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
 #: ``activation_checkpointing=True`` at every stage).
 STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": None, "prefetch_size": 5_000_000}
@@ -160,22 +162,28 @@ class ZeroConfig:
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
         if self.shard_group_size is not None and self.shard_group_size != "node":
             if isinstance(self.shard_group_size, str):
-                raise TypeError(f"`shard_group_size` must be a number of ranks or 'node' (a node's devices), got "
-                                 f"{self.shard_group_size!r}.")
+                raise TypeError(
+                    f"`shard_group_size` must be a number of ranks or 'node' (a node's devices), got "
+                    f"{self.shard_group_size!r}."
+                )
             _check_positive_int("shard_group_size", self.shard_group_size, "ranks")
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size, "ranks")
         if self.tensor_parallel_size > 1 and self.state_dict_type == "full":
-            raise ValueError("`state_dict_type='full'` writes one file of full tensors on rank 0, which holds only its "
-                             "own tensor-parallel slices. With `tensor_parallel_size > 1` save sharded checkpoints "
-                             "(the default) and make one full file afterwards with `lightning-zero consolidate`, which "
-                             "joins the slices.")
+            raise ValueError(
+                "`state_dict_type='full'` writes one file of full tensors on rank 0, which holds only its "
+                "own tensor-parallel slices. With `tensor_parallel_size > 1` save sharded checkpoints "
+                "(the default) and make one full file afterwards with `lightning-zero consolidate`, which "
+                "joins the slices."
+            )
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
         if not isinstance(self.lockstep_check, bool) and self.lockstep_check != "strict":
             raise TypeError(f"`lockstep_check` must be True, False or 'strict', got {self.lockstep_check!r}.")
         self._check_offload()
         if self.partition_whole_params not in (None, True, False):
-            raise TypeError(f"`partition_whole_params` must be None, True or False, got {self.partition_whole_params!r}.")
+            raise TypeError(
+                f"`partition_whole_params` must be None, True or False, got {self.partition_whole_params!r}."
+            )
         names = self.elementwise_optimizers
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"`elementwise_optimizers` must be a list of class names, got {names!r}.")
@@ -196,16 +204,20 @@ class ZeroConfig:
         if self.nonfinite not in (None, "raise", "skip"):
             raise ValueError(f"`nonfinite` must be 'raise', 'skip' or None (step anyway), got {self.nonfinite!r}.")
         timeout = self.shutdown_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < math.inf):
-            raise ValueError(f"`shutdown_timeout` must be a positive number of seconds or None (no bound), got "
-                             f"{timeout!r}.")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
+        ):
+            raise ValueError(
+                f"`shutdown_timeout` must be a positive number of seconds or None (no bound), got {timeout!r}."
+            )
         if self.offload_params and self.stage != 3:
             # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
             # device, which is what the user set it to avoid
-            raise ValueError(f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} keeps "
-                             "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
-                             "`offload_optimizer=True` alone to offload the optimizer at this stage.")
+            raise ValueError(
+                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} keeps "
+                "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
+                "`offload_optimizer=True` alone to offload the optimizer at this stage."
+            )
         self._check_secondary()
         self._check_quantized()
         self._warn_ignored()
@@ -221,8 +233,10 @@ class ZeroConfig:
         for name in ("offload_optimizer", "offload_params"):
             value = getattr(self, name)
             if not isinstance(value, bool) and value != "disk":
-                raise TypeError(f"`{name}` must be a bool (True: host memory) or 'disk' (files under `offload_path`), "
-                                f"got {value!r}.")
+                raise TypeError(
+                    f"`{name}` must be a bool (True: host memory) or 'disk' (files under `offload_path`), "
+                    f"got {value!r}."
+                )
         path = self.offload_path
         if path is None:
             return
@@ -230,16 +244,20 @@ class ZeroConfig:
             raise TypeError(f"`offload_path` must be a directory path, got {path!r}.")
         object.__setattr__(self, "offload_path", os.fspath(path))
         if "disk" not in (self.offload_optimizer, self.offload_params):
-            raise ValueError(f"`offload_path={path!r}` is where `offload_optimizer='disk'` or `offload_params='disk'` "
-                             "put their files, and neither is set. Set one of them to 'disk', or leave `offload_path` "
-                             "out.")
+            raise ValueError(
+                f"`offload_path={path!r}` is where `offload_optimizer='disk'` or `offload_params='disk'` "
+                "put their files, and neither is set. Set one of them to 'disk', or leave `offload_path` "
+                "out."
+            )
         existing = os.path.abspath(os.path.expanduser(os.fspath(path)))
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
             what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
-            raise ValueError(f"`offload_path={path!r}` cannot hold the offloaded files: {existing!r} {what}. Choose a "
-                             "writable local directory (one per rank, or shared: the file names do not collide).")
+            raise ValueError(
+                f"`offload_path={path!r}` cannot hold the offloaded files: {existing!r} {what}. Choose a "
+                "writable local directory (one per rank, or shared: the file names do not collide)."
+            )
 
     def _check_secondary(self) -> None:
         """hpZ needs stage 3 and plain sharding over the world (see [Note: hpZ, the secondary partition])."""
@@ -248,20 +266,28 @@ class ZeroConfig:
             return
         _check_positive_int("secondary_shard_group_size", size, "ranks")
         if self.stage != 3:
-            raise ValueError(f"`secondary_shard_group_size` (hpZ) keeps a secondary copy of stage 3's gathered "
-                             f"parameters, but stage {self.stage} keeps full parameters on every rank and gathers "
-                             "nothing in backward. Use `stage=3` (`strategy='zero3'`) with it, or leave it out.")
+            raise ValueError(
+                f"`secondary_shard_group_size` (hpZ) keeps a secondary copy of stage 3's gathered "
+                f"parameters, but stage {self.stage} keeps full parameters on every rank and gathers "
+                "nothing in backward. Use `stage=3` (`strategy='zero3'`) with it, or leave it out."
+            )
         if self.shard_group_size is not None:
-            raise ValueError("`secondary_shard_group_size` (hpZ) and `shard_group_size` (hybrid sharding) cannot be "
-                             "combined: hybrid sharding already keeps every stage 3 all-gather inside the shard group, "
-                             "so hpZ would only add a copy. Use one of them.")
+            raise ValueError(
+                "`secondary_shard_group_size` (hpZ) and `shard_group_size` (hybrid sharding) cannot be "
+                "combined: hybrid sharding already keeps every stage 3 all-gather inside the shard group, "
+                "so hpZ would only add a copy. Use one of them."
+            )
         if self.tensor_parallel_size > 1:
-            raise ValueError("`secondary_shard_group_size` (hpZ) is not supported with `tensor_parallel_size > 1`: "
-                             "ZeRO shards over the data dimension, whose ranks are `tensor_parallel_size` apart (not "
-                             "inside one node), so an in-node secondary group does not exist there. Leave it out.")
+            raise ValueError(
+                "`secondary_shard_group_size` (hpZ) is not supported with `tensor_parallel_size > 1`: "
+                "ZeRO shards over the data dimension, whose ranks are `tensor_parallel_size` apart (not "
+                "inside one node), so an in-node secondary group does not exist there. Leave it out."
+            )
         if self.offload_params:
-            raise ValueError("`secondary_shard_group_size` (hpZ) keeps 1/s of every gathered unit on the device "
-                             "until backward, which `offload_params=True` is set to avoid. Use one of them.")
+            raise ValueError(
+                "`secondary_shard_group_size` (hpZ) keeps 1/s of every gathered unit on the device "
+                "until backward, which `offload_params=True` is set to avoid. Use one of them."
+            )
 
     def _check_quantized(self) -> None:
         """qwZ needs stage 3, qgZ stage 2 or 3; neither runs with hybrid sharding or tensor parallelism yet."""
@@ -270,21 +296,29 @@ class ZeroConfig:
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         _check_positive_int("quantization_block_size", self.quantization_block_size, "elements")
         if self.quantized_weights and self.stage != 3:
-            raise ValueError(f"`quantized_weights=True` (qwZ) quantizes stage 3's all-gathers of weights, but stage "
-                             f"{self.stage} gathers none for compute (every rank holds full weights). Use `stage=3` "
-                             "(`strategy='zero3'`) with it, or leave it out.")
+            raise ValueError(
+                f"`quantized_weights=True` (qwZ) quantizes stage 3's all-gathers of weights, but stage "
+                f"{self.stage} gathers none for compute (every rank holds full weights). Use `stage=3` "
+                "(`strategy='zero3'`) with it, or leave it out."
+            )
         if self.quantized_gradients and self.stage == 1:
-            raise ValueError("`quantized_gradients=True` (qgZ) quantizes the gradient reduction of stages 2 and 3; "
-                             "stage 1 reduces once per step into full gradients. Use `stage=2` or `stage=3` with it.")
+            raise ValueError(
+                "`quantized_gradients=True` (qgZ) quantizes the gradient reduction of stages 2 and 3; "
+                "stage 1 reduces once per step into full gradients. Use `stage=2` or `stage=3` with it."
+            )
         used = [n for n in ("quantized_weights", "quantized_gradients") if getattr(self, n)]
         if used and self.shard_group_size is not None:
-            raise ValueError(f"`{used[0]}` is not supported with hybrid sharding (`shard_group_size`) yet: its "
-                             "replica all-reduce of each reduced chunk is not quantized and the pairing is not "
-                             "tested. Leave one of them out.")
+            raise ValueError(
+                f"`{used[0]}` is not supported with hybrid sharding (`shard_group_size`) yet: its "
+                "replica all-reduce of each reduced chunk is not quantized and the pairing is not "
+                "tested. Leave one of them out."
+            )
         if used and self.tensor_parallel_size > 1:
-            raise ValueError(f"`{used[0]}` is not supported with `tensor_parallel_size > 1` yet: the module's own "
-                             "tensor-parallel collectives are not quantized and the pairing is not tested. Leave one "
-                             "of them out.")
+            raise ValueError(
+                f"`{used[0]}` is not supported with `tensor_parallel_size > 1` yet: the module's own "
+                "tensor-parallel collectives are not quantized and the pairing is not tested. Leave one "
+                "of them out."
+            )
 
     def bucket_elements(self, numel: int) -> int:
         """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""
@@ -294,37 +328,55 @@ class ZeroConfig:
         blocks = self.activation_checkpointing
         if not isinstance(blocks, bool):
             if isinstance(blocks, (str, type)) or not all(isinstance(c, (str, type)) for c in blocks):
-                raise TypeError("`activation_checkpointing` must be True/False or a list of block classes or class "
-                                f"names, got {blocks!r}.")
+                raise TypeError(
+                    "`activation_checkpointing` must be True/False or a list of block classes or class "
+                    f"names, got {blocks!r}."
+                )
             object.__setattr__(self, "activation_checkpointing", tuple(blocks))
         for name in ("activation_offload", "contiguous_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         object.__setattr__(self, "activation_partition_group", _check_group(self.activation_partition_group))
-        needs = [n for n in ("activation_offload", "activation_partition_group", "contiguous_checkpoints")
-                 if getattr(self, n) not in (None, False)]
+        needs = [
+            n
+            for n in ("activation_offload", "activation_partition_group", "contiguous_checkpoints")
+            if getattr(self, n) not in (None, False)
+        ]
         if needs and not self.activation_checkpointing:
-            raise ValueError(f"`{needs[0]}` acts on checkpointed activations: also set `activation_checkpointing=True` "
-                             "(or a list of block classes).")
+            raise ValueError(
+                f"`{needs[0]}` acts on checkpointed activations: also set `activation_checkpointing=True` "
+                "(or a list of block classes)."
+            )
 
     def _warn_ignored(self) -> None:
         """Warn about stage 3 options set at stage 1 or 2, where nothing reads them."""
         if self.stage == 3:
             return
-        ignored = [name for name, default in STAGE3_DEFAULTS.items() if getattr(self, name) != default
-                   and not (name == "unit_classes" and self.activation_checkpointing is True)]
+        ignored = [
+            name
+            for name, default in STAGE3_DEFAULTS.items()
+            if getattr(self, name) != default and not (name == "unit_classes" and self.activation_checkpointing is True)
+        ]
         if ignored and _launch_rank() == 0:  # every rank builds the strategy: one warning, not one per rank
-            warnings.warn(f"{', '.join(f'`{n}`' for n in ignored)} only act{'s' if len(ignored) == 1 else ''} at "
-                          f"stage 3 and {'is' if len(ignored) == 1 else 'are'} ignored at stage {self.stage}. Use "
-                          "`stage=3` (`strategy='zero3'`) for them, or leave them out.", UserWarning,
-                          stacklevel=_caller_stacklevel())
+            warnings.warn(
+                f"{', '.join(f'`{n}`' for n in ignored)} only act{'s' if len(ignored) == 1 else ''} at "
+                f"stage 3 and {'is' if len(ignored) == 1 else 'are'} ignored at stage {self.stage}. Use "
+                "`stage=3` (`strategy='zero3'`) for them, or leave them out.",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
 
 
 #: Code whose frames a warning about the options skips: ours, the dataclass's generated ``__init__`` (``<string>``),
 #: and the libraries that build the strategy from a YAML file or a name (jsonargparse, Lightning).
-_NOT_THE_CALLER = (os.path.dirname(os.path.abspath(__file__)),
-                   *(location for name in ("jsonargparse", "lightning")
-                     for location in getattr(importlib.util.find_spec(name), "submodule_search_locations", None) or ()))
+_NOT_THE_CALLER = (
+    os.path.dirname(os.path.abspath(__file__)),
+    *(
+        location
+        for name in ("jsonargparse", "lightning")
+        for location in getattr(importlib.util.find_spec(name), "submodule_search_locations", None) or ()
+    ),
+)
 
 
 def _caller_stacklevel() -> int:
@@ -360,9 +412,11 @@ def check_option_names(options: dict[str, Any]) -> None:
     if unknown:
         close = {name: get_close_matches(name, known, n=1) for name in unknown}
         hints = "; ".join(f"`{name}`: did you mean `{match[0]}`?" for name, match in close.items() if match)
-        raise TypeError(f"Unknown ZeRO option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
-                        f"{' (' + hints + ')' if hints else ''}. The options are: {', '.join(known)} (see "
-                        "lightning_zero.ZeroConfig).")
+        raise TypeError(
+            f"Unknown ZeRO option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+            f"{' (' + hints + ')' if hints else ''}. The options are: {', '.join(known)} (see "
+            "lightning_zero.ZeroConfig)."
+        )
 
 
 def _check_stage(stage: object) -> None:
@@ -396,18 +450,23 @@ def _check_group(spec: object) -> Any:
     """``None``, a callable, a list of distinct global ranks, or a list of disjoint such lists (as tuples)."""
     if spec is None or callable(spec):
         return spec
-    error = TypeError("`activation_partition_group` must be a list of global ranks (e.g. [0, 1]), a list of such "
-                      f"lists (e.g. [[0, 1], [2, 3]]) or a callable returning a process group, got {spec!r}.")
+    error = TypeError(
+        "`activation_partition_group` must be a list of global ranks (e.g. [0, 1]), a list of such "
+        f"lists (e.g. [[0, 1], [2, 3]]) or a callable returning a process group, got {spec!r}."
+    )
     if isinstance(spec, (str, bytes)) or not hasattr(spec, "__iter__"):
         raise error
     items = list(spec)
     flat = all(isinstance(r, int) and not isinstance(r, bool) for r in items)
     lists = [items] if flat else [list(r) if hasattr(r, "__iter__") and not isinstance(r, str) else None for r in items]
-    if not lists or any(r is None or not r or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                      for x in r) for r in lists):
+    if not lists or any(
+        r is None or not r or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
+        for r in lists
+    ):
         raise error
     ranks = [x for r in lists for x in r]
     if len(ranks) != len(set(ranks)):
-        raise ValueError(f"`activation_partition_group`: a rank appears twice in {spec!r}; the groups must be disjoint.")
+        raise ValueError(
+            f"`activation_partition_group`: a rank appears twice in {spec!r}; the groups must be disjoint."
+        )
     return tuple(lists[0]) if flat else tuple(tuple(r) for r in lists)
-

@@ -17,20 +17,22 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from lightning_zero.pretrained import loading as pretrained
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.auto.choice import BudgetTooSmall, ModelFacts, choose
 from lightning_zero.engine.auto.facts import model_sizes
-from lightning_zero.stages import all_policies
+from lightning_zero.pretrained import loading as pretrained
 from lightning_zero.shards.accounting import (  # noqa: F401  (human_bytes, parse_bytes: the CLI's imports)
     BYTES_PER_PARAM,
     expected_disk_bytes,
     expected_model_state_bytes,
     expected_offload_bytes,
     human_bytes,
-    number as _number,
     parse_bytes,
 )
+from lightning_zero.shards.accounting import (
+    number as _number,
+)
+from lightning_zero.stages import all_policies
 
 STRATEGIES = {"ddp": 0, **{policy.name: policy.stage for policy in all_policies()}}
 #: Columns of the offload tables: ``(stage, offload_params)``, all with ``offload_optimizer=True``.
@@ -55,27 +57,38 @@ def build_on_meta(class_path: str, init_args: Optional[dict[str, Any]] = None) -
             model = cls(**(init_args or {}))
             if isinstance(model, torch.nn.Module) and callable(getattr(model, "configure_model", None)):
                 model.configure_model()  # Lightning's default does nothing
-    except Exception as error:  # noqa: BLE001 - the user's class: say which call failed and with which arguments
-        raise ValueError(f"Building {class_path}(**{init_args or {}!r}) on the meta device failed: "
-                         f"{type(error).__name__}: {error}{_signature_hint(cls, error)}") from error
+    except Exception as error:
+        raise ValueError(
+            f"Building {class_path}(**{init_args or {}!r}) on the meta device failed: "
+            f"{type(error).__name__}: {error}{_signature_hint(cls, error)}"
+        ) from error
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{class_path} built a {type(model).__name__}, not a torch.nn.Module.")
     return model
 
 
-def auto_lines(num_params: int, world_size: int, memory_bytes: float,
-               module: Optional[torch.nn.Module] = None) -> list[str]:
+def auto_lines(
+    num_params: int, world_size: int, memory_bytes: float, module: Optional[torch.nn.Module] = None
+) -> list[str]:
     """What ``zero_auto`` would choose for ``memory_bytes`` of device memory per rank, one line per precision,
     without activations (they come from the data at setup: see ``docs/zero_auto.md``). With ``module``: its buffers
     and stage 3's units from its plan; without: Ψ alone (no unit gathered is counted)."""
     config = ZeroConfig(stage=3)
     facts = model_sizes(module, config) if module is not None else ModelFacts(num_params, 0, 0, (), 0)
-    lines = ["", (f"`strategy='zero_auto'` with `memory_budget` {both_units(memory_bytes)} per device (activations "
-                  "not counted: the run measures them on its first micro-batch at setup):"), ""]
+    lines = [
+        "",
+        (
+            f"`strategy='zero_auto'` with `memory_budget` {both_units(memory_bytes)} per device (activations "
+            "not counted: the run measures them on its first micro-batch at setup):"
+        ),
+        "",
+    ]
     for precision in ("32-true", "bf16-mixed"):
         try:
-            lines.append(f"- {precision}: " + choose(facts, world_size, precision, config, memory_bytes,
-                                                      on_host=False).line("would choose"))
+            lines.append(
+                f"- {precision}: "
+                + choose(facts, world_size, precision, config, memory_bytes, on_host=False).line("would choose")
+            )
         except BudgetTooSmall as error:
             lines.append(f"- {precision}: {error}")
     return lines
@@ -111,8 +124,10 @@ def parse_init_args(text: str) -> dict[str, Any]:
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise ValueError(f"{text!r} is not YAML or JSON ({str(error).splitlines()[0]}): write a mapping such as "
-                         "'{width: 512, depth: 12}' (quoted for the shell).") from None
+        raise ValueError(
+            f"{text!r} is not YAML or JSON ({str(error).splitlines()[0]}): write a mapping such as "
+            "'{width: 512, depth: 12}' (quoted for the shell)."
+        ) from None
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -122,22 +137,37 @@ def parse_init_args(text: str) -> dict[str, Any]:
 
 def model_state_table(num_params: int, world_size: int) -> dict[str, dict[str, float]]:
     """``{precision: {strategy: bytes per rank}}``."""
-    return {precision: {name: expected_model_state_bytes(num_params, world_size, stage, precision)
-                        for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
+    return {
+        precision: {
+            name: expected_model_state_bytes(num_params, world_size, stage, precision)
+            for name, stage in STRATEGIES.items()
+        }
+        for precision in PRECISIONS
+    }
 
 
 def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float]]]:
     """``{precision: {column: (device bytes, host bytes) per rank}}`` with ``offload_optimizer=True``, and for
     ``"zero3+params"`` also ``offload_params=True`` (columns: :data:`OFFLOADED`)."""
-    return {precision: {name: expected_offload_bytes(num_params, world_size, stage, precision, offload_params=params)
-                        for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
+    return {
+        precision: {
+            name: expected_offload_bytes(num_params, world_size, stage, precision, offload_params=params)
+            for name, (stage, params) in OFFLOADED.items()
+        }
+        for precision in PRECISIONS
+    }
 
 
 def disk_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float, float]]]:
     """``{precision: {column: (device, host, disk) bytes per rank}}`` with ``offload_optimizer="disk"``, and for
     ``"zero3+params"`` also ``offload_params="disk"`` (columns: :data:`OFFLOADED`)."""
-    return {precision: {name: expected_disk_bytes(num_params, world_size, stage, precision, offload_params=params)
-                        for name, (stage, params) in OFFLOADED.items()} for precision in PRECISIONS}
+    return {
+        precision: {
+            name: expected_disk_bytes(num_params, world_size, stage, precision, offload_params=params)
+            for name, (stage, params) in OFFLOADED.items()
+        }
+        for precision in PRECISIONS
+    }
 
 
 def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, Optional[int]]]:
@@ -156,8 +186,13 @@ def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, d
 
 def largest_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, int]]:
     """``{precision: {strategy: parameters}}`` whose model states fit in ``memory_bytes`` per rank."""
-    return {precision: {name: int(memory_bytes / expected_model_state_bytes(1, world_size, stage, precision))
-                        for name, stage in STRATEGIES.items()} for precision in PRECISIONS}
+    return {
+        precision: {
+            name: int(memory_bytes / expected_model_state_bytes(1, world_size, stage, precision))
+            for name, stage in STRATEGIES.items()
+        }
+        for precision in PRECISIONS
+    }
 
 
 def parse_count(text: str) -> int:
@@ -205,46 +240,80 @@ def zeropp_traffic_table(num_params: int, block: int = 256) -> dict[str, dict[st
     table = {}
     for name, w in WORKING_BYTES.items():
         exact = num_params * w
-        table[name] = {"zero3": 3 * exact, "qwZ": 2 * quantized + exact, "qgZ": 2 * exact + quantized,
-                       "qwZ+qgZ": 3 * quantized}
+        table[name] = {
+            "zero3": 3 * exact,
+            "qwZ": 2 * quantized + exact,
+            "qgZ": 2 * exact + quantized,
+            "qwZ+qgZ": 3 * quantized,
+        }
     return table
 
 
-def format_estimate(num_params: int, world_size: int, memory_bytes: Optional[float] = None,
-                    module: Optional[torch.nn.Module] = None) -> str:
+def format_estimate(
+    num_params: int, world_size: int, memory_bytes: Optional[float] = None, module: Optional[torch.nn.Module] = None
+) -> str:
     """The markdown tables ``lightning-zero estimate`` prints; with ``memory_bytes`` also ``zero_auto``'s choice
     (see :func:`auto_lines`)."""
-    lines = [f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
-             f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; GiB = 2^30 bytes, GB = 10^9 as in the paper):", "",
-             "| precision | " + " | ".join(STRATEGIES) + " |", "|---|" + "---|" * len(STRATEGIES)]
+    lines = [
+        f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
+        f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; GiB = 2^30 bytes, GB = 10^9 as in the paper):",
+        "",
+        "| precision | " + " | ".join(STRATEGIES) + " |",
+        "|---|" + "---|" * len(STRATEGIES),
+    ]
     for precision, row in model_state_table(num_params, world_size).items():
         lines.append(f"| {precision} | " + " | ".join(both_units(b) for b in row.values()) + " |")
     offloaded = list(OFFLOADED)
-    lines += ["", "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and the "
-              "gradient shard on the host; `zero3+params`: also `offload_params=True`, the parameter shard on the "
-              "host, which leaves the device only the units in flight and the bucket buffers):", "", "| precision | " + " | ".join(offloaded) + " |",
-              "|---|" + "---|" * len(offloaded)]
+    lines += [
+        "",
+        "With `offload_optimizer=True`: device + host bytes per rank (master weights, optimizer states and the "
+        "gradient shard on the host; `zero3+params`: also `offload_params=True`, the parameter shard on the "
+        "host, which leaves the device only the units in flight and the bucket buffers):",
+        "",
+        "| precision | " + " | ".join(offloaded) + " |",
+        "|---|" + "---|" * len(offloaded),
+    ]
     for precision, cells in offload_table(num_params, world_size).items():
-        lines.append(f"| {precision} | " + " | ".join(f"{both_units(d)} + {both_units(h)} host"
-                                                      for d, h in cells.values()) + " |")
-    lines += ["", "With `offload_optimizer='disk'`: device + host + disk bytes per rank (master weights and optimizer "
-              "states in files under `offload_path`, only the step's windows resident; the gradient shard on the "
-              "host; `zero3+params`: also `offload_params='disk'`):", "",
-              "| precision | " + " | ".join(offloaded) + " |", "|---|" + "---|" * len(offloaded)]
+        lines.append(
+            f"| {precision} | "
+            + " | ".join(f"{both_units(d)} + {both_units(h)} host" for d, h in cells.values())
+            + " |"
+        )
+    lines += [
+        "",
+        "With `offload_optimizer='disk'`: device + host + disk bytes per rank (master weights and optimizer "
+        "states in files under `offload_path`, only the step's windows resident; the gradient shard on the "
+        "host; `zero3+params`: also `offload_params='disk'`):",
+        "",
+        "| precision | " + " | ".join(offloaded) + " |",
+        "|---|" + "---|" * len(offloaded),
+    ]
     for precision, triples in disk_table(num_params, world_size).items():
-        lines.append(f"| {precision} | " + " | ".join(f"{both_units(d)} + {both_units(h)} host + {both_units(f)} disk"
-                                                      for d, h, f in triples.values()) + " |")
+        lines.append(
+            f"| {precision} | "
+            + " | ".join(
+                f"{both_units(d)} + {both_units(h)} host + {both_units(f)} disk" for d, h, f in triples.values()
+            )
+            + " |"
+        )
     if memory_bytes is not None:
-        lines += ["", f"Largest model whose model states fit in {both_units(memory_bytes)} per rank:", "",
-                  "| precision | " + " | ".join(STRATEGIES) + " | " + " | ".join(f"{n}+offload" for n in offloaded)
-                  + " |", "|---|" + "---|" * (len(STRATEGIES) + len(offloaded))]
+        lines += [
+            "",
+            f"Largest model whose model states fit in {both_units(memory_bytes)} per rank:",
+            "",
+            "| precision | " + " | ".join(STRATEGIES) + " | " + " | ".join(f"{n}+offload" for n in offloaded) + " |",
+            "|---|" + "---|" * (len(STRATEGIES) + len(offloaded)),
+        ]
         on_host = largest_offloaded_model(memory_bytes, world_size)
         for precision, row in largest_model(memory_bytes, world_size).items():
             counts = [*row.values(), *on_host[precision].values()]
-            lines.append(f"| {precision} | " + " | ".join("no bound" if n is None else human_count(n) for n in counts)
-                         + " |")
-        lines.append("(with offload, device memory only: the host holds the rest, see the table above; no bound: no "
-                     "model state on the device, only the units in flight and the bucket buffers)")
+            lines.append(
+                f"| {precision} | " + " | ".join("no bound" if n is None else human_count(n) for n in counts) + " |"
+            )
+        lines.append(
+            "(with offload, device memory only: the host holds the rest, see the table above; no bound: no "
+            "model state on the device, only the units in flight and the bucket buffers)"
+        )
     if memory_bytes is not None:
         lines += auto_lines(num_params, world_size, memory_bytes, module)
     return "\n".join(lines + _zeropp_lines(num_params))
@@ -254,10 +323,16 @@ def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
     """The ZeRO++ section of the estimate: :func:`zeropp_traffic_table` as markdown."""
     table = zeropp_traffic_table(num_params, block)
     columns = list(next(iter(table.values())))
-    lines = ["", "Stage 3 collective bytes per rank and micro-batch (the payload `strategy.traffic` counts: forward and "
-             f"backward all-gathers plus the gradient reduction; ZeRO++ `quantized_weights` / `quantized_gradients` "
-             f"with `quantization_block_size={block}`; hpZ moves the backward all-gather into the node and keeps its "
-             "bytes):", "", "| working dtype | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines = [
+        "",
+        "Stage 3 collective bytes per rank and micro-batch (the payload `strategy.traffic` counts: forward and "
+        f"backward all-gathers plus the gradient reduction; ZeRO++ `quantized_weights` / `quantized_gradients` "
+        f"with `quantization_block_size={block}`; hpZ moves the backward all-gather into the node and keeps its "
+        "bytes):",
+        "",
+        "| working dtype | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
     for name, row in table.items():
         lines.append(f"| {name} | " + " | ".join(both_units(b) for b in row.values()) + " |")
     return lines

@@ -42,12 +42,27 @@ class StagePolicy:
 
 
 _POLICIES = {
-    1: StagePolicy(stage=1, partitions="optimizer states", reduces_in_backward=True,
-                   holds_grads_when_accumulating=True, shards_params=False),
-    2: StagePolicy(stage=2, partitions="optimizer states and gradients", reduces_in_backward=True,
-                   holds_grads_when_accumulating=False, shards_params=False),
-    3: StagePolicy(stage=3, partitions="optimizer states, gradients and parameters", reduces_in_backward=True,
-                   holds_grads_when_accumulating=False, shards_params=True),
+    1: StagePolicy(
+        stage=1,
+        partitions="optimizer states",
+        reduces_in_backward=True,
+        holds_grads_when_accumulating=True,
+        shards_params=False,
+    ),
+    2: StagePolicy(
+        stage=2,
+        partitions="optimizer states and gradients",
+        reduces_in_backward=True,
+        holds_grads_when_accumulating=False,
+        shards_params=False,
+    ),
+    3: StagePolicy(
+        stage=3,
+        partitions="optimizer states, gradients and parameters",
+        reduces_in_backward=True,
+        holds_grads_when_accumulating=False,
+        shards_params=True,
+    ),
 }
 
 #: The stages this version implements.

@@ -38,9 +38,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives
-from lightning_zero.comm.traffic import Group
 from lightning_zero.comm.groups import make_shard_groups
+from lightning_zero.comm.traffic import Group
 from lightning_zero.shards.slices import mark_tensor_parallel, tensor_parallel_slice
+
 
 def cut(full: Tensor, size: int, dim: int, parts: int = 1) -> list[Tensor]:
     """The ``size`` slices of a whole tensor (see :class:`TensorParallelSlice`), as views where they can be."""
@@ -116,8 +117,15 @@ class _ParallelLinear(nn.Module):
 
     cut_dim: int  # of the weight: 0 cuts the output features, 1 the input features
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: Optional[Any],
-                 device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: Optional[Any],
+        device: Optional[torch.device],
+        dtype: Optional[torch.dtype],
+    ) -> None:
         super().__init__()
         self._group = _GroupRef(group)
         self.in_features, self.out_features = in_features, out_features
@@ -125,11 +133,14 @@ class _ParallelLinear(nn.Module):
         size = collectives.world_size(group)
         if shape[self.cut_dim] % size:
             what = ("out_features", "in_features")[self.cut_dim]
-            raise ValueError(f"{what}={shape[self.cut_dim]} does not split over a tensor group of {size} ranks: make "
-                             f"it a multiple of {size}.")
+            raise ValueError(
+                f"{what}={shape[self.cut_dim]} does not split over a tensor group of {size} ranks: make "
+                f"it a multiple of {size}."
+            )
         shape[self.cut_dim] //= size
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)),
-                                           self.cut_dim, group)
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), self.cut_dim, group
+        )
         self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
         if self.bias is not None and self.cut_dim == 0:
             mark_tensor_parallel(self.bias, 0, group)
@@ -149,8 +160,14 @@ class _ParallelLinear(nn.Module):
 
     @classmethod
     def _cut_from(cls, linear: nn.Linear, group: Optional[Any], parts: int) -> Any:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group,
-                    linear.weight.device, linear.weight.dtype)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group,
+            linear.weight.device,
+            linear.weight.dtype,
+        )
         rank, size = collectives.rank(group), collectives.world_size(group)
         with torch.no_grad():
             layer.weight.copy_(cut(linear.weight, size, cls.cut_dim, parts)[rank])
@@ -178,8 +195,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     cut_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Optional[Any] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: Optional[Any] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, group, device, dtype)
 
     @classmethod
@@ -201,8 +225,15 @@ class RowParallelLinear(_ParallelLinear):
 
     cut_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Optional[Any] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: Optional[Any] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, group, device, dtype)
 
     @classmethod
@@ -235,8 +266,10 @@ def parallelize(module: nn.Module, tensor_group: Any, plan: dict[str, Any]) -> n
         for name in matched:
             target = module.get_submodule(name)
             if type(target) is not nn.Linear:
-                raise TypeError(f"parallelize: {name!r} is a {type(target).__name__}; only nn.Linear layers are cut "
-                                "here (write the others with `mark_tensor_parallel`).")
+                raise TypeError(
+                    f"parallelize: {name!r} is a {type(target).__name__}; only nn.Linear layers are cut "
+                    "here (write the others with `mark_tensor_parallel`)."
+                )
             replacements.append((name, layer))
     for name, layer in replacements:
         parent, _, child = name.rpartition(".")
@@ -250,15 +283,19 @@ def _layer_for(style: Any, pattern: str) -> type:
     from torch.distributed.tensor import Replicate, Shard
 
     kind = type(style).__name__
-    expected = {"ColwiseParallel": (Replicate(), Shard(-1), ColumnParallelLinear),
-                "RowwiseParallel": (Shard(-1), Replicate(), RowParallelLinear)}
+    expected = {
+        "ColwiseParallel": (Replicate(), Shard(-1), ColumnParallelLinear),
+        "RowwiseParallel": (Shard(-1), Replicate(), RowParallelLinear),
+    }
     if kind in expected:
         inputs, outputs, layer = expected[kind]
         if (style.input_layouts, style.output_layouts, style.use_local_output) == ((inputs,), (outputs,), True):
             return layer
-    raise ValueError(f"parallelize: {pattern!r}: {kind} with these options is not supported; ZeRO takes "
-                     "`ColwiseParallel()` and `RowwiseParallel()` with their default layouts (for other layouts, "
-                     "sequence parallelism or embeddings, write the layer with `mark_tensor_parallel`).")
+    raise ValueError(
+        f"parallelize: {pattern!r}: {kind} with these options is not supported; ZeRO takes "
+        "`ColwiseParallel()` and `RowwiseParallel()` with their default layouts (for other layouts, "
+        "sequence parallelism or embeddings, write the layer with `mark_tensor_parallel`)."
+    )
 
 
 def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> None:
@@ -271,7 +308,10 @@ def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> N
         "tensor-parallel slice: the ranks of each tensor group hold the same weights and see the same batches, so "
         "they compute the same thing. Cut the layers over `self.device_mesh['tensor_parallel']` in "
         "`configure_model` (lightning_zero.tensor_parallel's layers, or `mark_tensor_parallel` on your own), or "
-        "leave `tensor_parallel_size` out.", UserWarning, stacklevel=4)
+        "leave `tensor_parallel_size` out.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def count_tensor_parallel(module: nn.Module, tensor: Group) -> None:

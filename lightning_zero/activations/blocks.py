@@ -11,8 +11,9 @@ from typing import Sequence, Union
 from torch import nn
 
 
-def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
-                option: str = "unit_classes") -> list[tuple[str, nn.Module]]:
+def find_blocks(
+    module: nn.Module, unit_classes: Sequence[Union[type, str]] = (), option: str = "unit_classes"
+) -> list[tuple[str, nn.Module]]:
     """The repeated blocks of ``module``, outermost first: modules of ``unit_classes`` (classes or class names) if
     given, else the children of ``nn.ModuleList`` / ``nn.Sequential``; only those with parameters. A block compiled
     with ``torch.compile(block)`` is found as its wrapper (see [Note: units and torch.compile]). Classes that match
@@ -21,8 +22,12 @@ def find_blocks(module: nn.Module, unit_classes: Sequence[Union[type, str]] = ()
 
     def is_unit_class(m: nn.Module) -> bool:
         cls = type(m)
-        return any(c is cls or (isinstance(c, type) and isinstance(m, c)) or c in (cls.__name__, cls.__qualname__,
-                   f"{cls.__module__}.{cls.__qualname__}") for c in unit_classes)
+        return any(
+            c is cls
+            or (isinstance(c, type) and isinstance(m, c))
+            or c in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+            for c in unit_classes
+        )
 
     def visit(name: str, mod: nn.Module, in_container: bool) -> None:
         is_block = is_unit_class(compiled_inner(mod)) if unit_classes else in_container
@@ -49,27 +54,32 @@ def _class_names(cls: type) -> tuple[str, ...]:
     return cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _check_unit_classes(module: nn.Module, unit_classes: Sequence[Union[type, str]],
-                        chosen: list[tuple[str, nn.Module]], option: str) -> None:
+def _check_unit_classes(
+    module: nn.Module, unit_classes: Sequence[Union[type, str]], chosen: list[tuple[str, nn.Module]], option: str
+) -> None:
     """Refuse ``unit_classes`` entries that match no submodule (with a "did you mean") and units that are containers
     (their forward never runs, so they would never be gathered)."""
     classes = {type(compiled_inner(m)) for m in module.modules()}
     for entry in unit_classes:
-        if not any(c is entry or (isinstance(entry, type) and issubclass(c, entry)) or entry in _class_names(c)
-                   for c in classes):
+        if not any(
+            c is entry or (isinstance(entry, type) and issubclass(c, entry)) or entry in _class_names(c)
+            for c in classes
+        ):
             names = sorted({c.__name__ for c in classes})
             close = difflib.get_close_matches(str(getattr(entry, "__name__", entry)), names, n=3)
             hint = f" Did you mean {' or '.join(repr(n) for n in close)}?" if close else ""
             raise ValueError(
                 f"`{option}` names {entry!r}, but no submodule of {type(module).__name__} is of that class.{hint} "
-                f"The model's classes: {', '.join(names)}.")
+                f"The model's classes: {', '.join(names)}."
+            )
     for name, mod in chosen:
         if isinstance(compiled_inner(mod), _CONTAINERS):
             inner = sorted({type(c).__name__ for c in mod.children()})
             raise ValueError(
                 f"`{option}` makes '{name}' ({type(mod).__name__}) a block, but a container's forward is never called"
                 ", so hooks on it never run (stage 3 would never gather its parameters). Name the class of the blocks"
-                f" inside it instead: {option}=[{', '.join(repr(n) for n in inner)}].")
+                f" inside it instead: {option}=[{', '.join(repr(n) for n in inner)}]."
+            )
 
 
 def compiled_inner(module: nn.Module) -> nn.Module:

@@ -46,8 +46,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.comm import collectives
 from lightning_zero.activations.blocks import find_blocks
+from lightning_zero.comm import collectives
 
 PartitionGroup = Union[Sequence[int], Sequence[Sequence[int]], Callable[[], Any], None]
 _ALIGN = 64  # bytes; every checkpoint in the contiguous buffer starts at a multiple of this
@@ -198,8 +198,7 @@ class ActivationStore:
     def _to(self, data: Tensor, device: torch.device, copy: bool) -> Tensor:
         if data.device == device:
             return data.clone() if copy else data
-        out = torch.empty(data.shape, dtype=data.dtype, device=device,
-                          pin_memory=device.type == "cpu" and data.is_cuda)
+        out = torch.empty(data.shape, dtype=data.dtype, device=device, pin_memory=device.type == "cpu" and data.is_cuda)
         self._stream = _copy(out, data, self._stream)
         return out
 
@@ -300,9 +299,14 @@ class ActivationCheckpointing:
         self._blocks = []
 
 
-def checkpoint_blocks(module: nn.Module, blocks: Union[bool, Sequence[Union[type, str]]] = True,
-                      offload: bool = False, partition_group: Optional[Any] = None, contiguous: bool = False,
-                      unit_classes: Sequence[Union[type, str]] = ()) -> ActivationCheckpointing:
+def checkpoint_blocks(
+    module: nn.Module,
+    blocks: Union[bool, Sequence[Union[type, str]]] = True,
+    offload: bool = False,
+    partition_group: Optional[Any] = None,
+    contiguous: bool = False,
+    unit_classes: Sequence[Union[type, str]] = (),
+) -> ActivationCheckpointing:
     """Checkpoint ``module``'s blocks in place: ``True`` for the repeated blocks (``unit_classes`` if given, else
     the children of ``nn.ModuleList`` / ``nn.Sequential``), or the block classes (or class names) to checkpoint.
 
@@ -312,15 +316,23 @@ def checkpoint_blocks(module: nn.Module, blocks: Union[bool, Sequence[Union[type
     classes = unit_classes if blocks is True else tuple(blocks)  # type: ignore[arg-type]
     found = find_blocks(module, classes, "unit_classes" if blocks is True else "activation_checkpointing")
     if not found:
-        what = f"no module of the classes {list(classes)}" if classes else "no repeated block (no child of an " \
-            "nn.ModuleList or nn.Sequential with parameters)"
-        raise ValueError(f"activation_checkpointing: {type(module).__name__} has {what}. Pass the block classes, "
-                         "e.g. `activation_checkpointing=[MyBlock]` or `['MyBlock']`.")
+        what = (
+            f"no module of the classes {list(classes)}"
+            if classes
+            else "no repeated block (no child of an nn.ModuleList or nn.Sequential with parameters)"
+        )
+        raise ValueError(
+            f"activation_checkpointing: {type(module).__name__} has {what}. Pass the block classes, "
+            "e.g. `activation_checkpointing=[MyBlock]` or `['MyBlock']`."
+        )
     return ActivationCheckpointing(found, ActivationStore(offload, partition_group, contiguous))
 
 
-def activations_from_config(module: nn.Module, config: Any, tensor_group: Optional[Any] = None,
-                            ) -> Optional[ActivationCheckpointing]:
+def activations_from_config(
+    module: nn.Module,
+    config: Any,
+    tensor_group: Optional[Any] = None,
+) -> Optional[ActivationCheckpointing]:
     """What :class:`~lightning_zero.config.ZeroConfig` asks for (``None`` without ``activation_checkpointing``);
     collective when a partition group is named (every rank must call it). Under tensor parallelism Pa partitions
     over ``tensor_group`` unless ``activation_partition_group`` names another group: the paper's Pa, whose ranks
@@ -329,8 +341,14 @@ def activations_from_config(module: nn.Module, config: Any, tensor_group: Option
         return None
     spec = config.activation_partition_group
     group = resolve_partition_group(spec) if spec is not None else tensor_group
-    return checkpoint_blocks(module, config.activation_checkpointing, config.activation_offload, group,
-                             config.contiguous_checkpoints, config.unit_classes)
+    return checkpoint_blocks(
+        module,
+        config.activation_checkpointing,
+        config.activation_offload,
+        group,
+        config.contiguous_checkpoints,
+        config.unit_classes,
+    )
 
 
 def resolve_partition_group(spec: PartitionGroup) -> Optional[Any]:

@@ -14,6 +14,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_zero.checkpoints.export import PRETRAINED
+from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
+from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.checkpoints.storage import (
     KEY,
     META_FILE,
@@ -23,19 +26,27 @@ from lightning_zero.checkpoints.storage import (
     read_meta,
     save_file,
 )
-from lightning_zero.checkpoints.export import PRETRAINED
-from lightning_zero.checkpoints.sharded import is_stored_as_object, optimizer_keys
 from lightning_zero.checkpoints.trust import torch_load
-from lightning_zero.checkpoints.shards import Shard
 from lightning_zero.tensor_parallel import join
 
 _PATH = Union[str, "os.PathLike[str]"]
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
-def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None,
-                         verify: bool = True, trust_code: bool = False) -> dict[str, Any]:
+def load_full_checkpoint(
+    path: _PATH,
+    weights_only: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    verify: bool = True,
+    trust_code: bool = False,
+) -> dict[str, Any]:
     """A sharded checkpoint directory as the dict ``ddp`` would have saved (``state_dict`` with full tensors,
     ``optimizer_states`` per parameter unless ``weights_only``). ``dtype`` converts the floating-point weights.
     Only data is unpickled unless ``trust_code`` (see [Note: a checkpoint is data, never code] in ``trust.py``)."""
@@ -72,8 +83,10 @@ def load_full_checkpoint(path: _PATH, weights_only: bool = False, dtype: Optiona
         meta.pop("lr_schedulers", None)
     elif optimizer_states:
         meta["optimizer_states"] = [
-            {"state": {i: {name: values[key] for name, key in entry.items()} for i, entry in sorted(state.items())},
-             "param_groups": groups}
+            {
+                "state": {i: {name: values[key] for name, key in entry.items()} for i, entry in sorted(state.items())},
+                "param_groups": groups,
+            }
             for state, groups in optimizer_states
         ]
     return meta
@@ -91,13 +104,15 @@ def _joined_slices(info: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[
                 f"{key} is a statistic of a tensor-parallel slice that is not per element (Adafactor's factored "
                 "statistics, for instance): the slices' statistics do not make the whole tensor's. Consolidate the "
                 "weights only (`weights_only=True`, `lightning-zero consolidate --weights-only`), or resume the "
-                f"sharded checkpoint with `tensor_parallel_size={info.get('tensor_parallel_size')}`.")
+                f"sharded checkpoint with `tensor_parallel_size={info.get('tensor_parallel_size')}`."
+            )
         joined[key] = join(tuple(full[key]), *joins)
     return joined
 
 
-def consolidate(path: _PATH, out: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None,
-                trust_code: bool = False) -> Path:
+def consolidate(
+    path: _PATH, out: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None, trust_code: bool = False
+) -> Path:
     """Write the sharded checkpoint ``path`` as one standard Lightning checkpoint file ``out`` (atomically); see
     :func:`load_full_checkpoint` for the arguments."""
     checkpoint = load_full_checkpoint(path, weights_only=weights_only, dtype=dtype, trust_code=trust_code)
@@ -120,17 +135,24 @@ def inspect_checkpoint(path: _PATH, verify: bool = False, trust_code: bool = Fal
         if name.startswith("__"):
             per_rank[int(name[2:].split("_")[0])] += size
     return {
-        "path": str(path), "format": info["format"], "stage": info["stage"], "world_size": info["world_size"],
+        "path": str(path),
+        "format": info["format"],
+        "stage": info["stage"],
+        "world_size": info["world_size"],
         "tensor_parallel_size": info.get("tensor_parallel_size", 1),
-        "precision": info["precision"], "epoch": meta.get("epoch"), "global_step": meta.get("global_step"),
-        "num_parameters": info["num_parameters"], "model_tensors": len(info["model"]),
+        "precision": info["precision"],
+        "epoch": meta.get("epoch"),
+        "global_step": meta.get("global_step"),
+        "num_parameters": info["num_parameters"],
+        "model_tensors": len(info["model"]),
         "optimizers": [o["class"] for o in info["optimizers"]],
-        "has_optimizer_state": "optimizer_states" in meta, "bytes_per_rank": per_rank,
-        "metadata_bytes": (path / META_FILE).stat().st_size, "total_bytes": sum(s for s, _ in info["files"].values()),
-        "verified": verify, "lightning_version": meta.get("pytorch-lightning_version"),
+        "has_optimizer_state": "optimizer_states" in meta,
+        "bytes_per_rank": per_rank,
+        "metadata_bytes": (path / META_FILE).stat().st_size,
+        "total_bytes": sum(s for s, _ in info["files"].values()),
+        "verified": verify,
+        "lightning_version": meta.get("pytorch-lightning_version"),
     }
-
-
 
 
 #: ``format`` of :func:`inspect_checkpoint`'s summary of a checkpoint file.
@@ -144,16 +166,21 @@ def _inspect_file(path: Path, trusted: bool) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as error:
-        raise CheckpointError(f"{path} is a file that torch.load cannot read ({error}): it is not a checkpoint, or "
-                              "it is damaged.") from error
+        raise CheckpointError(
+            f"{path} is a file that torch.load cannot read ({error}): it is not a checkpoint, or it is damaged."
+        ) from error
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise CheckpointError(f"{path} is a torch file but not a Lightning checkpoint (it has no 'state_dict').")
     tensors = {(t.data_ptr(), t.shape): t for t in checkpoint["state_dict"].values() if isinstance(t, torch.Tensor)}
     return {
-        "path": str(path), "format": FILE_FORMAT, "epoch": checkpoint.get("epoch"),
+        "path": str(path),
+        "format": FILE_FORMAT,
+        "epoch": checkpoint.get("epoch"),
         "global_step": checkpoint.get("global_step"),
         "num_parameters": sum(t.numel() for t in tensors.values()),
-        "model_tensors": len(checkpoint["state_dict"]), "optimizers": len(checkpoint.get("optimizer_states") or []),
-        "has_optimizer_state": bool(checkpoint.get("optimizer_states")), "total_bytes": path.stat().st_size,
+        "model_tensors": len(checkpoint["state_dict"]),
+        "optimizers": len(checkpoint.get("optimizer_states") or []),
+        "has_optimizer_state": bool(checkpoint.get("optimizer_states")),
+        "total_bytes": path.stat().st_size,
         "lightning_version": checkpoint.get("pytorch-lightning_version"),
     }

@@ -52,17 +52,21 @@ def agree_on_failure(path: Path, doing: str, failed: Optional[BaseException]) ->
     rank, kind, message, code = reports[0]
     name = f" [{errnos.errorcode.get(code, code)}]" if code is not None else ""
     others = f" (and on rank {', '.join(str(r[0]) for r in reports[1:])})" if len(reports) > 1 else ""
-    text = (f"Saving the checkpoint {path} failed on rank {rank}{others} while {doing}: {kind}{name}: {message}. "
-            f"{_advice(code, path)}Nothing was written under that name; the checkpoint it had before, if any, is "
-            "intact.")
+    text = (
+        f"Saving the checkpoint {path} failed on rank {rank}{others} while {doing}: {kind}{name}: {message}. "
+        f"{_advice(code, path)}Nothing was written under that name; the checkpoint it had before, if any, is "
+        "intact."
+    )
     raise CheckpointError(text, rank=rank, errno=code) from failed
 
 
 def _reports(error: BaseException) -> list[Report]:
     """What went wrong where: DCP's ``CheckpointException`` names each failed rank, anything else is this rank's."""
     if isinstance(error, CheckpointException):
-        return [(rank, type(exc).__name__, _message(exc), getattr(exc, "errno", None))
-                for rank, (exc, _) in sorted(error.failures.items())]
+        return [
+            (rank, type(exc).__name__, _message(exc), getattr(exc, "errno", None))
+            for rank, (exc, _) in sorted(error.failures.items())
+        ]
     if isinstance(error, CheckpointError) and error.rank is not None:
         return [(error.rank, type(error).__name__, str(error), error.errno)]
     return [(collectives.rank(), type(error).__name__, _message(error), getattr(error, "errno", None))]
@@ -79,8 +83,10 @@ def _advice(code: Optional[int], path: Path) -> str:
     if code in (errnos.ENOSPC, errnos.EDQUOT):
         return f"The disk (or the quota) of {path.parent} is full: free space there, or save to another directory. "
     if code in (errnos.EACCES, errnos.EPERM, errnos.EROFS):
-        return (f"This job may not write in {path.parent}: make it writable by the job, or save to another directory "
-                "(e.g. `ModelCheckpoint(dirpath=...)`). ")
+        return (
+            f"This job may not write in {path.parent}: make it writable by the job, or save to another directory "
+            "(e.g. `ModelCheckpoint(dirpath=...)`). "
+        )
     return ""
 
 

@@ -55,11 +55,22 @@ PRETRAINED = "pretrained"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 #: What a refused file tells the user: export has no switch to run a file's code.
-EXPORT_HINT = ("Export the sharded checkpoint directory instead, or, if you trust whoever wrote the file, re-save it "
-               "with tensors and plain values (`torch.save(torch.load(f, weights_only=False), f)`).")
+EXPORT_HINT = (
+    "Export the sharded checkpoint directory instead, or, if you trust whoever wrote the file, re-save it "
+    "with tensors and plain values (`torch.save(torch.load(f, weights_only=False), f)`)."
+)
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-               "tb": 10**12, "b": 1}
+_SIZE_UNITS = {
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "b": 1,
+}
 
 
 # ---------------------------------------------------------------------- save side: what the checkpoint records
@@ -78,8 +89,11 @@ def pretrained_configs(module: nn.Module) -> dict[str, dict[str, Optional[str]]]
         config = json.loads(sub.config.to_json_string())
         config["architectures"] = [type(sub).__name__]
         generation = sub.generation_config if sub.can_generate() else None
-        found[name] = {"class": type(sub).__name__, "config": json.dumps(config),
-                       "generation_config": generation.to_json_string() if generation is not None else None}
+        found[name] = {
+            "class": type(sub).__name__,
+            "config": json.dumps(config),
+            "generation_config": generation.to_json_string() if generation is not None else None,
+        }
     return found
 
 
@@ -120,8 +134,9 @@ def _directory_source(path: Path) -> _Source:
 
     def read(names: list[str]) -> dict[str, Tensor]:
         stacked = {n: torch.empty(info["tensors"][stored_of[n]][0], dtype=dtypes[n]) for n in names}
-        load_sharded(path, {stored_of[n]: Shard.whole(t) for n, t in stacked.items() if t.numel()}, None,
-                     collective=False)
+        load_sharded(
+            path, {stored_of[n]: Shard.whole(t) for n, t in stacked.items() if t.numel()}, None, collective=False
+        )
         joins = info.get("tensor_parallel", {})
         return {n: join(tuple(t), *joins[stored_of[n]]) if joins.get(stored_of[n]) else t for n, t in stacked.items()}
 
@@ -134,8 +149,10 @@ def _file_source(path: Path) -> _Source:
     except trust.UntrustedCheckpointError:
         raise
     except Exception as error:
-        raise CheckpointError(f"{path} cannot be read as a checkpoint of data alone ({error}). Export the sharded "
-                              "checkpoint directory instead, or re-save the file with tensors and plain values.") from error
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint of data alone ({error}). Export the sharded "
+            "checkpoint directory instead, or re-save the file with tensors and plain values."
+        ) from error
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is not a checkpoint: it holds no state dict of tensors.")
@@ -150,9 +167,14 @@ def _file_source(path: Path) -> _Source:
             first[where] = name
             aliases[name] = [name]
     ours = checkpoint.get(KEY) if isinstance(checkpoint.get(KEY), dict) else {}
-    return _Source({n: tuple(tensors[n].shape) for n in aliases}, {n: tensors[n].dtype for n in aliases}, aliases,
-                   dict(ours.get(PRETRAINED, {})), lambda names: {n: tensors[n] for n in names},
-                   [n for n in state if n not in tensors])
+    return _Source(
+        {n: tuple(tensors[n].shape) for n in aliases},
+        {n: tensors[n].dtype for n in aliases},
+        aliases,
+        dict(ours.get(PRETRAINED, {})),
+        lambda names: {n: tensors[n] for n in names},
+        [n for n in state if n not in tensors],
+    )
 
 
 # ---------------------------------------------------------------------- planning
@@ -168,8 +190,10 @@ def parse_shard_size(size: Union[int, str]) -> int:
     except ValueError:
         number = math.nan
     if unit is None or not number > 0 or math.isinf(number):
-        raise ValueError(f"max_shard_size {size!r} is not a size: write e.g. 5GB (5 * 10^9 bytes), 5GiB (5 * 2^30), "
-                         "500MB, or a number of bytes.")
+        raise ValueError(
+            f"max_shard_size {size!r} is not a size: write e.g. 5GB (5 * 10^9 bytes), 5GiB (5 * 2^30), "
+            "500MB, or a number of bytes."
+        )
     return int(number * _SIZE_UNITS[unit])
 
 
@@ -202,24 +226,31 @@ def _choose(source: _Source, submodule: Optional[str], config_given: bool) -> tu
     """(the attribute whose keys are exported, ``""`` for every key; its recorded configs or ``None``)."""
     recorded = source.pretrained
     if submodule is None and len(recorded) > 1:
-        raise CheckpointError(f"The checkpoint holds {len(recorded)} pretrained models ({', '.join(map(repr, recorded))}"
-                              "): pick one with `submodule=` (`--submodule NAME`).")
+        raise CheckpointError(
+            f"The checkpoint holds {len(recorded)} pretrained models ({', '.join(map(repr, recorded))}"
+            "): pick one with `submodule=` (`--submodule NAME`)."
+        )
     if submodule is None:
         submodule = next(iter(recorded), "")
     if submodule not in recorded and recorded and not config_given:
-        raise CheckpointError(f"The checkpoint records no config for {submodule!r}, only for "
-                              f"{', '.join(map(repr, recorded))}: pick one of those with `--submodule`, or pass the "
-                              "model's config with `--config DIR_OR_NAME`.")
+        raise CheckpointError(
+            f"The checkpoint records no config for {submodule!r}, only for "
+            f"{', '.join(map(repr, recorded))}: pick one of those with `--submodule`, or pass the "
+            "model's config with `--config DIR_OR_NAME`."
+        )
     prefix = submodule + "." if submodule else ""
     if not any(n.startswith(prefix) for group in source.aliases.values() for n in group):
         tops = sorted({n.split(".")[0] for group in source.aliases.values() for n in group})
-        raise CheckpointError(f"The checkpoint has no weights under {submodule!r}; its top-level attributes are "
-                              f"{', '.join(map(repr, tops))}: pass one of them as `--submodule`.")
+        raise CheckpointError(
+            f"The checkpoint has no weights under {submodule!r}; its top-level attributes are "
+            f"{', '.join(map(repr, tops))}: pass one of them as `--submodule`."
+        )
     return submodule, recorded.get(submodule)
 
 
-def _configs(recorded: Optional[dict[str, Any]], config: Optional[_PATH]) -> tuple[Optional[dict[str, Any]],
-                                                                                   Optional[str]]:
+def _configs(
+    recorded: Optional[dict[str, Any]], config: Optional[_PATH]
+) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """(config.json as a dict, generation_config.json's text) from ``config`` (a directory or a Hub name, read by
     transformers) or else the checkpoint's record; ``(None, None)`` when neither has one."""
     if config is not None:
@@ -252,9 +283,15 @@ class ExportResult:
     """The attribute exported (``""``: every key, as saved)."""
 
 
-def export_pretrained(checkpoint: _PATH, output_dir: _PATH, submodule: Optional[str] = None,
-                      max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
-                      config: Optional[_PATH] = None, require_config: bool = False) -> ExportResult:
+def export_pretrained(
+    checkpoint: _PATH,
+    output_dir: _PATH,
+    submodule: Optional[str] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    dtype: Optional[torch.dtype] = None,
+    config: Optional[_PATH] = None,
+    require_config: bool = False,
+) -> ExportResult:
     """Write ``checkpoint`` (a sharded checkpoint directory, or a file in ``ddp``'s form such as ``consolidate``
     writes) as a Hugging Face ``save_pretrained`` directory ``output_dir``, one shard in memory at a time (see
     [Note: exporting a shard at a time]).
@@ -276,14 +313,22 @@ def export_pretrained(checkpoint: _PATH, output_dir: _PATH, submodule: Optional[
     chosen, recorded = _choose(source, submodule, config is not None)
     config_json, generation = _configs(recorded, config)
     if config_json is None and require_config:
-        raise CheckpointError(f"The checkpoint {path} records no transformers config (it is recorded when the saved "
-                              "module holds a transformers PreTrainedModel): pass the model's config with `--config "
-                              "DIR_OR_NAME` (a save_pretrained directory or a Hub name).")
+        raise CheckpointError(
+            f"The checkpoint {path} records no transformers config (it is recorded when the saved "
+            "module holds a transformers PreTrainedModel): pass the model's config with `--config "
+            "DIR_OR_NAME` (a save_pretrained directory or a Hub name)."
+        )
     prefix = chosen + "." if chosen else ""
-    names = {inside[0][len(prefix):]: first for first, group in source.aliases.items()
-             for inside in [[n for n in group if n.startswith(prefix)]] if inside}
-    out_dtypes = {k: dtype if dtype is not None and source.dtypes[n].is_floating_point else source.dtypes[n]
-                  for k, n in names.items()}
+    names = {
+        inside[0][len(prefix) :]: first
+        for first, group in source.aliases.items()
+        for inside in [[n for n in group if n.startswith(prefix)]]
+        if inside
+    }
+    out_dtypes = {
+        k: dtype if dtype is not None and source.dtypes[n].is_floating_point else source.dtypes[n]
+        for k, n in names.items()
+    }
     sizes = {k: math.prod(source.shapes[n]) * out_dtypes[k].itemsize for k, n in names.items()}
     shards = plan_shards(sizes, max_bytes)
     files = shard_file_names(len(shards))
@@ -295,8 +340,13 @@ def export_pretrained(checkpoint: _PATH, output_dir: _PATH, submodule: Optional[
         del read
     weight_map = {k: file for file, keys in zip(files, shards) for k in keys}
     if len(files) > 1:
-        index = {"metadata": {"total_parameters": sum(math.prod(source.shapes[n]) for n in names.values()),
-                              "total_size": sum(sizes.values())}, "weight_map": weight_map}
+        index = {
+            "metadata": {
+                "total_parameters": sum(math.prod(source.shapes[n]) for n in names.values()),
+                "total_size": sum(sizes.values()),
+            },
+            "weight_map": weight_map,
+        }
         _write_text(out / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
     if config_json is not None:
         floating = [d for d in out_dtypes.values() if d.is_floating_point]
@@ -306,8 +356,10 @@ def export_pretrained(checkpoint: _PATH, output_dir: _PATH, submodule: Optional[
         if generation is not None:
             _write_text(out / "generation_config.json", generation)
     if source.skipped:
-        warnings.warn(f"Left out {len(source.skipped)} state dict entries that are not tensors: "
-                      f"{', '.join(source.skipped[:5])}.", stacklevel=2)
+        warnings.warn(
+            f"Left out {len(source.skipped)} state dict entries that are not tensors: {', '.join(source.skipped[:5])}.",
+            stacklevel=2,
+        )
     return ExportResult(out, files, sum(sizes.values()), len(names), config_json is not None, chosen)
 
 
@@ -341,21 +393,41 @@ def add_export_arguments(parser: argparse.ArgumentParser, dtypes: dict[str, torc
     """The arguments of ``lightning-zero export``."""
     parser.add_argument("checkpoint", help="a sharded checkpoint directory, or a file from `consolidate`")
     parser.add_argument("output", help="the directory to write (from_pretrained(OUTPUT) loads it)")
-    parser.add_argument("--submodule", help="the LightningModule's attribute to export when it holds several "
-                        "pretrained models (e.g. `lm` for self.lm)")
-    parser.add_argument("--max-shard-size", default="5GB", help="the most bytes per weight file: 5GB (10^9), "
-                        "5GiB (2^30), 500MB (default: 5GB)")
-    parser.add_argument("--dtype", choices=sorted(dtypes), default=None,
-                        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)")
-    parser.add_argument("--config", help="a save_pretrained directory or Hub name whose config.json to write, for a "
-                        "checkpoint that records none")
+    parser.add_argument(
+        "--submodule",
+        help="the LightningModule's attribute to export when it holds several "
+        "pretrained models (e.g. `lm` for self.lm)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="the most bytes per weight file: 5GB (10^9), 5GiB (2^30), 500MB (default: 5GB)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(dtypes),
+        default=None,
+        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)",
+    )
+    parser.add_argument(
+        "--config",
+        help="a save_pretrained directory or Hub name whose config.json to write, for a checkpoint that records none",
+    )
 
 
 def run_export(args: argparse.Namespace, dtypes: dict[str, torch.dtype]) -> str:
     """Run ``lightning-zero export`` with parsed ``args``; the line to print."""
-    result = export_pretrained(args.checkpoint, args.output, submodule=args.submodule,
-                               max_shard_size=args.max_shard_size, dtype=dtypes[args.dtype] if args.dtype else None,
-                               config=args.config, require_config=True)
+    result = export_pretrained(
+        args.checkpoint,
+        args.output,
+        submodule=args.submodule,
+        max_shard_size=args.max_shard_size,
+        dtype=dtypes[args.dtype] if args.dtype else None,
+        config=args.config,
+        require_config=True,
+    )
     what = f"the attribute {result.submodule!r}" if result.submodule else "the model"
-    return (f"wrote {what} to {result.directory}: {result.num_tensors} tensors, {result.total_size:,} bytes in "
-            f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}, config.json")
+    return (
+        f"wrote {what} to {result.directory}: {result.num_tensors} tensors, {result.total_size:,} bytes in "
+        f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}, config.json"
+    )

@@ -17,11 +17,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.comm import collectives
-from lightning_zero.shards.optimizer import ShardedOptimizer
-from lightning_zero.shards.layout import MasterSlot
-from lightning_zero.shards.store import ShardedStorage
 from lightning_zero.checkpoints.shards import Shard, is_per_element, optimizer_destination, param_groups, stack_slices
+from lightning_zero.comm import collectives
+from lightning_zero.shards.layout import MasterSlot
+from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.store import ShardedStorage
 
 # (canonical parameter index, state key or None for the weight, start in the flattened parameter, value)
 _Piece = tuple[int, Optional[str], Optional[int], Any]
@@ -52,18 +52,24 @@ def optimizer_state(sharded: ShardedOptimizer) -> dict[str, Any]:
     assembled = _assemble(sharded.canonical, _collect(sharded))
     if assembled is None:
         return {}
-    return {"state": {i: entry for i, entry in sorted(assembled.items()) if entry},
-            "param_groups": param_groups(sharded)}
+    return {
+        "state": {i: entry for i, entry in sorted(assembled.items()) if entry},
+        "param_groups": param_groups(sharded),
+    }
 
 
 def load_optimizer_state(sharded: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a canonical optimizer state dict into the shard this rank owns: the pieces of its parameters are copied
     into the same destinations a sharded checkpoint is read into (``shards.optimizer_destination``)."""
     _check_canonical(sharded, state_dict)
-    entries = {(int(i), key): _as_slices(sharded.canonical[int(i)], value)
-               for i, entry in state_dict["state"].items() for key, value in entry.items()}
-    dest = optimizer_destination(sharded, {k: (tuple(v.shape), v.dtype) for k, v in entries.items()
-                                           if isinstance(v, Tensor)})
+    entries = {
+        (int(i), key): _as_slices(sharded.canonical[int(i)], value)
+        for i, entry in state_dict["state"].items()
+        for key, value in entry.items()
+    }
+    dest = optimizer_destination(
+        sharded, {k: (tuple(v.shape), v.dtype) for k, v in entries.items() if isinstance(v, Tensor)}
+    )
     with torch.no_grad():
         for k, shard in dest.shards.items():
             full = entries[k].reshape(-1)
@@ -92,8 +98,9 @@ def _collect_weights(storage: ShardedStorage) -> list[_Piece]:
     return pieces
 
 
-def _pieces(value: Any, slot: MasterSlot, key: Optional[str], members: Sequence[Tensor],
-            canonical: Sequence[int]) -> list[_Piece]:
+def _pieces(
+    value: Any, slot: MasterSlot, key: Optional[str], members: Sequence[Tensor], canonical: Sequence[int]
+) -> list[_Piece]:
     """``value`` (a master or one of its states) cut into the pieces of ``slot``'s parameters."""
     out: list[_Piece] = []
     for p, p_start, length, offset in slot.pieces:

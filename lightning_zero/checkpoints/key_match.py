@@ -23,8 +23,10 @@ LOW_COVERAGE = 0.5
 
 
 #: How a user renames a checkpoint's keys, after a :func:`prefix_hint`.
-RENAME = (": `lightning_zero.load_full_checkpoint(path)` gives the checkpoint as a dict whose `state_dict` keys can be "
-          "renamed before `model.load_state_dict(...)`")
+RENAME = (
+    ": `lightning_zero.load_full_checkpoint(path)` gives the checkpoint as a dict whose `state_dict` keys can be "
+    "renamed before `model.load_state_dict(...)`"
+)
 
 
 class PartialLoadWarning(UserWarning):
@@ -65,11 +67,16 @@ def coverage_message(saved: Collection[str], model: Collection[str], source: str
     if matched >= LOW_COVERAGE * len(model):
         return None
     hint = prefix_hint(saved, model)
-    todo = (f"{hint}{RENAME}" if hint is not None else
-            "check that it is a checkpoint of this model (checkpoint keys e.g. "
-            f"{_first(saved)}, model keys e.g. {_first(model)})")
-    return (f"The checkpoint {source} fills {matched} of this model's {len(model)} keys under `strict=False`; "
-            f"the rest keep their initial values. To load it, {todo}.")
+    todo = (
+        f"{hint}{RENAME}"
+        if hint is not None
+        else "check that it is a checkpoint of this model (checkpoint keys e.g. "
+        f"{_first(saved)}, model keys e.g. {_first(model)})"
+    )
+    return (
+        f"The checkpoint {source} fills {matched} of this model's {len(model)} keys under `strict=False`; "
+        f"the rest keep their initial values. To load it, {todo}."
+    )
 
 
 def check_coverage(saved: Collection[str], model: Collection[str], source: str, warn: bool = True) -> None:

@@ -42,7 +42,13 @@ def write_readme(directory: Path, name: str, meta: dict[str, Any], info: dict[st
     """Write ``README.txt`` into ``directory``, the checkpoint that will be called ``name``; ``meta`` is what goes
     into its ``meta.pt`` (Lightning's checkpoint dict), ``info`` lightning-zero's metadata in it."""
     world_size = info.get("world_size", "?")
-    text = _TEXT.format(format=info.get("format", "?"), stage=info.get("stage", "?"), world_size=world_size,
-                        es="" if world_size == 1 else "es", epoch=meta.get("epoch", "?"),
-                        step=meta.get("global_step", "?"), name=name)
+    text = _TEXT.format(
+        format=info.get("format", "?"),
+        stage=info.get("stage", "?"),
+        world_size=world_size,
+        es="" if world_size == 1 else "es",
+        epoch=meta.get("epoch", "?"),
+        step=meta.get("global_step", "?"),
+        name=name,
+    )
     (Path(directory) / README_FILE).write_text(text, encoding="utf-8")

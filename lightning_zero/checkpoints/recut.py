@@ -62,8 +62,10 @@ class Cut:
 
     def __post_init__(self) -> None:
         if self.whole[self.dim] % (self.parts * self.size):
-            raise CheckpointError(f"A tensor of shape {self.whole} cannot be cut into {self.size} slices of "
-                                  f"{self.parts} blocks along dimension {self.dim}.")
+            raise CheckpointError(
+                f"A tensor of shape {self.whole} cannot be cut into {self.size} slices of "
+                f"{self.parts} blocks along dimension {self.dim}."
+            )
 
     @property
     def stacked(self) -> tuple[int, ...]:
@@ -148,7 +150,8 @@ def _cuts(info: dict[str, Any], key: str, shard: Shard) -> Optional[tuple[Cut, C
         raise CheckpointError(
             f"{key} was saved cut along dimension {src.dim} in {src.parts} block(s), and this model cuts it along "
             f"dimension {dst.dim} in {dst.parts} block(s): the layer is column-parallel on one side and "
-            "row-parallel on the other (or fuses other blocks). Resume with the model the checkpoint was trained with.")
+            "row-parallel on the other (or fuses other blocks). Resume with the model the checkpoint was trained with."
+        )
     return (src, dst) if src.size != dst.size else None
 
 
@@ -180,8 +183,10 @@ def to_saved_layout(key: str, shard: Shard, info: dict[str, Any]) -> tuple[Shard
             low = window[0][1]
             staging = torch.empty(window[-1][1] + window[-1][2] - low, dtype=shard.dtype)
             pieces.append((low, staging))
-            copies += [(staging[there - low : there - low + length], piece[offset : offset + length])
-                       for offset, there, length in window]
+            copies += [
+                (staging[there - low : there - low + length], piece[offset : offset + length])
+                for offset, there, length in window
+            ]
     return Shard(src.stacked, shard.dtype, pieces), copies
 
 
@@ -253,7 +258,7 @@ def cannot_recut(info: dict[str, Any], canonical: Sequence[Sequence[Tensor]]) ->
         for key, tensor in info["tensors"].items():
             if not key.startswith(prefix) or key in marked or tensor is None or len(tensor[0]) == 0:
                 continue
-            index = int(key[len(prefix):].split("/", 1)[0])
+            index = int(key[len(prefix) :].split("/", 1)[0])
             if index >= len(params):
                 continue  # another model: refused by the optimizer's own checks
             here = Shard.placed(params[index], params[index].dtype)[0]

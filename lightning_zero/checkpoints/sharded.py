@@ -8,18 +8,14 @@ checkpoint (other model, other optimizers, shapes) runs before anything is writt
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_zero.comm import collectives
 from lightning_zero.checkpoints.key_match import RENAME, check_coverage, coverage_message, prefix_hint
-from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
-from lightning_zero.shards.optimizer import ShardedOptimizer
-from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
 from lightning_zero.checkpoints.recut import (
     Copy,
     cannot_recut,
@@ -29,14 +25,21 @@ from lightning_zero.checkpoints.recut import (
     to_saved_layout,
     whole_shape,
 )
+from lightning_zero.checkpoints.shards import Shard, optimizer_destination, stack_slices
+from lightning_zero.checkpoints.storage import FORMAT, KEY, CheckpointError, load_sharded
+from lightning_zero.comm import collectives
+from lightning_zero.shards.optimizer import ShardedOptimizer
 
 # (shape, dtype name) of a saved tensor, or None for a pickled object
 TensorInfo = Optional[tuple[tuple[int, ...], str]]
 
 
 # ---------------------------------------------------------------------- save
-def split_checkpoint(checkpoint: dict[str, Any], sharded_optimizers: list[ShardedOptimizer], info: dict[str, Any],
-                     ) -> tuple[dict[str, Any], dict[str, Shard], dict[str, Any]]:
+def split_checkpoint(
+    checkpoint: dict[str, Any],
+    sharded_optimizers: list[ShardedOptimizer],
+    info: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Shard], dict[str, Any]]:
     """Cut Lightning's checkpoint dict into DCP objects, this rank's shards, and ``meta.pt`` (complete on rank 0).
 
     ``checkpoint["state_dict"]`` holds :class:`Shard` values (``ZeroStrategy.lightning_module_state_dict``) and each
@@ -60,17 +63,28 @@ def split_checkpoint(checkpoint: dict[str, Any], sharded_optimizers: list[Sharde
             for name, value in entry.items():
                 _put(f"optimizer/{k}/{index}/{name}", value, objects, shards, tensors, slices)
         sharded = sharded_optimizers[k]
-        optimizers.append({"class": type(sharded.optimizer).__qualname__,
-                           "params": [tuple(p.shape) for p in sharded.canonical], "group_sizes": sharded.group_sizes,
-                           "whole_params": [_whole(p) for p in sharded.canonical]})
+        optimizers.append(
+            {
+                "class": type(sharded.optimizer).__qualname__,
+                "params": [tuple(p.shape) for p in sharded.canonical],
+                "group_sizes": sharded.group_sizes,
+                "whole_params": [_whole(p) for p in sharded.canonical],
+            }
+        )
     every = collectives.gather_objects((tensors, slices))
     meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
     if "optimizer_states" in checkpoint:
-        meta["optimizer_states"] = [{"param_groups": s["param_groups"], "sharded": True}
-                                    for s in checkpoint["optimizer_states"]]
-    meta[KEY] = {**info, "format": FORMAT, "model": model, "optimizers": optimizers,
-                 "tensors": {k: v for part, _ in (every or []) for k, v in part.items()},
-                 "tensor_parallel": {k: v for _, part in (every or []) for k, v in part.items()}}
+        meta["optimizer_states"] = [
+            {"param_groups": s["param_groups"], "sharded": True} for s in checkpoint["optimizer_states"]
+        ]
+    meta[KEY] = {
+        **info,
+        "format": FORMAT,
+        "model": model,
+        "optimizers": optimizers,
+        "tensors": {k: v for part, _ in (every or []) for k, v in part.items()},
+        "tensor_parallel": {k: v for _, part in (every or []) for k, v in part.items()},
+    }
     return objects, shards, meta
 
 
@@ -79,8 +93,14 @@ def _whole(param: Tensor) -> tuple[int, ...]:
     return Shard.placed(param, param.dtype)[0].full_shape
 
 
-def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard], tensors: dict[str, TensorInfo],
-         slices: dict[str, Optional[tuple[int, int]]]) -> None:
+def _put(
+    key: str,
+    value: Any,
+    objects: dict[str, Any],
+    shards: dict[str, Shard],
+    tensors: dict[str, TensorInfo],
+    slices: dict[str, Optional[tuple[int, int]]],
+) -> None:
     if isinstance(value, Tensor):
         value = Shard.whole(value)
     if isinstance(value, Shard):
@@ -97,14 +117,23 @@ def _put(key: str, value: Any, objects: dict[str, Any], shards: dict[str, Shard]
 
 
 # ---------------------------------------------------------------------- model
-def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], strict: bool, source: str,
-                     full: bool = False, warn: bool = True) -> None:
+def check_model_keys(
+    saved: dict[str, tuple[int, ...]],
+    dest: dict[str, Shard],
+    strict: bool,
+    source: str,
+    full: bool = False,
+    warn: bool = True,
+) -> None:
     """Refuse a checkpoint of another model: shapes must match (``full``: the shapes of whole tensors, as a file in
     ``ddp``'s form has them); with ``strict`` the keys too (as ``nn.Module``); without, at least one key, and fewer
     than half of them warns when ``warn`` (see [Note: a non-strict load says what it skipped])."""
     shape_of = (lambda d: d.full_shape) if full else (lambda d: d.shape)
-    mismatched = [f"{k}: checkpoint {tuple(saved[k])}, model {shape_of(d)}" for k, d in dest.items()
-                  if k in saved and tuple(saved[k]) != tuple(shape_of(d))]
+    mismatched = [
+        f"{k}: checkpoint {tuple(saved[k])}, model {shape_of(d)}"
+        for k, d in dest.items()
+        if k in saved and tuple(saved[k]) != tuple(shape_of(d))
+    ]
     missing = [k for k in dest if k not in saved]
     unexpected = [k for k in saved if k not in dest]
     problems = []
@@ -116,8 +145,11 @@ def check_model_keys(saved: dict[str, tuple[int, ...]], dest: dict[str, Shard], 
         problems.append("unexpected keys " + _some(unexpected))
     if problems:
         hint = _keys_hint(saved, dest, mismatched)
-        raise CheckpointError(f"The checkpoint {source} does not fit this model: " + "; ".join(problems) +
-                              f". It comes from a different model (or another version of it){hint}.")
+        raise CheckpointError(
+            f"The checkpoint {source} does not fit this model: "
+            + "; ".join(problems)
+            + f". It comes from a different model (or another version of it){hint}."
+        )
     if not strict:
         check_coverage(saved, dest, source, warn)
 
@@ -133,8 +165,9 @@ def _keys_hint(saved: Collection[str], dest: Collection[str], mismatched: list[s
     return "; pass `strict=False` to load the keys both have"
 
 
-def load_model_from_dir(path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool,
-                        collective: bool, trusted: bool = False) -> None:
+def load_model_from_dir(
+    path: Path, meta: dict[str, Any], dest: dict[str, Shard], strict: bool, collective: bool, trusted: bool = False
+) -> None:
     """Read the model's tensors from a checkpoint directory into ``dest`` (``model_shards`` of the module); slices
     saved at another tensor-parallel size are re-cut (see [Note: re-cutting tensor-parallel slices on load]).
     ``trusted``: as ``load_sharded``."""
@@ -170,8 +203,9 @@ def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: 
                     piece.copy_(full[start : start + piece.numel()])
 
 
-def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, source: str,
-                          sharded_optimizers: Sequence[ShardedOptimizer] = ()) -> None:
+def check_tensor_parallel(
+    info: dict[str, Any], tensor_parallel_size: int, source: str, sharded_optimizers: Sequence[ShardedOptimizer] = ()
+) -> None:
     """Refuse a sharded checkpoint written with another tensor-parallel degree if a state in it cannot be re-cut to
     this run's slices (see [Note: re-cutting tensor-parallel slices on load]); ``sharded_optimizers``: the run's,
     whose parameters tell which whole states of a t = 1 checkpoint are slices here. Nothing is read or changed."""
@@ -187,7 +221,8 @@ def check_tensor_parallel(info: dict[str, Any], tensor_parallel_size: int, sourc
             "factored statistics, for instance) and cannot be re-cut: a slice's statistics are means over its own "
             "rows or columns, and those of another cut are not in the checkpoint. Nothing was loaded. Resume with "
             f"`tensor_parallel_size={saved}`, or consolidate its weights (`lightning-zero consolidate "
-            "--weights-only`) and load that file (each rank cuts its slices), starting the optimizer afresh.")
+            "--weights-only`) and load that file (each rank cuts its slices), starting the optimizer afresh."
+        )
 
 
 # ---------------------------------------------------------------------- optimizers
@@ -197,7 +232,7 @@ def optimizer_keys(info: dict[str, Any], k: int) -> dict[tuple[int, str], tuple[
     out = {}
     for key, tensor in info["tensors"].items():
         if key.startswith(prefix):
-            index, name = key[len(prefix):].split("/", 1)
+            index, name = key[len(prefix) :].split("/", 1)
             out[(int(index), name)] = (key, tensor)
     return out
 
@@ -215,8 +250,13 @@ def check_optimizer_count(saved: int, sharded_optimizers: list[ShardedOptimizer]
         )
 
 
-def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizers: list[ShardedOptimizer],
-                             collective: bool, trusted: bool = False) -> None:
+def load_optimizers_from_dir(
+    path: Path,
+    meta: dict[str, Any],
+    sharded_optimizers: list[ShardedOptimizer],
+    collective: bool,
+    trusted: bool = False,
+) -> None:
     """Read every optimizer's state from a checkpoint directory into the shards this rank owns (``trusted``: as
     ``load_sharded``)."""
     info = meta[KEY]
@@ -230,9 +270,14 @@ def load_optimizers_from_dir(path: Path, meta: dict[str, Any], sharded_optimizer
     dests, object_keys = [], []
     for k, sharded in enumerate(sharded_optimizers):
         saved = optimizer_keys(info, k)
-        dest = optimizer_destination(sharded, {i: (_shape_here(info, key, sharded.canonical[i[0]], tuple(t[0])),
-                                                  getattr(torch, t[1]))
-                                              for i, (key, t) in saved.items() if not is_stored_as_object(t)})
+        dest = optimizer_destination(
+            sharded,
+            {
+                i: (_shape_here(info, key, sharded.canonical[i[0]], tuple(t[0])), getattr(torch, t[1]))
+                for i, (key, t) in saved.items()
+                if not is_stored_as_object(t)
+            },
+        )
         for i, shard in dest.shards.items():
             shards[saved[i][0]], copies[saved[i][0]] = to_saved_layout(saved[i][0], shard, info)
         wanted = {sharded.managed[p] for slot in sharded.slots for p, *_ in slot.pieces}
@@ -259,8 +304,12 @@ def _shape_here(info: dict[str, Any], key: str, param: Tensor, shape: tuple[int,
     return shape
 
 
-def check_optimizer_fits(saved: dict[str, Any], sharded: ShardedOptimizer, source: str,
-                         wholes: Optional[list[Optional[tuple[int, ...]]]] = None) -> None:
+def check_optimizer_fits(
+    saved: dict[str, Any],
+    sharded: ShardedOptimizer,
+    source: str,
+    wholes: Optional[list[Optional[tuple[int, ...]]]] = None,
+) -> None:
     """Refuse an optimizer state saved for other param groups or parameters: with ``wholes`` (the saved parameters'
     whole shapes, :func:`_saved_wholes`) the shapes of the whole tensors their tensor-parallel slices are cut from,
     which any tensor-parallel size shares; where a whole shape is unknown (``None``) the slices' own shapes."""
@@ -270,12 +319,16 @@ def check_optimizer_fits(saved: dict[str, Any], sharded: ShardedOptimizer, sourc
             f"{saved['class']} here has {sharded.group_sizes}. Resume with the same model and `configure_optimizers`."
         )
     wholes = wholes if wholes is not None else [None] * len(saved["params"])
-    pairs = [(tuple(whole), _whole(p)) if whole is not None else (tuple(local), tuple(p.shape))
-             for whole, local, p in zip(wholes, saved["params"], sharded.canonical)]
+    pairs = [
+        (tuple(whole), _whole(p)) if whole is not None else (tuple(local), tuple(p.shape))
+        for whole, local, p in zip(wholes, saved["params"], sharded.canonical)
+    ]
     bad = [f"parameter {i}: checkpoint {a}, model {b}" for i, (a, b) in enumerate(pairs) if a != b]
     if bad:
-        raise CheckpointError(f"The optimizer state in {source} is for parameters of other shapes ({_some(bad)}); "
-                              "it comes from a different model.")
+        raise CheckpointError(
+            f"The optimizer state in {source} is for parameters of other shapes ({_some(bad)}); "
+            "it comes from a different model."
+        )
 
 
 def _saved_wholes(info: dict[str, Any], k: int) -> list[Optional[tuple[int, ...]]]:

@@ -74,16 +74,22 @@ class Shard:
         return tuple(full)
 
     @classmethod
-    def placed(cls, tensor: Tensor, dtype: torch.dtype, owner: Optional[Tensor] = None,
-               per_element: bool = True) -> tuple["Shard", int]:
+    def placed(
+        cls, tensor: Tensor, dtype: torch.dtype, owner: Optional[Tensor] = None, per_element: bool = True
+    ) -> tuple["Shard", int]:
         """An empty ``Shard`` for ``tensor`` (a parameter, or a state of the parameter ``owner``) and the offset of this
         rank's slice in it: 0, or for a tensor-parallel slice ``j * numel`` of the stacked tensor."""
         where = tensor_parallel_slice(owner if owner is not None else tensor)
         if where is None or tensor.dim() == 0:  # a scalar (a step count) is the same on every tensor-parallel rank
             return cls(tuple(tensor.shape), dtype), 0
         local = tuple(tensor.shape)
-        shard = cls((where.size, *local), dtype, local_shape=local, joins_along=where.dim if per_element else None,
-                    parts=where.parts)
+        shard = cls(
+            (where.size, *local),
+            dtype,
+            local_shape=local,
+            joins_along=where.dim if per_element else None,
+            parts=where.parts,
+        )
         return shard, where.rank * math.prod(local)
 
     @classmethod
@@ -220,8 +226,10 @@ def _whole_value(value: Any) -> Any:
     return value.pieces[0][1].view(shape).clone() if value.pieces else torch.zeros(shape, dtype=value.dtype)
 
 
-def optimizer_destination(sharded: ShardedOptimizer, saved: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]],
-                          ) -> OptimizerDestination:
+def optimizer_destination(
+    sharded: ShardedOptimizer,
+    saved: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]],
+) -> OptimizerDestination:
     """Destinations for the saved optimizer tensors this rank needs: ``saved`` maps ``(canonical index, key)`` to the
     saved shape and dtype. Per-element states are read into slot-shaped tensors, the rest whole."""
     by_param: dict[int, list[tuple[str, tuple[int, ...], torch.dtype]]] = {}
@@ -248,6 +256,9 @@ def optimizer_destination(sharded: ShardedOptimizer, saved: dict[tuple[int, str]
 
 def is_per_element(value: Any, slot: MasterSlot, param: Tensor) -> bool:
     """Whether an optimizer state has one entry per element of the master (``exp_avg``), not ``step`` or a factor."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == math.prod(slot.shape) and (
-        len(slot.shape) == 1 or tuple(value.shape) == tuple(param.shape)
+    return (
+        isinstance(value, Tensor)
+        and value.dim() > 0
+        and value.numel() == math.prod(slot.shape)
+        and (len(slot.shape) == 1 or tuple(value.shape) == tuple(param.shape))
     )

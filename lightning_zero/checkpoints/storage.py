@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_zero.comm import collectives
 from lightning_zero.checkpoints.errors import CheckpointError, agree_on_failure
 from lightning_zero.checkpoints.readme import write_readme
 from lightning_zero.checkpoints.shards import Shard
@@ -56,6 +55,7 @@ from lightning_zero.checkpoints.staging import (
     write_meta_digest,
 )
 from lightning_zero.checkpoints.trust import SafeFileSystemReader, torch_load
+from lightning_zero.comm import collectives
 from lightning_zero.process.faults import fault_point
 from lightning_zero.process.shutdown import GUARD
 
@@ -128,8 +128,9 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         items: list[ReadItem] = []
         for key, shard in self.shards.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([p.numel()]))
-                      for s, p in shard.pieces]
+            chunks = [
+                ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([p.numel()])) for s, p in shard.pieces
+            ]
             items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
         return dataclasses.replace(plan, items=plan.items + items)
 
@@ -159,13 +160,13 @@ def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], 
         try:
             fault_point("save.prepare")
             lock = make_staging(path, staging, token)
-        except Exception as error:  # noqa: BLE001 - agreed on below, raised on every rank
+        except Exception as error:
             failed = error
     agree_on_failure(path, "making its staging directory", failed)
     try:
         with GUARD:  # a signal waits for the write to end (see [Note: signals act at agreed step boundaries])
             _write_sharded(path, staging, token, objects, shards, meta)
-    except BaseException as error:  # noqa: BLE001 - any failure must not leave a half-written directory behind
+    except BaseException as error:
         failed = error
     try:
         agree_on_failure(path, "writing", failed)
@@ -176,8 +177,9 @@ def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], 
             lock.release()
 
 
-def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any], shards: dict[str, Shard],
-                   meta: dict[str, Any]) -> None:
+def _write_sharded(
+    path: Path, staging: Path, token: str, objects: dict[str, Any], shards: dict[str, Shard], meta: dict[str, Any]
+) -> None:
     dcp.save(objects, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), planner=_ShardSavePlanner(shards))
     fault_point("save.written")
     own = {f.name: _describe(f) for f in staging.glob(f"__{collectives.rank()}_*.distcp")}
@@ -186,7 +188,9 @@ def _write_sharded(path: Path, staging: Path, token: str, objects: dict[str, Any
         files = {name: info for part in every for name, info in part.items()}
         files[".metadata"] = _describe(staging / ".metadata")
         meta[KEY]["files"] = files
-        write_readme(staging, path.name, meta, meta.get(KEY, {}))  # what the directory is, for people (never read by a load)
+        write_readme(
+            staging, path.name, meta, meta.get(KEY, {})
+        )  # what the directory is, for people (never read by a load)
         _save_file(meta, staging / META_FILE)
         write_meta_digest(staging, staging / META_FILE)
         _replace(staging, path, token)
@@ -245,8 +249,10 @@ def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
     data = meta_file.read_bytes()
     problem = meta_digest_problem(path, data)  # see [Note: every byte a load reads is checked first]
     if problem is not None:
-        raise CheckpointError(f"The checkpoint {path} is damaged: {problem}. Nothing was loaded. Use another "
-                              "checkpoint (e.g. an earlier one).")
+        raise CheckpointError(
+            f"The checkpoint {path} is damaged: {problem}. Nothing was loaded. Use another "
+            "checkpoint (e.g. an earlier one)."
+        )
     try:
         meta = torch_load(data, meta_file, trusted)
     except CheckpointError:
@@ -256,8 +262,9 @@ def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
     info = meta.get(KEY) if isinstance(meta, dict) else None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         found = info.get("format") if isinstance(info, dict) else None
-        raise CheckpointError(f"{meta_file} is not lightning-zero checkpoint metadata of format {FORMAT!r} "
-                              f"(found {found!r}).")
+        raise CheckpointError(
+            f"{meta_file} is not lightning-zero checkpoint metadata of format {FORMAT!r} (found {found!r})."
+        )
     return meta
 
 
@@ -268,13 +275,21 @@ def check_files(path: Path, meta: dict[str, Any], verify: bool = True, collectiv
     """
     names = sorted(meta[KEY]["files"])
     rank, world = (collectives.rank(), collectives.world_size()) if collective else (0, 1)
-    problems = [p for i, name in enumerate(names) if i % world == rank
-                for p in [_file_problem(Path(path) / name, meta[KEY]["files"][name], verify)] if p]
+    problems = [
+        p
+        for i, name in enumerate(names)
+        if i % world == rank
+        for p in [_file_problem(Path(path) / name, meta[KEY]["files"][name], verify)]
+        if p
+    ]
     if collective:
         problems = [p for part in collectives.all_gather_objects(problems) for p in part]
     if problems:
-        raise CheckpointError(f"The checkpoint {path} is damaged: " + "; ".join(problems) +
-                              ". Nothing was loaded. Use another checkpoint (e.g. an earlier one).")
+        raise CheckpointError(
+            f"The checkpoint {path} is damaged: "
+            + "; ".join(problems)
+            + ". Nothing was loaded. Use another checkpoint (e.g. an earlier one)."
+        )
 
 
 def _file_problem(file: Path, expected: tuple[int, int], verify: bool) -> Optional[str]:
@@ -289,8 +304,13 @@ def _file_problem(file: Path, expected: tuple[int, int], verify: bool) -> Option
     return None
 
 
-def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[str, Any]] = None,
-                 collective: bool = True, trusted: bool = False) -> None:
+def load_sharded(
+    path: Path,
+    shards: dict[str, Shard],
+    objects: Optional[dict[str, Any]] = None,
+    collective: bool = True,
+    trusted: bool = False,
+) -> None:
     """Read the saved pieces overlapping ``shards`` into them, and the pickled ``objects`` into that dict.
 
     ``collective``: every rank of the process group calls this (DCP coordinates the plans); otherwise this process
@@ -312,10 +332,12 @@ def load_sharded(path: Path, shards: dict[str, Shard], objects: Optional[dict[st
 
 
 def missing_message(path: Path) -> str:
-    """"No checkpoint at PATH", and where the previous checkpoint is if an overwrite of it was interrupted."""
+    """ "No checkpoint at PATH", and where the previous checkpoint is if an overwrite of it was interrupted."""
     message = f"No checkpoint at {path}."
     backups = siblings(path, "old")
     if backups:
-        message += (f" A save that replaced it was interrupted; the previous checkpoint is intact at {backups[-1]}: "
-                    f"rename it to {path.name} to use it.")
+        message += (
+            f" A save that replaced it was interrupted; the previous checkpoint is intact at {backups[-1]}: "
+            f"rename it to {path.name} to use it."
+        )
     return message

@@ -55,13 +55,30 @@ DATA_TYPES: list[type] = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePo
 
 #: ``(module, name)`` of the classes DCP pickles into ``.metadata``, resolved by :class:`_MetadataUnpickler`.
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    [("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")]
-    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")]
-    + [(module, name) for module in ("pathlib", "pathlib._local")
-       for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")]
+    [
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ]
+    + [
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    ]
+    + [
+        (module, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    ]
 )
 
 _SourceFile = Union[Path, bytes, IO[bytes]]
@@ -73,8 +90,10 @@ class UntrustedCheckpointError(CheckpointError):
 
     def __init__(self, file: Union[Path, str], refused: list[str], hint: str = TRUST_HINT) -> None:
         kinds = ", ".join(f"`{name}`" for name in refused) or "a type outside the allow-list"
-        super().__init__(f"{file} holds {kinds}, which a checkpoint may not hold: unpickling it could run code. "
-                         f"Nothing was loaded and nothing in it ran. {hint}")
+        super().__init__(
+            f"{file} holds {kinds}, which a checkpoint may not hold: unpickling it could run code. "
+            f"Nothing was loaded and nothing in it ran. {hint}"
+        )
         self.file = file
         self.refused = refused
         self.hint = hint
@@ -89,8 +108,9 @@ def safe_types() -> list[Union[Callable[..., Any], tuple[Callable[..., Any], str
     return list(DATA_TYPES)
 
 
-def torch_load(source: _SourceFile, file: Union[Path, str], trusted: bool = False, mmap: bool = False,
-               hint: str = TRUST_HINT) -> Any:
+def torch_load(
+    source: _SourceFile, file: Union[Path, str], trusted: bool = False, mmap: bool = False, hint: str = TRUST_HINT
+) -> Any:
     """``torch.load`` of ``source`` (a path, bytes or a file object; ``file`` is its name in errors) admitting only
     data (see [Note: a checkpoint is data, never code]); ``trusted``: anything, as the user asked for this load.
     ``hint``: what a refusal tells the user to do."""
@@ -111,11 +131,15 @@ def _refused_globals(source: _SourceFile, error: Exception) -> list[str]:
         if not isinstance(source, (Path, bytes)):
             source.seek(0)
         found = torch.serialization.get_unsafe_globals_in_checkpoint(
-            io.BytesIO(source) if isinstance(source, bytes) else source)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - the error torch raised still names the type
+            io.BytesIO(source) if isinstance(source, bytes) else source
+        )  # type: ignore[arg-type]
+    except Exception:
         found = []
-    return sorted(found) or re.findall(r"GLOBAL ([\w.]+)", str(error))[:1] or re.findall(
-        r"WeightsUnpickler error: (.+)", str(error))[:1]
+    return (
+        sorted(found)
+        or re.findall(r"GLOBAL ([\w.]+)", str(error))[:1]
+        or re.findall(r"WeightsUnpickler error: (.+)", str(error))[:1]
+    )
 
 
 class _Refused(pickle.UnpicklingError):
@@ -129,7 +153,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in METADATA_GLOBALS or (
-                module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)):
+            module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
 
@@ -145,8 +170,10 @@ def load_dcp_metadata(stream: IO[bytes], file: Path, trusted: bool = False) -> M
     except Exception as error:
         raise CheckpointError(f"{file} cannot be read ({error}); the checkpoint is damaged.") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file} is not torch.distributed.checkpoint's index (it holds a "
-                              f"{type(metadata).__name__}); the checkpoint is damaged.")
+        raise CheckpointError(
+            f"{file} is not torch.distributed.checkpoint's index (it holds a "
+            f"{type(metadata).__name__}); the checkpoint is damaged."
+        )
     return metadata
 
 

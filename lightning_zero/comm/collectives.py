@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from lightning_zero.comm.traffic import Group
 
-
 # torch >= 2.12 renames the tensor collectives; older releases (the GPU machines run 2.11) only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -127,8 +126,9 @@ def _on_gloo(group: Optional[Any]) -> bool:
     return dist.get_backend(_pg(group)) == "gloo" and os.environ.get("LIGHTNING_ZERO_GLOO_NATIVE", "0") != "1"
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
-                   async_op: bool = False) -> Any:
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False
+) -> Any:
     """Sum ``input`` (``world_size`` equal chunks) over ranks; this rank's chunk of the sum lands in ``output``.
 
     ``input`` is scratch: on gloo its contents are undefined afterwards.
@@ -149,8 +149,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[An
     return work
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False,
-               verified: bool = True) -> Any:
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[Any] = None,
+    async_op: bool = False,
+    verified: bool = True,
+) -> Any:
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's slice of ``output``.
 
     ``verified=False`` keeps gloo's own all-gather: for gathers whose order follows the model's control flow and that
@@ -220,8 +225,10 @@ def _exchange_reduce(output: torch.Tensor, input: torch.Tensor, group: Optional[
     part of this rank's chunk into ``output``, and add this rank's own part when waited for."""
     pg, n, r = _pg(group), output.numel(), rank(group)
     tag, peer = _next_tag(group), 1 - r
-    works = [dist.isend(input[peer * n : (peer + 1) * n], group=pg, group_dst=peer, tag=tag),
-             dist.irecv(output, group=pg, group_src=peer, tag=tag)]
+    works = [
+        dist.isend(input[peer * n : (peer + 1) * n], group=pg, group_dst=peer, tag=tag),
+        dist.irecv(output, group=pg, group_src=peer, tag=tag),
+    ]
     return _Exchange(works, lambda: output.add_(input[r * n : (r + 1) * n]))
 
 
@@ -386,8 +393,9 @@ class PendingPositions:
     def __init__(self, values: list[int], group: Any) -> None:
         self._width = len(values)
         self._out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
-        self._work = _all_gather_single(self._out, torch.tensor(values, dtype=torch.int64), group=_pg(group),
-                                        async_op=True)
+        self._work = _all_gather_single(
+            self._out, torch.tensor(values, dtype=torch.int64), group=_pg(group), async_op=True
+        )
 
     def result(self) -> list[list[int]]:
         """Wait for the exchange; one row per rank."""

@@ -28,7 +28,6 @@ from typing import Any, Optional, Union
 from lightning_zero.comm import collectives
 from lightning_zero.comm.traffic import Group, Traffic
 
-
 _COUNTED = ("shard", "replicate", "tensor", "data", "secondary")
 """The fields of :class:`ShardGroups` that hold a process group; each counts under its own name as scope (``shard``
 made with ``None``, the world, under ``"world"``)."""
@@ -110,8 +109,12 @@ class ShardGroups:
         return collectives.global_rank(group, 0) if group.process_group is not None else 0
 
 
-def make_shard_groups(shard_group_size: int, tensor_parallel_size: int = 1, device_type: str = "cpu",
-                      secondary_shard_group_size: Optional[int] = None) -> ShardGroups:
+def make_shard_groups(
+    shard_group_size: int,
+    tensor_parallel_size: int = 1,
+    device_type: str = "cpu",
+    secondary_shard_group_size: Optional[int] = None,
+) -> ShardGroups:
     """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
     ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh; a new object (its own
     counters) on every call.
@@ -141,12 +144,14 @@ def _secondary_group(world: int, size: Optional[int]) -> Optional[Any]:
     per job; ``None`` when ``size`` is ``None``."""
     if size is None:
         return None
-    return collectives.job_group(("secondary", world, size),
-                                 lambda: collectives.new_group(hybrid_rank_lists(world, size)[0]))
+    return collectives.job_group(
+        ("secondary", world, size), lambda: collectives.new_group(hybrid_rank_lists(world, size)[0])
+    )
 
 
-def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: str,
-                            shard_group_size: int) -> ShardGroups:
+def _tensor_parallel_groups(
+    world: int, tensor_parallel_size: int, device_type: str, shard_group_size: int
+) -> ShardGroups:
     """The data-parallel and tensor-parallel groups of a (world / t) x t ``DeviceMesh``, made once per job; with a
     ``shard_group_size`` k below the data-parallel size d, also the shard groups (k consecutive data-parallel ranks
     of each tensor rank) and replica groups of hybrid sharding inside the data dimension.
@@ -166,8 +171,10 @@ def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: 
     """
     t = tensor_parallel_size
     if world % t or (world // t) % shard_group_size:
-        raise ValueError(f"tensor_parallel_size {t} and shard_group_size {shard_group_size} do not divide the world "
-                         f"size {world} into a (data x tensor) mesh with equal shard groups.")
+        raise ValueError(
+            f"tensor_parallel_size {t} and shard_group_size {shard_group_size} do not divide the world "
+            f"size {world} into a (data x tensor) mesh with equal shard groups."
+        )
     d = world // t
 
     def make() -> tuple[Any, ...]:
@@ -181,15 +188,21 @@ def _tensor_parallel_groups(world: int, tensor_parallel_size: int, device_type: 
         replicate = collectives.new_group([[i * t + j for i in ranks] for j in range(t) for ranks in replica_lists])
         return mesh, data, tensor, shard, replicate
 
-    mesh, data, tensor, shard, replicate = collectives.job_group(("tensor", world, t, device_type, shard_group_size),
-                                                                 make)
+    mesh, data, tensor, shard, replicate = collectives.job_group(
+        ("tensor", world, t, device_type, shard_group_size), make
+    )
     if shard is None:
         return ShardGroups(shard=data, tensor=tensor, mesh=mesh)
     return ShardGroups(shard, replicate, d // shard_group_size, tensor=tensor, mesh=mesh, data=data)
 
 
-def resolve_shard_group_size(configured: Optional[Union[int, str]], world_size: int, devices_per_node: int,
-                             num_nodes: int, tensor_parallel_size: int = 1) -> int:
+def resolve_shard_group_size(
+    configured: Optional[Union[int, str]],
+    world_size: int,
+    devices_per_node: int,
+    num_nodes: int,
+    tensor_parallel_size: int = 1,
+) -> int:
     """The shard group size of a job: ``configured`` (a number of ranks, or ``"node"``: one node's devices), by
     default the whole world (the paper's N, whatever ``num_nodes`` is); with tensor parallelism the data-parallel
     size, ``"node"`` then being one node's data-parallel rows. Raises a ``ValueError`` if it does not divide
@@ -197,27 +210,35 @@ def resolve_shard_group_size(configured: Optional[Union[int, str]], world_size: 
     t = tensor_parallel_size
     if t > 1:
         if world_size % t:
-            raise ValueError(f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
-                             f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
-                             f"Pick one of {_divisors(world_size)} (e.g. the devices per node).")
+            raise ValueError(
+                f"`tensor_parallel_size={t}` does not divide the world size {world_size} ({num_nodes} "
+                f"node(s) x {devices_per_node} device(s)): the ranks must form a (data x tensor) mesh. "
+                f"Pick one of {_divisors(world_size)} (e.g. the devices per node)."
+            )
         d = world_size // t
         if configured == "node":
             if devices_per_node % t:
-                raise ValueError(f"`shard_group_size='node'` with `tensor_parallel_size={t}` needs whole tensor "
-                                 f"groups inside a node, but a node has {devices_per_node} device(s). Pick a "
-                                 f"`tensor_parallel_size` that divides {devices_per_node}, or a number of ranks.")
+                raise ValueError(
+                    f"`shard_group_size='node'` with `tensor_parallel_size={t}` needs whole tensor "
+                    f"groups inside a node, but a node has {devices_per_node} device(s). Pick a "
+                    f"`tensor_parallel_size` that divides {devices_per_node}, or a number of ranks."
+                )
             configured = devices_per_node // t
         if configured is not None and (configured < 1 or d % configured):
-            raise ValueError(f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
-                             f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
-                             f"groups split the data dimension. Pick one of {_divisors(d)}, or leave it out (all {d}).")
+            raise ValueError(
+                f"`shard_group_size={configured}` does not divide the data-parallel size {d} (world "
+                f"size {world_size} / `tensor_parallel_size={t}`): with tensor parallelism the shard "
+                f"groups split the data dimension. Pick one of {_divisors(d)}, or leave it out (all {d})."
+            )
         return configured if configured is not None else d
     k = devices_per_node if configured == "node" else configured if configured is not None else world_size
     assert isinstance(k, int)
     if k < 1 or world_size % k:
-        raise ValueError(f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
-                         f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
-                         f"{_divisors(world_size)}, or 'node' (the devices per node), or leave it out (all ranks).")
+        raise ValueError(
+            f"`shard_group_size={k}` does not divide the world size {world_size} ({num_nodes} node(s) x "
+            f"{devices_per_node} device(s)): the ranks must split into equal shard groups. Pick one of "
+            f"{_divisors(world_size)}, or 'node' (the devices per node), or leave it out (all ranks)."
+        )
     return k
 
 
@@ -227,14 +248,18 @@ def resolve_secondary_group_size(configured: Optional[int], world_size: int, sha
     if configured is None:
         return None
     if world_size % configured:
-        raise ValueError(f"`secondary_shard_group_size={configured}` does not divide the world size {world_size}: the "
-                         f"ranks must split into equal secondary groups. Pick one of {_divisors(world_size)} (e.g. "
-                         "the devices per node), or leave it out.")
+        raise ValueError(
+            f"`secondary_shard_group_size={configured}` does not divide the world size {world_size}: the "
+            f"ranks must split into equal secondary groups. Pick one of {_divisors(world_size)} (e.g. "
+            "the devices per node), or leave it out."
+        )
     if shard_group_size != world_size:
-        raise ValueError(f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
-                         f"this job shards over groups of {shard_group_size} (hybrid sharding), which already keeps the "
-                         "all-gathers inside them. Leave `shard_group_size` out (all ranks), or leave "
-                         "`secondary_shard_group_size` out.")
+        raise ValueError(
+            f"`secondary_shard_group_size` (hpZ) needs stage 3 sharded over all {world_size} ranks, but "
+            f"this job shards over groups of {shard_group_size} (hybrid sharding), which already keeps the "
+            "all-gathers inside them. Leave `shard_group_size` out (all ranks), or leave "
+            "`secondary_shard_group_size` out."
+        )
     return configured
 
 

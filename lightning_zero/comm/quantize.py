@@ -73,8 +73,13 @@ class Scratch:
         return sum(t.numel() * t.element_size() for ts in self._idle.values() for t in ts)
 
 
-def quantize(x: Tensor, block: int, scratch: Optional[Scratch] = None, codes: Optional[Tensor] = None,
-             scales: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def quantize(
+    x: Tensor,
+    block: int,
+    scratch: Optional[Scratch] = None,
+    codes: Optional[Tensor] = None,
+    scales: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """Codes (int8, ``blocks * block`` elements) and scales (fp32, one per block) of the flat ``x`` (see
     [Note: blockwise int8 quantization]), written into ``codes`` and ``scales`` if given; the fp32 work buffer is
     taken from ``scratch`` and given back."""
@@ -96,8 +101,9 @@ def quantize(x: Tensor, block: int, scratch: Optional[Scratch] = None, codes: Op
     return codes, scales
 
 
-def dequantize(codes: Tensor, scales: Tensor, numel: int, out: Optional[Tensor] = None,
-               scratch: Optional[Scratch] = None) -> Tensor:
+def dequantize(
+    codes: Tensor, scales: Tensor, numel: int, out: Optional[Tensor] = None, scratch: Optional[Scratch] = None
+) -> Tensor:
     """The first ``numel`` values of ``codes * scales`` (blockwise), written into ``out`` if given (any dtype); with
     ``out`` and ``scratch``, the fp32 work buffer is lent by ``scratch``."""
     block = codes.numel() // scales.numel()
@@ -122,8 +128,16 @@ class _Dequantize:
     """A work handle whose ``wait`` waits for the gathers of codes and scales, then dequantizes every rank's chunk
     into ``output`` and gives the exchange's buffers back to ``scratch``."""
 
-    def __init__(self, works: list[Any], output: Tensor, codes: Tensor, scales: Tensor, ranks: int,
-                 scratch: Scratch, lent: tuple[Tensor, ...]) -> None:
+    def __init__(
+        self,
+        works: list[Any],
+        output: Tensor,
+        codes: Tensor,
+        scales: Tensor,
+        ranks: int,
+        scratch: Scratch,
+        lent: tuple[Tensor, ...],
+    ) -> None:
         self.works, self.output, self.codes, self.scales, self.ranks = works, output, codes, scales, ranks
         self.scratch, self.lent = scratch, lent
 
@@ -140,8 +154,9 @@ class _Dequantize:
         return True
 
 
-def all_gather_quantized(output: Tensor, input: Tensor, block: int, group: Optional[Any] = None,
-                         scratch: Optional[Scratch] = None) -> Any:
+def all_gather_quantized(
+    output: Tensor, input: Tensor, block: int, group: Optional[Any] = None, scratch: Optional[Scratch] = None
+) -> Any:
     """qwZ: concatenate every rank's ``input`` into ``output`` as blockwise int8 (see [Note: qwZ, the quantized
     all-gather of weights]); asynchronous, the values land at ``wait``. Counted as ``all_gather`` (codes and scales).
     The codes and scales in flight are lent by ``scratch`` until ``wait``."""
@@ -153,13 +168,16 @@ def all_gather_quantized(output: Tensor, input: Tensor, block: int, group: Optio
     codes = scratch.take(blocks * block, torch.int8, input.device)
     scales = scratch.take(blocks, torch.float32, input.device)
     quantize(input, block, scratch, codes, scales)
-    works = [collectives.all_gather(all_codes, codes, group=group, async_op=True, verified=False),
-             collectives.all_gather(all_scales, scales, group=group, async_op=True, verified=False)]
+    works = [
+        collectives.all_gather(all_codes, codes, group=group, async_op=True, verified=False),
+        collectives.all_gather(all_scales, scales, group=group, async_op=True, verified=False),
+    ]
     return _Dequantize(works, output, all_codes, all_scales, ranks, scratch, (all_codes, all_scales, codes, scales))
 
 
-def reduce_scatter_quantized(output: Tensor, input: Tensor, block: int, group: Optional[Any] = None,
-                             scratch: Optional[Scratch] = None) -> Any:
+def reduce_scatter_quantized(
+    output: Tensor, input: Tensor, block: int, group: Optional[Any] = None, scratch: Optional[Scratch] = None
+) -> Any:
     """qgZ: sum ``input`` (``world_size`` equal chunks) over ranks into this rank's chunk ``output``, sending each
     chunk as blockwise int8 by one all-to-all and summing the dequantized contributions in fp32 (see [Note: qgZ, the
     quantized reduce-scatter of gradients]). Synchronous: returns a finished work handle. Counted as ``all_to_all``

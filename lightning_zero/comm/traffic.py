@@ -53,8 +53,12 @@ class Traffic:
 
     def snapshot(self) -> dict[str, Any]:
         """A plain copy: ``{"bytes": {...}, "elements": {...}, "calls": {...}, "scopes": {scope: {...}}}``."""
-        return {"bytes": dict(self.bytes), "elements": dict(self.elements), "calls": dict(self.calls),
-                "scopes": {scope: dict(kinds) for scope, kinds in self.scopes.items()}}
+        return {
+            "bytes": dict(self.bytes),
+            "elements": dict(self.elements),
+            "calls": dict(self.calls),
+            "scopes": {scope: dict(kinds) for scope, kinds in self.scopes.items()},
+        }
 
 
 @dataclass(frozen=True, eq=False)

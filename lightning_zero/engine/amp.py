@@ -11,8 +11,8 @@ module is bf16, the master shard too (no second copy).
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -24,8 +24,12 @@ from lightning_zero.comm import collectives
 PrecisionInput = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
-_WORKING_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-                  "bf16-true": torch.bfloat16}
+_WORKING_DTYPE = {
+    "32-true": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+}
 
 
 def normalize_precision(precision: Union[str, int]) -> str:
@@ -41,8 +45,13 @@ def normalize_precision(precision: Union[str, int]) -> str:
 class LossScaler:
     """Dynamic loss scaling for ``16-mixed``, with the overflow decision shared by all ranks."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
         self.scale = init_scale
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -59,7 +68,9 @@ class LossScaler:
         at = grads[0].device if grads else device
         found = torch.zeros(1, device=at)
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scale, device=at))
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found, torch.full((1,), 1.0 / self.scale, device=at)
+            )
         found = collectives.all_reduce(found.to(device), op=collectives.MAX, group=group)
         return bool(found.item())
 
@@ -75,9 +86,14 @@ class LossScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
-                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
@@ -118,8 +134,9 @@ class PrecisionMode:
         """``bf16-true`` casts floating-point inputs to bf16."""
         if self.precision != "bf16-true":
             return data
-        return tree_map(lambda t: t.to(self.working_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t,
-                        data)
+        return tree_map(
+            lambda t: t.to(self.working_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, data
+        )
 
     def forward_context(self, device_type: str) -> AbstractContextManager:
         """Autocast to the working dtype in the mixed modes."""
@@ -137,9 +154,14 @@ class PrecisionMode:
             self.scaler.load_state_dict(state)
 
 
-def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None, norm_type: float = 2.0,
-                     group: Optional[Any] = None, tensor_group: Optional[Any] = None,
-                     replicated: Sequence[Tensor] = ()) -> Tensor:
+def global_grad_norm(
+    grads: list[Tensor],
+    device: Optional[torch.device] = None,
+    norm_type: float = 2.0,
+    group: Optional[Any] = None,
+    tensor_group: Optional[Any] = None,
+    replicated: Sequence[Tensor] = (),
+) -> Tensor:
     """The ``norm_type``-norm of all gradients of all ranks (each rank passes its shard); identical on every rank.
 
     ``device``: where the all-reduce runs (the collectives' device), when the gradients are elsewhere (offload).
@@ -178,9 +200,15 @@ def global_grad_norm(grads: list[Tensor], device: Optional[torch.device] = None,
     return total.pow(1.0 / norm_type)
 
 
-def clip_grad_norm(grads: list[Tensor], max_norm: float, device: Optional[torch.device] = None,
-                   norm_type: float = 2.0, group: Optional[Any] = None, tensor_group: Optional[Any] = None,
-                   replicated: Sequence[Tensor] = ()) -> Tensor:
+def clip_grad_norm(
+    grads: list[Tensor],
+    max_norm: float,
+    device: Optional[torch.device] = None,
+    norm_type: float = 2.0,
+    group: Optional[Any] = None,
+    tensor_group: Optional[Any] = None,
+    replicated: Sequence[Tensor] = (),
+) -> Tensor:
     """Scale ``grads`` (and ``replicated``) in place so that their global norm is at most ``max_norm``
     (``clip_grad_norm_``'s rule); returns the norm before clipping."""
     total = global_grad_norm(grads, device, norm_type, group, tensor_group, replicated)
@@ -196,8 +224,9 @@ def clip_grad_value(grads: list[Tensor], clip_val: float) -> None:
         g.clamp_(-clip_val, clip_val)
 
 
-def parameter_grad_norms(optimizers: Sequence[Any], names: dict[int, str], norm_type: float, group: Any,
-                         device: torch.device) -> dict[str, Tensor]:
+def parameter_grad_norms(
+    optimizers: Sequence[Any], names: dict[int, str], norm_type: float, group: Any, device: torch.device
+) -> dict[str, Tensor]:
     """Lightning's ``grad_norm`` for the owned parameters of ``optimizers`` (``ShardedOptimizer`` objects, reduced):
     each parameter's ``norm_type``-norm from this rank's pieces of the master gradients, completed by one
     all-reduce of a number per parameter over the shard group, then their total. ``names``: ``id(param)`` to name."""

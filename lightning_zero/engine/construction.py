@@ -55,8 +55,7 @@ class InitModuleRecording:
         initialized: see :meth:`check`)."""
 
     @contextmanager
-    def context(self, device: torch.device, init_context: AbstractContextManager,
-                empty_init: bool) -> Iterator[None]:
+    def context(self, device: torch.device, init_context: AbstractContextManager, empty_init: bool) -> Iterator[None]:
         """The ``init_module`` context (see [Note: empty_init under zero3])."""
         earlier = self.stop()
         self.empty_init = self.empty_init or empty_init
@@ -96,12 +95,18 @@ class InitModuleRecording:
                 f"construction never initializes {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''} "
                 "(made with `torch.empty` and never written), so setup would give it uninitialized memory. Initialize "
                 "it where it is made (e.g. `nn.init.normal_` in `__init__` or `reset_parameters`), or build under "
-                "`init_module(empty_init=False)` and load the weights after setup.")
+                "`init_module(empty_init=False)` and load the weights after setup."
+            )
 
 
 #: Factories that allocate without writing a value.
-_EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
-          torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_like.default}
+_EMPTY = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default,
+    torch.ops.aten.empty_like.default,
+}
 
 
 def uninitialized_parameters(module: nn.Module, recording: Recording) -> list[str]:

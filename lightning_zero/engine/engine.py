@@ -25,16 +25,29 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.comm import collectives
-from lightning_zero.memory import costs
-from lightning_zero.shards import disk
-from lightning_zero.comm.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
-                                        resolve_shard_group_size)
-from lightning_zero.pretrained import loading as pretrained
-from lightning_zero.engine import module_state
 from lightning_zero.activations.checkpointing import ActivationCheckpointing, activations_from_config
-from lightning_zero.engine.amp import PrecisionMode
+from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import (
+    ShardGroups,
+    make_shard_groups,
+    resolve_secondary_group_size,
+    resolve_shard_group_size,
+)
 from lightning_zero.config import ZeroConfig, check_option_names
+from lightning_zero.engine import module_state
+from lightning_zero.engine.amp import PrecisionMode
+from lightning_zero.engine.stepping import OptimizerSteps
+from lightning_zero.engine.summary import model_state_summary
+from lightning_zero.memory import costs
+from lightning_zero.pretrained import loading as pretrained
+from lightning_zero.shards import disk
+from lightning_zero.shards.flat import FlatStorage
+from lightning_zero.shards.offload import fused_hint
+from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.optimizer_support import check_not_dtensor
+from lightning_zero.shards.sharing import whole_params_per_optimizer
+from lightning_zero.shards.store import ParameterStore, ShardedStorage
+from lightning_zero.stage3 import guard
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.materialize import (
     broadcast_module_states,
@@ -43,20 +56,11 @@ from lightning_zero.stage3.materialize import (
     shard_by_units,
     warn_if_built_in_full,
 )
-from lightning_zero.shards.offload import fused_hint
-from lightning_zero.shards.optimizer_support import check_not_dtensor
-from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
-from lightning_zero.shards.flat import FlatStorage
-from lightning_zero.shards.optimizer import ShardedOptimizer
-from lightning_zero.shards.store import ParameterStore, ShardedStorage
-from lightning_zero.shards.sharing import whole_params_per_optimizer
-from lightning_zero.stages import policy_for
-from lightning_zero.stage3 import guard
 from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
 from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units, resolve_persistence_threshold
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
-from lightning_zero.engine.stepping import OptimizerSteps
-from lightning_zero.engine.summary import model_state_summary
+from lightning_zero.stages import policy_for
+from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
 
 
 class ZeroEngine(OptimizerSteps):
@@ -79,13 +83,23 @@ class ZeroEngine(OptimizerSteps):
             made once per job).
     """
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer] = (), *,
-                 precision: Union[str, PrecisionMode] = "32-true", device: Optional[torch.device] = None,
-                 config: Optional[ZeroConfig] = None, recording: Optional[Recording] = None,
-                 shard_groups: Optional[ShardGroups] = None, **options: Any) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer] = (),
+        *,
+        precision: Union[str, PrecisionMode] = "32-true",
+        device: Optional[torch.device] = None,
+        config: Optional[ZeroConfig] = None,
+        recording: Optional[Recording] = None,
+        shard_groups: Optional[ShardGroups] = None,
+        **options: Any,
+    ) -> None:
         if config is not None and options:
-            raise TypeError(f"Give the options either as `config=ZeroConfig(...)` or as keyword arguments, not both "
-                            f"(got config and {sorted(options)}).")
+            raise TypeError(
+                f"Give the options either as `config=ZeroConfig(...)` or as keyword arguments, not both "
+                f"(got config and {sorted(options)})."
+            )
         check_option_names(options)
         self.config = config if config is not None else ZeroConfig(**options)
         self.policy = policy_for(self.config.stage)
@@ -145,8 +159,7 @@ class ZeroEngine(OptimizerSteps):
         then shard the model unit by unit."""
         warn_if_built_in_full(self.module)
         move_materialized(self.module, self.device)
-        self.unit_plan = plan_units(self.module, self.config.unit_classes,
-                                    resolve_persistence_threshold(self.config))
+        self.unit_plan = plan_units(self.module, self.config.unit_classes, resolve_persistence_threshold(self.config))
         if optimizers:
             self._add_optimizers(optimizers)
         elif any(p.requires_grad for p in self.module.parameters()):
@@ -156,10 +169,12 @@ class ZeroEngine(OptimizerSteps):
             whole = bool(self.config.partition_whole_params)
             self.store.add(self._make_storage(trainable, [0] * len(trainable), whole))
         shard_by_units(self.module, self.unit_plan, self.store.storages, self.device, recording)
-        guard.name_parameters(self.module, {key: self.unit_plan.names[unit]
-                                            for key, unit in self.store.param_units().items()})
-        self.runtime = UnitRuntime(self.unit_plan, self.store.storages, self.config.prefetch_size,
-                                   self.config.lockstep_check)
+        guard.name_parameters(
+            self.module, {key: self.unit_plan.names[unit] for key, unit in self.store.param_units().items()}
+        )
+        self.runtime = UnitRuntime(
+            self.unit_plan, self.store.storages, self.config.prefetch_size, self.config.lockstep_check
+        )
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
@@ -177,8 +192,10 @@ class ZeroEngine(OptimizerSteps):
             self._add_optimizers(list(optimizers))
             return
         if self.optimizers or len(self.store.storages) != 1:
-            raise RuntimeError("Under stage 3 the optimizers are set up together, once: pass all of them to "
-                               "`fabric.setup_optimizers(...)` (or `fabric.setup(model, *optimizers)`) in one call.")
+            raise RuntimeError(
+                "Under stage 3 the optimizers are set up together, once: pass all of them to "
+                "`fabric.setup_optimizers(...)` (or `fabric.setup(model, *optimizers)`) in one call."
+            )
         assert self.runtime is not None
         self.runtime.release_all(include_root=True)
         self.runtime.remove()
@@ -191,8 +208,9 @@ class ZeroEngine(OptimizerSteps):
         source.remove_hooks()
         for storage in self.store.storages:
             storage.install_grad_hooks()
-        self.runtime = UnitRuntime(self.unit_plan, self.store.storages, self.config.prefetch_size,
-                                   self.config.lockstep_check)
+        self.runtime = UnitRuntime(
+            self.unit_plan, self.store.storages, self.config.prefetch_size, self.config.lockstep_check
+        )
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
@@ -205,19 +223,37 @@ class ZeroEngine(OptimizerSteps):
     def _make_sharded(self, optimizer: Optimizer, whole_params: Optional[bool] = None) -> ShardedOptimizer:
         """ZeRO on ``optimizer``: its own parameters get a storage in the store, laid out for it; those the store
         already holds (an earlier optimizer's) are borrowed."""
+
         def make_storage(params: list[Tensor], param_groups: list[int], whole: bool) -> ShardedStorage:
             return self.store.add(self._make_storage(params, param_groups, whole))
 
-        return ShardedOptimizer(optimizer, self.config, make_storage, lenders=list(self.store.storages),
-                                module=self.module, whole_params=whole_params)
+        return ShardedOptimizer(
+            optimizer,
+            self.config,
+            make_storage,
+            lenders=list(self.store.storages),
+            module=self.module,
+            whole_params=whole_params,
+        )
 
     def _make_storage(self, params: list[Tensor], param_groups: list[int], whole_params: bool) -> ShardedStorage:
         """The storage of ``params`` for this stage (stages 1 and 2: a flat buffer; stage 3: shards and units)."""
         unit_of = self.unit_plan.unit if self.policy.shards_params else None
         kind = PartitionedStorage if self.policy.shards_params else FlatStorage
-        storage = kind(params, param_groups, whole_params, self.policy, self.config, self.precision.working_dtype,
-                       self.precision.master_dtype, self.device, module=self.module, unit_of=unit_of,
-                       groups=self.shard_groups, unit_names=self.unit_plan.names)
+        storage = kind(
+            params,
+            param_groups,
+            whole_params,
+            self.policy,
+            self.config,
+            self.precision.working_dtype,
+            self.precision.master_dtype,
+            self.device,
+            module=self.module,
+            unit_of=unit_of,
+            groups=self.shard_groups,
+            unit_names=self.unit_plan.names,
+        )
         if self.policy.grad_hooks_at_setup:
             storage.install_grad_hooks()
         return storage

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.process import user_calls
-from lightning_zero.engine.state import load_model
 from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.engine.state import load_model
+from lightning_zero.process import user_calls
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -39,29 +39,47 @@ def attach(engine: "ZeroEngine") -> list[Any]:
     """Install the hooks of [Note: the module's own state dict methods after setup]; returns their handles."""
     module = engine.module
     keys: dict[str, list[str]] = {"handled": [], "given": []}
-    handles = [module.register_load_state_dict_pre_hook(_load_pre_hook(engine, keys)),
-               module.register_load_state_dict_post_hook(_load_post_hook(engine, keys))]
+    handles = [
+        module.register_load_state_dict_pre_hook(_load_pre_hook(engine, keys)),
+        module.register_load_state_dict_post_hook(_load_post_hook(engine, keys)),
+    ]
     if engine.runtime is not None:
         streaming: list[bool] = []
-        handles += [module.register_state_dict_pre_hook(_save_pre_hook(engine, streaming)),
-                    module.register_state_dict_post_hook(_save_post_hook(engine, streaming))]
+        handles += [
+            module.register_state_dict_pre_hook(_save_pre_hook(engine, streaming)),
+            module.register_state_dict_post_hook(_save_post_hook(engine, streaming)),
+        ]
     return handles
 
 
 # ---------------------------------------------------------------------- load
 def _load_pre_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-             missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    def hook(
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         keys["handled"], keys["given"] = [], []
         if module is not engine.module or engine.torn_down:  # a deep copy of the module, or after teardown
             return
         shapes = _managed_shapes(engine)
-        given = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict)
-                 if key.startswith(prefix) and key[len(prefix):] in shapes}
+        given = {
+            key[len(prefix) :]: state_dict.pop(key)
+            for key in list(state_dict)
+            if key.startswith(prefix) and key[len(prefix) :] in shapes
+        }
         keys["handled"], keys["given"] = [prefix + key for key in shapes], [prefix + key for key in given]
-        wrong = [f"size mismatch for {prefix + key}: copying a param with shape {value.shape} from checkpoint, the "
-                 f"shape in current model is {torch.Size(shapes[key])}." for key, value in given.items()
-                 if isinstance(value, Tensor) and tuple(value.shape) != shapes[key]]
+        wrong = [
+            f"size mismatch for {prefix + key}: copying a param with shape {value.shape} from checkpoint, the "
+            f"shape in current model is {torch.Size(shapes[key])}."
+            for key, value in given.items()
+            if isinstance(value, Tensor) and tuple(value.shape) != shapes[key]
+        ]
         if wrong:
             error_msgs.extend(wrong)
             return
@@ -74,12 +92,16 @@ def _managed_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:
     """The whole shape of every parameter an optimizer holds, under each of its names (a tensor-parallel slice: the
     joined tensor's)."""
     managed = {id(p) for p in engine.store.params}
-    return {name: Shard.placed(param, param.dtype)[0].full_shape
-            for name, param in engine.module.named_parameters(remove_duplicate=False) if id(param) in managed}
+    return {
+        name: Shard.placed(param, param.dtype)[0].full_shape
+        for name, param in engine.module.named_parameters(remove_duplicate=False)
+        if id(param) in managed
+    }
 
 
 def _load_post_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
     """Torch reports the entries the pre-hook took out as missing: keep only those the dict really lacked."""
+
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         if module is not engine.module or not keys["handled"]:
             return

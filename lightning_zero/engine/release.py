@@ -67,9 +67,11 @@ def _canonical_state(engine: ZeroEngine, sharded: ShardedOptimizer) -> dict[str,
     if not stepped:
         return {}
     if engine.shard_groups.tensor is not None:
-        raise RuntimeError(f"This model is already set up and its {type(sharded.optimizer).__name__} has stepped: "
-                           "under tensor parallelism its state cannot move back onto the parameters. Make a new "
-                           "optimizer before setting the model up again.")
+        raise RuntimeError(
+            f"This model is already set up and its {type(sharded.optimizer).__name__} has stepped: "
+            "under tensor parallelism its state cannot move back onto the parameters. Make a new "
+            "optimizer before setting the model up again."
+        )
     return collectives.broadcast_object(full.optimizer_state(sharded))
 
 

@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from torch.optim import Optimizer
 
-from lightning_zero.comm import collectives
-from lightning_zero.process import user_calls
-from lightning_zero.shards.slices import tensor_parallel_slice
 from lightning_zero.checkpoints.errors import agree_on_failure
 from lightning_zero.checkpoints.export import PRETRAINED, pretrained_configs
-from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
+from lightning_zero.checkpoints.full import full_model_state_dict, load_optimizer_state
+from lightning_zero.checkpoints.full import optimizer_state as full_optimizer_state
 from lightning_zero.checkpoints.sharded import (
     check_optimizer_count,
     check_tensor_parallel,
@@ -31,9 +29,11 @@ from lightning_zero.checkpoints.sharded import (
     split_checkpoint,
 )
 from lightning_zero.checkpoints.shards import model_shards, optimizer_shards, param_groups
-from lightning_zero.checkpoints.full import full_model_state_dict, load_optimizer_state
+from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.trust import torch_load
-from lightning_zero.checkpoints.full import optimizer_state as full_optimizer_state
+from lightning_zero.comm import collectives
+from lightning_zero.process import user_calls
+from lightning_zero.shards.slices import tensor_parallel_slice
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -82,8 +82,10 @@ def states_entries(engine: "ZeroEngine", optimizers: Sequence[Optimizer]) -> dic
         return entries
     states = {engine.optimizers.index(engine.sharded(o)): optimizer_state(engine, o) for o in optimizers}
     if sorted(states) != list(range(len(engine.optimizers))):
-        raise ValueError(f"Got {len(states)} of the model's {len(engine.optimizers)} optimizers: save all of them "
-                         "(or none), so that the checkpoint resumes.")
+        raise ValueError(
+            f"Got {len(states)} of the model's {len(engine.optimizers)} optimizers: save all of them "
+            "(or none), so that the checkpoint resumes."
+        )
     entries["optimizer_states"] = [states[k] for k in range(len(states))]
     return entries
 
@@ -100,15 +102,21 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
         if collectives.rank() == 0:
             try:
                 save_file(checkpoint, Path(path))
-            except Exception as error:  # noqa: BLE001 - see [Note: a failed save is agreed on] in errors.py
+            except Exception as error:
                 failed = error
         agree_on_failure(Path(path), "writing", failed)
         return
-    info = {"stage": engine.config.stage, "world_size": collectives.world_size(),
-            "tensor_parallel_size": engine.shard_groups.tensor_size,
-            "precision": engine.precision.precision, "writer": writer,
-            "num_parameters": sum(p.numel() * (engine.shard_groups.tensor_size if tensor_parallel_slice(p) else 1)
-                                  for p in engine.module.parameters())}
+    info = {
+        "stage": engine.config.stage,
+        "world_size": collectives.world_size(),
+        "tensor_parallel_size": engine.shard_groups.tensor_size,
+        "precision": engine.precision.precision,
+        "writer": writer,
+        "num_parameters": sum(
+            p.numel() * (engine.shard_groups.tensor_size if tensor_parallel_slice(p) else 1)
+            for p in engine.module.parameters()
+        ),
+    }
     if configs:
         info[PRETRAINED] = configs
     objects, shards, meta = split_checkpoint(checkpoint, engine.optimizers, info)
@@ -154,10 +162,20 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
         engine.runtime.land()
     dest = model_shards(engine.module, engine.store.storages, full_copies=True)
     if is_directory(checkpoint):
-        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],
-                              engine.optimizers if checkpoint.get("optimizer_states") else ())
-        load_model_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), dest, strict, collective=True,
-                            trusted=checkpoint[KEY].get("trusted") is True)
+        check_tensor_parallel(
+            checkpoint[KEY],
+            engine.shard_groups.tensor_size,
+            checkpoint[KEY]["path"],
+            engine.optimizers if checkpoint.get("optimizer_states") else (),
+        )
+        load_model_from_dir(
+            Path(checkpoint[KEY]["path"]),
+            dict(checkpoint),
+            dest,
+            strict,
+            collective=True,
+            trusted=checkpoint[KEY].get("trusted") is True,
+        )
     else:
         state_dict = checkpoint["state_dict"] if "state_dict" in checkpoint else checkpoint
         copy_full_state(state_dict, dest, strict, source="the checkpoint file")
@@ -173,10 +191,16 @@ def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None
     if not states:
         return
     if is_directory(checkpoint):
-        check_tensor_parallel(checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"],
-                              engine.optimizers)
-        load_optimizers_from_dir(Path(checkpoint[KEY]["path"]), dict(checkpoint), engine.optimizers, collective=True,
-                                 trusted=checkpoint[KEY].get("trusted") is True)
+        check_tensor_parallel(
+            checkpoint[KEY], engine.shard_groups.tensor_size, checkpoint[KEY]["path"], engine.optimizers
+        )
+        load_optimizers_from_dir(
+            Path(checkpoint[KEY]["path"]),
+            dict(checkpoint),
+            engine.optimizers,
+            collective=True,
+            trusted=checkpoint[KEY].get("trusted") is True,
+        )
         return
     check_optimizer_count(len(states), engine.optimizers, "file")
     for sharded, state in zip(engine.optimizers, states):
@@ -186,4 +210,3 @@ def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None
 def load_one_optimizer(engine: "ZeroEngine", optimizer: Optimizer, state: Mapping[str, Any]) -> None:
     """Load a single optimizer's full state dict (``optimizer.state_dict()`` of an unsharded run)."""
     load_optimizer_state(engine.sharded(optimizer), dict(state))
-

@@ -34,21 +34,25 @@ under ``16-mixed`` (the update must be skippable after the gradients exist).
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-import warnings
-
-from lightning_zero.config import ZeroConfig
-from lightning_zero.memory.host_memory import give_back_free_heap
 from lightning_zero.comm import collectives
-from lightning_zero.shards import disk
-from lightning_zero.engine.amp import (PrecisionMode, clip_grad_norm, clip_grad_value, global_grad_norm,
-                                     parameter_grad_norms)
 from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.amp import (
+    PrecisionMode,
+    clip_grad_norm,
+    clip_grad_value,
+    global_grad_norm,
+    parameter_grad_norms,
+)
+from lightning_zero.memory.host_memory import give_back_free_heap
+from lightning_zero.shards import disk
 from lightning_zero.shards.optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -83,17 +87,21 @@ class OptimizerSteps:
         """The shards of ``optimizer`` (the only one when ``None``)."""
         if optimizer is None:
             if len(self.optimizers) != 1:
-                raise ValueError(f"This engine has {len(self.optimizers)} optimizers: name the one to step, clip or "
-                                 "zero (`engine.step(optimizer)`).")
+                raise ValueError(
+                    f"This engine has {len(self.optimizers)} optimizers: name the one to step, clip or "
+                    "zero (`engine.step(optimizer)`)."
+                )
             return self.optimizers[0]
         # the optimizer itself, or the one inside Lightning's or Fabric's wrapper (both keep it as `_optimizer`)
         for candidate in (optimizer, getattr(optimizer, "_optimizer", None)):
             for sharded in self.optimizers:
                 if sharded.optimizer is candidate:
                     return sharded
-        raise ValueError(f"{type(optimizer).__name__} was not set up by this ZeRO engine: pass the optimizers to "
-                         "`ZeroEngine(module, [optimizer, ...])` (the Trainer: return them from `configure_optimizers`;"
-                         " Fabric: `fabric.setup(model, optimizer)`).")
+        raise ValueError(
+            f"{type(optimizer).__name__} was not set up by this ZeRO engine: pass the optimizers to "
+            "`ZeroEngine(module, [optimizer, ...])` (the Trainer: return them from `configure_optimizers`;"
+            " Fabric: `fabric.setup(model, optimizer)`)."
+        )
 
     def reduce(self, optimizer: Optional[Optimizer] = None) -> bool:
         """Step 1 of [Note: the order of one optimizer step]: the optimizer's gradients reduced (``REDUCED``, see
@@ -105,8 +113,13 @@ class OptimizerSteps:
         unscale = (lambda grads: scaler.unscale_and_check(grads, self.device, world)) if scaler is not None else None
         return sharded.reduce(unscale)
 
-    def clip_grad_norm(self, max_norm: float, optimizer: Optional[Optimizer] = None, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = False) -> Tensor:
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        optimizer: Optional[Optimizer] = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> Tensor:
         """Clip ``optimizer``'s gradients (all shards together) to a global ``norm_type``-norm of ``max_norm``;
         returns the norm before clipping. A non-finite norm raises with ``error_if_nonfinite``, unless the loss
         scaler found an overflow (that step is skipped anyway)."""
@@ -120,8 +133,10 @@ class OptimizerSteps:
             total = clip_grad_norm(sliced, max_norm, self.device, norm_type, groups.shard, groups.tensor, replicated)
         self._step_norms[id(sharded)] = total  # for the non-finite guard of this step (any norm of a NaN is NaN)
         if error_if_nonfinite and not overflow and not torch.isfinite(total).all():
-            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
-                               " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway.")
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
+                " so it cannot be clipped. Pass `error_if_nonfinite=False` to clip anyway."
+            )
         return total
 
     def grad_norms(self, norm_type: float = 2.0, optimizer: Optional[Optimizer] = None) -> dict[str, Tensor]:
@@ -142,9 +157,17 @@ class OptimizerSteps:
         self.reduce(optimizer)
         clip_grad_value(self.sharded(optimizer).grads(), clip_val)
 
-    def step(self, optimizer: Optional[Optimizer] = None, *, clip_grad_norm: Optional[float] = None,
-             clip_grad_value: Optional[float] = None, before_step: Optional[Callable[[], Any]] = None,
-             zero_grad: bool = True, closure: Optional[Callable[[], Any]] = None, **step_kwargs: Any) -> Any:
+    def step(
+        self,
+        optimizer: Optional[Optimizer] = None,
+        *,
+        clip_grad_norm: Optional[float] = None,
+        clip_grad_value: Optional[float] = None,
+        before_step: Optional[Callable[[], Any]] = None,
+        zero_grad: bool = True,
+        closure: Optional[Callable[[], Any]] = None,
+        **step_kwargs: Any,
+    ) -> Any:
         """One optimizer step in [Note: the order of one optimizer step]; ``optimizer`` ``None``: every optimizer
         of the engine in turn. Returns what ``optimizer.step`` returned (``None`` when the step was skipped), or what
         the ``closure`` returned if the step returned nothing. The closure runs once, with the first optimizer.
@@ -203,17 +226,27 @@ class OptimizerSteps:
             return False
         step, rank = self.completed_steps, collectives.rank()  # from 0: `trainer.global_step` in that step
         if self.config.nonfinite == "raise":
-            raise FloatingPointError(f"The gradients of step {step} are not finite (global norm "
-                                     f"{norm.item()}; raised on rank {rank}, as on every rank). Look for the inf/NaN in "
-                                     "the loss of that step, or pass `nonfinite='skip'` to skip such steps.")
+            raise FloatingPointError(
+                f"The gradients of step {step} are not finite (global norm "
+                f"{norm.item()}; raised on rank {rank}, as on every rank). Look for the inf/NaN in "
+                "the loss of that step, or pass `nonfinite='skip'` to skip such steps."
+            )
         self.skipped_steps += 1
         if rank == 0:
-            warnings.warn(f"lightning-zero: step {step} skipped on every rank: its gradients are not finite "
-                          f"(global norm {norm.item()}); {self.skipped_steps} skipped so far.", stacklevel=2)
+            warnings.warn(
+                f"lightning-zero: step {step} skipped on every rank: its gradients are not finite "
+                f"(global norm {norm.item()}); {self.skipped_steps} skipped so far.",
+                stacklevel=2,
+            )
         return True
 
-    def _before_step(self, sharded: ShardedOptimizer, before_step: Optional[Callable[[], Any]],
-                     clip_grad_norm: Optional[float], clip_grad_value: Optional[float]) -> bool:
+    def _before_step(
+        self,
+        sharded: ShardedOptimizer,
+        before_step: Optional[Callable[[], Any]],
+        clip_grad_norm: Optional[float],
+        clip_grad_value: Optional[float],
+    ) -> bool:
         """Steps 1 and 2 of [Note: the order of one optimizer step]; returns whether the loss scaler overflowed."""
         overflow = self.reduce(sharded.optimizer)
         if before_step is not None:
@@ -224,8 +257,9 @@ class OptimizerSteps:
             self.clip_grad_value(clip_grad_value, sharded.optimizer)
         return overflow
 
-    def _step_with_closure(self, sharded: ShardedOptimizer, closure: Callable[[], Any], clip: tuple,
-                           step_kwargs: dict[str, Any]) -> Any:
+    def _step_with_closure(
+        self, sharded: ShardedOptimizer, closure: Callable[[], Any], clip: tuple, step_kwargs: dict[str, Any]
+    ) -> Any:
         """``optimizer.step(closure=...)`` with steps 1 and 2 inside (see [Note: the closure goes to the optimizer])."""
         losses: list[Any] = []
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_zero.comm import collectives
-from lightning_zero.shards.accounting import (expected_disk_bytes, expected_model_state_bytes, expected_offload_bytes,
-                                        human_bytes)
+from lightning_zero.shards.accounting import (
+    expected_disk_bytes,
+    expected_model_state_bytes,
+    expected_offload_bytes,
+    human_bytes,
+)
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -33,11 +37,18 @@ def model_state_summary(engine: "ZeroEngine") -> str:
         where = f" on the device + {human_bytes(host)} in host memory ({', '.join(moved)})"
         if config.offload_optimizer == "disk":  # see [Note: what lives on disk] in disk.py
             zero, host, files = expected_disk_bytes(psi, k, config.stage, mode, config.offload_params == "disk")
-            where = (f" on the device + {human_bytes(host)} in host memory + {human_bytes(files)} in files under "
-                     f"{config.offload_path or 'the temporary directory'} ({', '.join(moved)})")
+            where = (
+                f" on the device + {human_bytes(host)} in host memory + {human_bytes(files)} in files under "
+                f"{config.offload_path or 'the temporary directory'} ({', '.join(moved)})"
+            )
     # the layout that runs: the paper's N (every data-parallel rank), or hybrid sharding (`shard_group_size`)
-    hybrid = (f" (hybrid: sharded over groups of {k}, replicated {n // k}x)" if k != n
-              else f" (sharded over all {n})" if n > 1 else "")
+    hybrid = (
+        f" (hybrid: sharded over groups of {k}, replicated {n // k}x)"
+        if k != n
+        else f" (sharded over all {n})"
+        if n > 1
+        else ""
+    )
     ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
     own = "" if t == 1 else " (this rank's tensor-parallel slices)"
     whole = ""
@@ -46,6 +57,8 @@ def model_state_summary(engine: "ZeroEngine") -> str:
     skipped = ""
     if engine.skipped_steps:  # see [Note: the non-finite guard] in stepping.py
         skipped = f"; {engine.skipped_steps} optimizer step(s) skipped for non-finite gradients"
-    return (f"ZeRO stage {config.stage} on {ranks}{hybrid}, precision {mode}: {psi:,} trainable parameters{own}; "
-            f"model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)"
-            f"{whole}{skipped}")
+    return (
+        f"ZeRO stage {config.stage} on {ranks}{hybrid}, precision {mode}: {psi:,} trainable parameters{own}; "
+        f"model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)"
+        f"{whole}{skipped}"
+    )

@@ -55,7 +55,7 @@ def expand_short_strategy(argv: Sequence[str]) -> list[str]:
         for key, value in entry["init_params"].items():
             if not (key == "start_method" and value == "popen"):
                 long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
-        return argv[:i] + long_form + argv[i + width:]
+        return argv[:i] + long_form + argv[i + width :]
     return argv
 
 
@@ -65,13 +65,20 @@ def option_hints(message: str) -> str:
     if "ZeroStrategy" not in message:
         return message
     known = [f.name for f in dataclasses.fields(ZeroConfig)] + list(inspect.signature(ZeroStrategy).parameters)
-    hints = [f"`{name}`: did you mean `{match[0]}`?" for name in re.findall(r"Option '([^']+)' is not accepted",
-                                                                            message)
-             for match in [difflib.get_close_matches(name, known, n=1)] if match]
+    hints = [
+        f"`{name}`: did you mean `{match[0]}`?"
+        for name in re.findall(r"Option '([^']+)' is not accepted", message)
+        for match in [difflib.get_close_matches(name, known, n=1)]
+        if match
+    ]
     if not hints:
         return message
-    return (message + "\nUnknown ZeRO option(s): " + "; ".join(hints) +
-            " (every option is listed by `--trainer.strategy.help lightning_zero.ZeroStrategy`).")
+    return (
+        message
+        + "\nUnknown ZeRO option(s): "
+        + "; ".join(hints)
+        + " (every option is listed by `--trainer.strategy.help lightning_zero.ZeroStrategy`)."
+    )
 
 
 def missing_ckpt_path(ckpt_path: object) -> Optional[str]:
@@ -91,6 +98,7 @@ def missing_ckpt_path(ckpt_path: object) -> Optional[str]:
 def zero_cli() -> Any:
     """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one, and
     suggests the option meant for a misspelled one (:func:`option_hints`)."""
+
     class ZeroArgumentParser(LightningArgumentParser):
         def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
             if "NestedArg(" in message and 'key "trainer.strategy"' in message:  # a short name in the YAML file
@@ -105,7 +113,8 @@ def zero_cli() -> Any:
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             message = unknown_zero_strategy(config.get("trainer", {}).get("strategy")) or missing_ckpt_path(
-                config.get("ckpt_path"))
+                config.get("ckpt_path")
+            )
             if message:
                 self.parser.error(message)
 

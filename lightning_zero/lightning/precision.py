@@ -20,8 +20,9 @@ class UsesPrecisionMode:
 
     mode: PrecisionMode
 
-    def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
-                 loss_scaler: Optional[LossScaler] = None) -> None:
+    def __init__(
+        self, precision: PrecisionInput = "32-true", device_type: str = "cpu", loss_scaler: Optional[LossScaler] = None
+    ) -> None:
         self.mode = PrecisionMode(precision, loss_scaler)
         self.precision = self.mode.precision
         self.device_type = device_type

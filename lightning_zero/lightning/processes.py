@@ -12,7 +12,6 @@ import atexit
 import faulthandler
 import math
 import sys
-
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -23,20 +22,24 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
-from lightning_zero.config import ZeroConfig
-from lightning_zero.comm.groups import (ShardGroups, make_shard_groups, resolve_secondary_group_size,
-                                        resolve_shard_group_size)
-from lightning_zero.comm import collectives
-from lightning_zero.comm.traffic import Traffic
 from lightning_zero.activations.checkpointing import ActivationCheckpointing
-from lightning_zero.process.faults import fault_point
-from lightning_zero.shards.store import ShardedStorage
-from lightning_zero.process.shutdown import GUARD
+from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import (
+    ShardGroups,
+    make_shard_groups,
+    resolve_secondary_group_size,
+    resolve_shard_group_size,
+)
+from lightning_zero.comm.traffic import Traffic
+from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.engine import ZeroEngine
-from lightning_zero.stage3.units import UnitRuntime
 from lightning_zero.memory.host_memory import release_freed_memory
-from lightning_zero.stages import all_policies, policy_for
+from lightning_zero.process.faults import fault_point
+from lightning_zero.process.shutdown import GUARD
+from lightning_zero.shards.store import ShardedStorage
 from lightning_zero.stage3.construction import Recording
+from lightning_zero.stage3.units import UnitRuntime
+from lightning_zero.stages import all_policies, policy_for
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -47,11 +50,17 @@ class ZeroProcesses:
 
     config: ZeroConfig
 
-    def _init_processes(self, stage: int, process_group_backend: Optional[str],
-                        timeout: Optional[Union[float, timedelta]], start_method: StartMethod) -> None:
+    def _init_processes(
+        self,
+        stage: int,
+        process_group_backend: Optional[str],
+        timeout: Optional[Union[float, timedelta]],
+        start_method: StartMethod,
+    ) -> None:
         if start_method not in START_METHODS:
-            raise ValueError(f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got "
-                             f"{start_method!r}.")
+            raise ValueError(
+                f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}."
+            )
         self.policy = policy_for(stage)
         self._process_group_backend = process_group_backend
         self._timeout = process_group_timeout(timeout)
@@ -87,23 +96,31 @@ class ZeroProcesses:
     def shard_group_size(self) -> int:
         """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
         per_node = max(1, self.num_processes)
-        return resolve_shard_group_size(self.config.shard_group_size, self.num_nodes * per_node, per_node,
-                                        self.num_nodes, self.config.tensor_parallel_size)
+        return resolve_shard_group_size(
+            self.config.shard_group_size,
+            self.num_nodes * per_node,
+            per_node,
+            self.num_nodes,
+            self.config.tensor_parallel_size,
+        )
 
     @property
     def secondary_shard_group_size(self) -> Optional[int]:
         """hpZ's secondary group size (``None``: off); refuses one that does not divide the world size."""
         per_node = max(1, self.num_processes)
-        return resolve_secondary_group_size(self.config.secondary_shard_group_size, self.num_nodes * per_node,
-                                            self.shard_group_size)
+        return resolve_secondary_group_size(
+            self.config.secondary_shard_group_size, self.num_nodes * per_node, self.shard_group_size
+        )
 
     def gathered_parameters(self) -> AbstractContextManager:
         """Every parameter whole inside, on every rank (a collective: every rank enters), for code that reads the
         weights between steps, e.g. ``with trainer.strategy.gathered_parameters(): ema.update(model)``; see
         :meth:`ZeroEngine.gathered_parameters`."""
         if self.engine is None:
-            raise RuntimeError("`gathered_parameters()` needs the model set up: use it from `on_fit_start` on "
-                               "(Fabric: after `fabric.setup`).")
+            raise RuntimeError(
+                "`gathered_parameters()` needs the model set up: use it from `on_fit_start` on "
+                "(Fabric: after `fabric.setup`)."
+            )
         return self.engine.gathered_parameters()
 
     def grad_norms(self, norm_type: Union[float, int, str] = 2.0, optimizer: Optional[Any] = None) -> dict[str, Any]:
@@ -206,8 +223,12 @@ class ZeroProcesses:
             atexit.unregister(collectives.release_process_groups)
             atexit.register(collectives.release_process_groups)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.shard_groups = make_shard_groups(self.shard_group_size, self.config.tensor_parallel_size,
-                                              self.root_device.type, self.secondary_shard_group_size)
+        self.shard_groups = make_shard_groups(
+            self.shard_group_size,
+            self.config.tensor_parallel_size,
+            self.root_device.type,
+            self.secondary_shard_group_size,
+        )
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""
@@ -222,7 +243,11 @@ class ZeroProcesses:
         for policy in all_policies():
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 strategy_registry.register(
-                    f"{policy.name}{suffix}", cls, override=True, stage=policy.stage, start_method=start_method,
+                    f"{policy.name}{suffix}",
+                    cls,
+                    override=True,
+                    stage=policy.stage,
+                    start_method=start_method,
                     description=f"ZeRO stage {policy.stage} ({policy.partitions}), start method '{start_method}'",
                 )
 
@@ -233,10 +258,13 @@ def process_group_timeout(value: object) -> Optional[timedelta]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise TypeError(f"`timeout` must be a number of seconds (e.g. `timeout=600`) or a datetime.timedelta, got "
-                        f"{value!r}.")
+        raise TypeError(
+            f"`timeout` must be a number of seconds (e.g. `timeout=600`) or a datetime.timedelta, got {value!r}."
+        )
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
-                         f" got {value!r}. Leave it out for the default of 30 minutes.")
+        raise ValueError(
+            f"`timeout` must be a positive, finite time (how long a collective may wait before it fails),"
+            f" got {value!r}. Leave it out for the default of 30 minutes."
+        )
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)

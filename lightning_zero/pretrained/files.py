@@ -30,9 +30,11 @@ from torch import Tensor
 from lightning_zero.checkpoints.trust import torch_load
 
 #: What a refused pretrained file (one that holds more than tensors) tells the user to do.
-PRETRAINED_HINT = ("Pretrained weights are read as a state dict of tensors only: if you trust the file, convert it "
-                   "with `torch.save(torch.load(f, weights_only=False)['state_dict'], f)` (or save the model's "
-                   "`state_dict()`) and load that.")
+PRETRAINED_HINT = (
+    "Pretrained weights are read as a state dict of tensors only: if you trust the file, convert it "
+    "with `torch.save(torch.load(f, weights_only=False)['state_dict'], f)` (or save the model's "
+    "`state_dict()`) and load that."
+)
 
 #: The most bytes of a file read (and kept mapped) at once; a row larger than this is read one row at a time.
 READ_BLOCK_BYTES = 64 * 2**20
@@ -42,9 +44,18 @@ SAFETENSORS_FILE = "model.safetensors"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 TORCH_FILE = "pytorch_model.bin"
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -121,8 +132,10 @@ def _files_of(source: Path) -> list[Path]:
         with open(source) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{str(source)!r} is not a weights index: it has no 'weight_map' of tensor names to "
-                             "files (as `save_pretrained` writes in model.safetensors.index.json).")
+            raise ValueError(
+                f"{str(source)!r} is not a weights index: it has no 'weight_map' of tensor names to "
+                "files (as `save_pretrained` writes in model.safetensors.index.json)."
+            )
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (source.parent / f).is_file()]
         if missing:
@@ -135,10 +148,14 @@ def _headers(path: Path) -> dict[str, TensorInfo]:
     """Name, shape and dtype of every tensor in one file, without reading tensor data."""
     if path.suffix == ".safetensors":
         with _safe_open(path) as f:
-            return {name: TensorInfo(path, tuple(f.get_slice(name).get_shape()),
-                                     _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(),
-                                                             f.get_slice(name).get_dtype()))
-                    for name in f.keys()}
+            return {
+                name: TensorInfo(
+                    path,
+                    tuple(f.get_slice(name).get_shape()),
+                    _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(), f.get_slice(name).get_dtype()),
+                )
+                for name in f.keys()
+            }
     state = _torch_load(path)
     return {name: TensorInfo(path, tuple(t.shape), t.dtype) for name, t in state.items()}
 
@@ -156,8 +173,10 @@ def _torch_load(path: Path) -> dict[str, Tensor]:
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]  # a Lightning checkpoint file
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"{str(path)!r} does not hold a state dict (a dict of tensor names to tensors); "
-                         "save one with `torch.save(model.state_dict(), path)`.")
+        raise ValueError(
+            f"{str(path)!r} does not hold a state dict (a dict of tensor names to tensors); "
+            "save one with `torch.save(model.state_dict(), path)`."
+        )
     return state
 
 
@@ -178,8 +197,10 @@ def _safe_open(path: Path) -> Any:
     try:
         from safetensors import safe_open
     except ImportError as error:
-        raise ImportError(f"Reading {str(path)!r} needs the safetensors package: "
-                          "`pip install 'lightning-zero[hf]'` (or `pip install safetensors`).") from error
+        raise ImportError(
+            f"Reading {str(path)!r} needs the safetensors package: "
+            "`pip install 'lightning-zero[hf]'` (or `pip install safetensors`)."
+        ) from error
     return safe_open(str(path), framework="pt")
 
 

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_zero.shards.store import ShardedStorage
-from lightning_zero.pretrained.files import WeightFiles
 from lightning_zero.checkpoints.shards import Shard, model_shards
+from lightning_zero.pretrained.files import WeightFiles
+from lightning_zero.shards.store import ShardedStorage
 
 _PENDING = "_lightning_zero_pretrained"
 _SHOWN = 20  # keys listed per kind in an error message
@@ -65,8 +65,9 @@ class _Plan:
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[ShardOwner]]" = weakref.WeakKeyDictionary()
 
 
-def load_pretrained(module: nn.Module, source: Union[str, os.PathLike], *, prefix: str = "",
-                    strict: bool = True) -> LoadResult:
+def load_pretrained(
+    module: nn.Module, source: Union[str, os.PathLike], *, prefix: str = "", strict: bool = True
+) -> LoadResult:
     """Load pretrained weights from ``source`` into ``module``, a tensor at a time, at any stage.
 
     See [Note: three moments to load pretrained weights]: a module being built under zero3 (meta parameters, inside
@@ -128,8 +129,11 @@ def _check(module: nn.Module, files: WeightFiles, prefix: str, strict: bool) -> 
     filled = {id(ours[key]) for key, _ in pairs}  # a tied weight is filled through any of its names
     missing = [key for key, tensor in ours.items() if id(tensor) not in filled and key not in shapes]
     if shapes or (strict and (missing or unexpected)):
-        raise ValueError(_mismatch_message(module, files, prefix, missing if strict else [],
-                                           unexpected if strict else [], list(shapes.values())))
+        raise ValueError(
+            _mismatch_message(
+                module, files, prefix, missing if strict else [], unexpected if strict else [], list(shapes.values())
+            )
+        )
     return _Plan(files, pairs, LoadResult(missing, unexpected))
 
 
@@ -142,18 +146,27 @@ def _ignored_unexpected(module: nn.Module) -> list[str]:
     return sorted(patterns)
 
 
-def _mismatch_message(module: nn.Module, files: WeightFiles, prefix: str, missing: list[str],
-                      unexpected: list[str], shapes: list[str]) -> str:
-    lines = [f"The pretrained weights in {str(files.source)!r} do not fit {type(module).__name__} "
-             f"(file names prefixed with {prefix!r}); nothing was loaded."]
-    for title, keys in (("Shapes that differ", shapes), ("Missing in the files (module keys no file tensor fills)",
-                        missing), ("Unexpected in the files (no such module key)", unexpected)):
+def _mismatch_message(
+    module: nn.Module, files: WeightFiles, prefix: str, missing: list[str], unexpected: list[str], shapes: list[str]
+) -> str:
+    lines = [
+        f"The pretrained weights in {str(files.source)!r} do not fit {type(module).__name__} "
+        f"(file names prefixed with {prefix!r}); nothing was loaded."
+    ]
+    for title, keys in (
+        ("Shapes that differ", shapes),
+        ("Missing in the files (module keys no file tensor fills)", missing),
+        ("Unexpected in the files (no such module key)", unexpected),
+    ):
         if keys:
             more = f"\n    ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
             lines.append(f"  {title}, {len(keys)}:\n    " + "\n    ".join(keys[:_SHOWN]) + more)
     hint = _prefix_hint(module, files, prefix)
-    lines.append(hint or "Pass `strict=False` to load the tensors whose names match (shapes must still match), or "
-                         "`prefix=` to map the file's names to the module's.")
+    lines.append(
+        hint
+        or "Pass `strict=False` to load the tensors whose names match (shapes must still match), or "
+        "`prefix=` to map the file's names to the module's."
+    )
     return "\n".join(lines)
 
 
@@ -165,11 +178,12 @@ def _prefix_hint(module: nn.Module, files: WeightFiles, prefix: str) -> Optional
     for name in files.tensors:
         for key in keys:
             if key.endswith("." + name):
-                return (f"Did you mean `prefix={key[: -len(name)]!r}`? Module key {key!r} ends with file name "
-                        f"{name!r}.")
+                return f"Did you mean `prefix={key[: -len(name)]!r}`? Module key {key!r} ends with file name {name!r}."
             if name.endswith("." + key):
-                return (f"The file's names start with {name[: -len(key)]!r} (e.g. {name!r}): load into the module "
-                        "that holds the whole model, or save the weights of this part only.")
+                return (
+                    f"The file's names start with {name[: -len(key)]!r} (e.g. {name!r}): load into the module "
+                    "that holds the whole model, or save the weights of this part only."
+                )
     return None
 
 
@@ -185,8 +199,10 @@ def _copy_plain(module: nn.Module, plan: _Plan) -> None:
                 continue
             done.add(id(tensor))
             if tensor.numel() and tensor.untyped_storage().nbytes() < tensor.numel() * tensor.element_size():
-                raise RuntimeError(f"{key} holds no memory (a stage 3 parameter after a failed run?); load the "
-                                   "weights into a module whose parameters are materialized.")
+                raise RuntimeError(
+                    f"{key} holds no memory (a stage 3 parameter after a failed run?); load the "
+                    "weights into a module whose parameters are materialized."
+                )
             flat = tensor.detach().reshape(-1)
             if flat.numel() and flat.data_ptr() == tensor.data_ptr() and tensor.is_contiguous():
                 plan.files.copy_range(name, 0, flat)
@@ -196,8 +212,9 @@ def _copy_plain(module: nn.Module, plan: _Plan) -> None:
                 tensor.copy_(whole.view(tensor.shape))
 
 
-def fill_shards(root: nn.Module, storages: Sequence[ShardedStorage], runtime: Any,
-                loads: Sequence[tuple[str, _Plan]]) -> None:
+def fill_shards(
+    root: nn.Module, storages: Sequence[ShardedStorage], runtime: Any, loads: Sequence[tuple[str, _Plan]]
+) -> None:
     """Write checked loads into this rank's shards of ``root``; ``loads`` holds (module name in ``root``, plan).
 
     Each rank reads only the ranges it keeps (see [Note: three moments to load pretrained weights]), then the
@@ -225,10 +242,12 @@ def fill_shards(root: nn.Module, storages: Sequence[ShardedStorage], runtime: An
 
 def _fill(files: WeightFiles, name: str, shard: Shard) -> None:
     if shard.local_shape is not None:
-        raise ValueError(f"load_pretrained: '{name}' is a tensor-parallel slice here, and reading pretrained files "
-                         "into slices is not supported. Load the pretrained weights into the model built without "
-                         "tensor parallelism, or into a ZeRO run without `tensor_parallel_size`, save, and load "
-                         "that checkpoint's consolidated file (`lightning-zero consolidate`) into this run.")
+        raise ValueError(
+            f"load_pretrained: '{name}' is a tensor-parallel slice here, and reading pretrained files "
+            "into slices is not supported. Load the pretrained weights into the model built without "
+            "tensor parallelism, or into a ZeRO run without `tensor_parallel_size`, save, and load "
+            "that checkpoint's consolidated file (`lightning-zero consolidate`) into this run."
+        )
     for start, piece in shard.pieces:
         files.copy_range(name, start, piece)
 
@@ -291,4 +310,3 @@ def _owner_of(module: nn.Module) -> Optional[tuple[nn.Module, str, ShardOwner]]:
 
 def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.state_dict(keep_vars=True).values())
-

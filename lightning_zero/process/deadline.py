@@ -136,21 +136,28 @@ def describe(positions: dict[int, dict[str, Any]], world: int, signame: str, tim
         late = {r: p for r, p in positions.items() if r not in waiting}
     else:
         least = min(p["boundaries"] for p in positions.values())
-        late = {r: p for r, p in positions.items() if p["boundaries"] == least} \
-            if any(p["boundaries"] != least for p in positions.values()) else {}
+        late = (
+            {r: p for r, p in positions.items() if p["boundaries"] == least}
+            if any(p["boundaries"] != least for p in positions.values())
+            else {}
+        )
         waiting = {r: p for r, p in positions.items() if r not in late}
     silent = [r for r in range(world) if r not in positions]
-    parts = [f"rank {r} did not arrive (at {p['at']}, after step boundary {p['boundaries']})"
-             for r, p in sorted(late.items())]
+    parts = [
+        f"rank {r} did not arrive (at {p['at']}, after step boundary {p['boundaries']})"
+        for r, p in sorted(late.items())
+    ]
     parts += [f"rank {r} did not answer (it ended, or its process is stuck without its deadline)" for r in silent]
     if not parts:
         parts = ["no rank is behind the others (a peer's connection failed, or the ranks issued different collectives)"]
     places = sorted({f"{p['collective'] or p['at']} after step boundary {p['boundaries']}" for p in waiting.values()})
     others = f"; ranks {', '.join(map(str, sorted(waiting)))} waited in {'; '.join(places)}" if waiting else ""
-    return (f"lightning-zero: {signame} received and the ranks did not stop within `shutdown_timeout={timeout:g}`: "
-            f"{'; '.join(parts)}{others}. Ending rank {me} (exit code {128 + signal.Signals[signame].value}); the last "
-            "complete checkpoint is the state to resume from (raise `shutdown_timeout` if a step or a checkpoint "
-            "write legitimately takes longer).")
+    return (
+        f"lightning-zero: {signame} received and the ranks did not stop within `shutdown_timeout={timeout:g}`: "
+        f"{'; '.join(parts)}{others}. Ending rank {me} (exit code {128 + signal.Signals[signame].value}); the last "
+        "complete checkpoint is the state to resume from (raise `shutdown_timeout` if a step or a checkpoint "
+        "write legitimately takes longer)."
+    )
 
 
 def _end(signum: int, timeout: float, generation: int) -> None:

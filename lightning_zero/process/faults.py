@@ -34,10 +34,18 @@ from typing import Optional
 
 from lightning_zero.comm import collectives
 
-
 #: Every fault point the package marks (see [Note: fault points]).
-POINTS = ("save.written", "save.full", "collective.reduce_scatter", "materialize.unit", "evaluation.step",
-          "save.prepare", "save.shard", "offload.create", "offload.write")
+POINTS = (
+    "save.written",
+    "save.full",
+    "collective.reduce_scatter",
+    "materialize.unit",
+    "evaluation.step",
+    "save.prepare",
+    "save.shard",
+    "offload.create",
+    "offload.write",
+)
 
 VARIABLE = "LIGHTNING_ZERO_FAULT"
 
@@ -46,8 +54,10 @@ def parse(spec: str) -> dict[str, str]:
     """The fields of a ``LIGHTNING_ZERO_FAULT`` value; a clear error for one that names no known point."""
     fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
     if fields.get("point") not in POINTS:
-        raise ValueError(f"{VARIABLE}={spec!r} names no fault point; name one of {', '.join(POINTS)}, e.g. "
-                         "'point=save.written,signal=SIGINT'.")
+        raise ValueError(
+            f"{VARIABLE}={spec!r} names no fault point; name one of {', '.join(POINTS)}, e.g. "
+            "'point=save.written,signal=SIGINT'."
+        )
     return fields
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional
 
-
 from lightning_zero.comm import collectives
 
 #: Seconds a rank that raised waits for the other ranks' errors.

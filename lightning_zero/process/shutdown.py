@@ -49,8 +49,8 @@ from types import FrameType
 from typing import Any, Callable, Optional, Union
 
 from lightning_zero.comm import collectives
-from lightning_zero.process import deadline
 from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.process import deadline
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 
@@ -205,9 +205,13 @@ class SignalGuard:
         self.active = False
         name = signal.Signals(signums[0]).name
         if failure is not None and not isinstance(failure, KeyboardInterrupt):
-            print(f"lightning-zero: {name} received on rank {collectives.rank()}, but the run failed before the ranks "
-                  f"could stop together ({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
-                  "); the last complete checkpoint is the state to resume from.", file=sys.stderr, flush=True)
+            print(
+                f"lightning-zero: {name} received on rank {collectives.rank()}, but the run failed before the ranks "
+                f"could stop together ({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+                "); the last complete checkpoint is the state to resume from.",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         raise Stopped(_reason(name))
 
@@ -221,8 +225,10 @@ class SignalGuard:
 
 
 def _reason(name: str) -> str:
-    message = (f"lightning-zero: {name} received; every rank stopped at the same step boundary. The last complete "
-               "checkpoint is the state to resume from.")
+    message = (
+        f"lightning-zero: {name} received; every rank stopped at the same step boundary. The last complete "
+        "checkpoint is the state to resume from."
+    )
     if collectives.rank() == 0:
         print(message, file=sys.stderr, flush=True)
     return message

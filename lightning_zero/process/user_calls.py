@@ -18,7 +18,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Optional
 
-
 from lightning_zero.comm import collectives
 
 #: Seconds a call waits for every rank to make it too. Calls every rank makes meet within a step's skew; a rank that
@@ -31,13 +30,17 @@ STATE_DICT, SAVE = 0, 1
 
 _PREFIX = "lightning_zero/user_call"
 
-_ADVICE = ("Call it on every rank, outside `if trainer.is_global_zero:` (a sharded stage gathers from every rank); or "
-           "save a checkpoint on every rank and turn it into one file with `lightning_zero.consolidate(path, out)` "
-           "(or `lightning-zero consolidate`).")
+_ADVICE = (
+    "Call it on every rank, outside `if trainer.is_global_zero:` (a sharded stage gathers from every rank); or "
+    "save a checkpoint on every rank and turn it into one file with `lightning_zero.consolidate(path, out)` "
+    "(or `lightning-zero consolidate`)."
+)
 
 
-_LATE = ("If the other ranks only come later (a long evaluation on one rank before a save), set "
-         "`lightning_zero.process.user_calls.CALL_TIMEOUT` to more seconds.")
+_LATE = (
+    "If the other ranks only come later (a long evaluation on one rank before a save), set "
+    "`lightning_zero.process.user_calls.CALL_TIMEOUT` to more seconds."
+)
 
 
 class OneRankCallError(RuntimeError):
@@ -56,9 +59,10 @@ def check_every_rank_calls(call: int) -> None:
     try:
         store.wait([f"{_PREFIX}/{n}/{r}" for r in range(world)], timedelta(seconds=CALL_TIMEOUT))
     except RuntimeError:  # torch's DistStoreError, a RuntimeError: the other ranks did not come
-        raise OneRankCallError(f"{CALLS[call]} was called on rank {me} and not on every rank within "
-                               f"{CALL_TIMEOUT:g} s: it is a collective under a sharded stage. {_ADVICE} {_LATE}"
-                               ) from None
+        raise OneRankCallError(
+            f"{CALLS[call]} was called on rank {me} and not on every rank within "
+            f"{CALL_TIMEOUT:g} s: it is a collective under a sharded stage. {_ADVICE} {_LATE}"
+        ) from None
     calls = [int(store.get(f"{_PREFIX}/{n}/{r}")) for r in range(world)]
     if any(c != call for c in calls):
         doing = ", ".join(f"rank {r}: {CALLS[c]}" for r, c in enumerate(calls))

@@ -24,7 +24,6 @@ from torch.optim import Optimizer
 from lightning_zero.shards.optimizer import ShardedOptimizer
 from lightning_zero.stages import STAGES
 
-
 #: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.
 BYTES_PER_PARAM = {"32-true": (4, 4, 8), "bf16-mixed": (2, 2, 12), "16-mixed": (2, 2, 12), "bf16-true": (2, 2, 4)}
 #: Bytes of one master weight, and the precisions whose masters are the working parameters (without offload).
@@ -92,8 +91,12 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     master = counter.bytes(e.master_storage for e in storages)
     params = counter.bytes([p for p in module.parameters()] + [e.working_shard for e in storages])
     host_grads = [e.host_grads.buffer for e in storages if e.host_grads is not None]
-    grads = counter.bytes([p.grad for p in module.parameters()] + [e.reducer.grad_shard for e in storages]
-                          + [m.grad for s in sharded for m in s.masters] + host_grads)
+    grads = counter.bytes(
+        [p.grad for p in module.parameters()]
+        + [e.reducer.grad_shard for e in storages]
+        + [m.grad for s in sharded for m in s.masters]
+        + host_grads
+    )
     states = counter.bytes(
         v for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, Tensor)
     )
@@ -101,8 +104,12 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
     comm = sum(max(e.reducer.buffer_bytes, e.reducer.peak_buffer_bytes) for e in storages)  # freed before a step
     offloaded = [s for s in sharded if s.storage.host_grads is not None]
     host_shards = [e.working_shard for e in storages if e.params_offloaded]
-    host = _Counter().bytes([s.storage.master_storage for s in offloaded] + host_grads + host_shards + [
-        v for s in offloaded for st in s.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)])
+    host = _Counter().bytes(
+        [s.storage.master_storage for s in offloaded]
+        + host_grads
+        + host_shards
+        + [v for s in offloaded for st in s.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)]
+    )
     return ModelStateBytes(params, grads, master, states, buffers, comm, host)
 
 
@@ -125,8 +132,14 @@ def expected_model_state_bytes(num_params: int, world_size: int, stage: int, pre
     raise ValueError(f"No ZeRO stage {stage}; use 0 (DDP), 1, 2 or 3.")
 
 
-def expected_offload_bytes(num_params: int, world_size: int, stage: int, precision: str,
-                           offload_optimizer: bool = True, offload_params: bool = False) -> tuple[float, float]:
+def expected_offload_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    precision: str,
+    offload_optimizer: bool = True,
+    offload_params: bool = False,
+) -> tuple[float, float]:
     """``(device, host)`` bytes of model states per rank with ``offload_optimizer`` and/or ``offload_params`` (Adam).
 
     ``offload_optimizer`` (stages 1 to 3) moves to the host, all ``/N``: the master shard (a copy of its own even
@@ -161,8 +174,9 @@ def expected_offload_bytes(num_params: int, world_size: int, stage: int, precisi
     return device, host
 
 
-def expected_disk_bytes(num_params: int, world_size: int, stage: int, precision: str,
-                        offload_params: bool = False) -> tuple[float, float, float]:
+def expected_disk_bytes(
+    num_params: int, world_size: int, stage: int, precision: str, offload_params: bool = False
+) -> tuple[float, float, float]:
     """``(device, host, disk)`` bytes of model states per rank with ``offload_optimizer="disk"`` and, with
     ``offload_params``, ``offload_params="disk"`` (Adam; see [Note: what lives on disk] in ``disk.py``).
 
@@ -199,15 +213,25 @@ def parse_bytes(text: str) -> float:
     [Note: no bare numbers] ``--memory 32`` meant 32 GiB to the user who typed it and 32 bytes to the parser, which
     then printed a table of zeros. A unit is required (``B`` for bytes), so the two can never be confused.
     """
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-             "b": 1}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "b": 1,
+    }
     lowered = text.strip().lower().replace("_", "")
     unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), None)
     value = number(lowered[: -len(unit)] if unit else lowered)
     if unit is None:
         hint = f" ({text.strip()}GiB or {text.strip()}GB?)" if value is not None else ""
-        raise ValueError(f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for "
-                         "bytes.")
+        raise ValueError(
+            f"{text!r} is not a size with a unit{hint}: write e.g. 80GiB, 16GB, 512MiB, or 4096B for bytes."
+        )
     if value is None or not value > 0 or math.isinf(value):
         raise ValueError(f"{text!r} is not a positive size: write e.g. 80GiB, 16GB, 512MiB or 4096B.")
     return value * units[unit]

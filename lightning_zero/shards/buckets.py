@@ -43,13 +43,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lightning_zero.comm import collectives
-from lightning_zero.memory import costs
-from lightning_zero.shards.bucket_slots import BucketSlot, GradSink, bucket_gaps, scaled_copy
-from lightning_zero.process.faults import fault_point
 from lightning_zero.comm.groups import ShardGroups
-from lightning_zero.memory.heap_pin import HeapPin
-from lightning_zero.shards.layout import Bucket, FlatLayout
 from lightning_zero.comm.quantize import Scratch, reduce_scatter_quantized
+from lightning_zero.memory import costs
+from lightning_zero.memory.heap_pin import HeapPin
+from lightning_zero.process.faults import fault_point
+from lightning_zero.shards.bucket_slots import BucketSlot, GradSink, bucket_gaps, scaled_copy
+from lightning_zero.shards.layout import Bucket, FlatLayout
 
 
 class GradientReducer:
@@ -214,8 +214,12 @@ class GradientReducer:
     @property
     def buffer_bytes(self) -> int:
         """Bytes held by bucket buffers right now."""
-        slots = (list(self._open.values()) + self._free + [s for _, _, s, _ in self._in_flight]
-                 + [s for _, _, s, _ in self._replicating if s is not None])
+        slots = (
+            list(self._open.values())
+            + self._free
+            + [s for _, _, s, _ in self._in_flight]
+            + [s for _, _, s, _ in self._replicating if s is not None]
+        )
         return sum(t.numel() * t.element_size() for s in slots for t in (s.bucket, s.out) if t is not None)
 
     # ------------------------------------------------------------------ internals
@@ -278,8 +282,9 @@ class GradientReducer:
             self._in_flight_peak(slot)  # the side output may just have been made
         fault_point("collective.reduce_scatter")
         if self.quantize_block is not None:
-            work = reduce_scatter_quantized(target, data, self.quantize_block, group=self.group,
-                                            scratch=self._quantize_scratch)
+            work = reduce_scatter_quantized(
+                target, data, self.quantize_block, group=self.group, scratch=self._quantize_scratch
+            )
         else:
             work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True

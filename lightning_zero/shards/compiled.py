@@ -30,7 +30,8 @@ def eager_hook(hook: Callable[..., Any], what: str) -> Callable[..., Any]:
                 f"lightning-zero: {what} ran under compiled autograd (torch._dynamo.compiled_autograd), which is not "
                 "supported: the hook issues collectives during backward that compiled autograd cannot trace, so the "
                 "backward would be compiled piece by piece. Compile the model or its blocks with torch.compile "
-                "(their backward graphs are compiled with them) and leave compiled autograd off.")
+                "(their backward graphs are compiled with them) and leave compiled autograd off."
+            )
         return hook(*args)
 
     return torch.compiler.disable(run, recursive=True)

@@ -147,9 +147,12 @@ def agreed_faults(group: Optional[Any], enabled: bool = True) -> Iterator[None]:
         raise fault
     if agreed[0]:
         code = agreed[1]
-        raise DiskOffloadError(code, f"Offload to disk failed on rank {agreed[0] - 1} ({os.strerror(code)}); every "
-                                     "rank stopped at the same point. That rank's error says which directory and "
-                                     "what to do; resume from the last checkpoint.")
+        raise DiskOffloadError(
+            code,
+            f"Offload to disk failed on rank {agreed[0] - 1} ({os.strerror(code)}); every "
+            "rank stopped at the same point. That rank's error says which directory and "
+            "what to do; resume from the last checkpoint.",
+        )
 
 
 def directory(path: Optional[str]) -> str:
@@ -195,11 +198,17 @@ def _failed(error: DiskOffloadError, cause: OSError, numel: int, dtype: torch.dt
 
 def _error(error: OSError, what: str, consequence: str = "") -> DiskOffloadError:
     """A :class:`DiskOffloadError` saying what failed where, why, and what to do."""
-    hint = ("The disk is full: free space there or choose a directory with more room"
-            if error.errno == errno.ENOSPC else "Choose a writable local directory")
-    return DiskOffloadError(error.errno, f"Offload to disk could not {what} ({os.strerror(error.errno or 0)}).{consequence}"
-                                         f" {hint} with `offload_path=...`, or offload to host memory with "
-                                         "`offload_optimizer=True` / `offload_params=True`.")
+    hint = (
+        "The disk is full: free space there or choose a directory with more room"
+        if error.errno == errno.ENOSPC
+        else "Choose a writable local directory"
+    )
+    return DiskOffloadError(
+        error.errno,
+        f"Offload to disk could not {what} ({os.strerror(error.errno or 0)}).{consequence}"
+        f" {hint} with `offload_path=...`, or offload to host memory with "
+        "`offload_optimizer=True` / `offload_params=True`.",
+    )
 
 
 def _mapping_of(tensor: Tensor) -> Optional[tuple[mmap.mmap, int, int, str]]:
@@ -230,10 +239,13 @@ def _check_size(mapping: mmap.mmap, size: int, name: str) -> None:
     except OSError as error:
         raise _error(error, f"check the size of its file {name!r} (deleted)") from error
     if now < size:
-        raise DiskOffloadError(errno.EIO, f"The offload file {name!r} (deleted, still mapped by rank "
-                                          f"{collectives.rank()}) was truncated to {now} of its {size} bytes by "
-                                          "another process: its data is lost. Resume from the last checkpoint, and "
-                                          "keep other processes away from this run's files (/proc/<pid>/fd).")
+        raise DiskOffloadError(
+            errno.EIO,
+            f"The offload file {name!r} (deleted, still mapped by rank "
+            f"{collectives.rank()}) was truncated to {now} of its {size} bytes by "
+            "another process: its data is lost. Resume from the last checkpoint, and "
+            "keep other processes away from this run's files (/proc/<pid>/fd).",
+        )
 
 
 def on_disk(tensor: Tensor) -> bool:
@@ -281,8 +293,11 @@ def evict(tensors: Iterable[Tensor], written: bool = False) -> None:
             try:
                 fault_point("offload.write")
             except OSError as error:
-                failure = _error(error, f"write the optimizer's window back to {where!r}",
-                                 " This step is incomplete: resume from the last checkpoint.")
+                failure = _error(
+                    error,
+                    f"write the optimizer's window back to {where!r}",
+                    " This step is incomplete: resume from the last checkpoint.",
+                )
                 if not _DEFERRED.record(failure):
                     raise failure from error
                 failure.__cause__ = error
@@ -322,12 +337,20 @@ class WindowedStep:
 
     def window(self, masters: list[Tensor]) -> list[Tensor]:
         """The tensors of a window: ``masters`` and their tensor states."""
-        states = [v for m in masters for v in self.optimizer.state.get(m, {}).values()
-                  if isinstance(v, Tensor) and v.numel() > 1]
+        states = [
+            v
+            for m in masters
+            for v in self.optimizer.state.get(m, {}).values()
+            if isinstance(v, Tensor) and v.numel() > 1
+        ]
         return [*masters, *states]
 
-    def run(self, call: Callable[[], Any], limit: Optional[int],
-            after_piece: Optional[Callable[[list[Tensor]], None]] = None) -> Any:
+    def run(
+        self,
+        call: Callable[[], Any],
+        limit: Optional[int],
+        after_piece: Optional[Callable[[list[Tensor]], None]] = None,
+    ) -> Any:
         """Run ``call`` (the user's ``optimizer.step``) in windows of at most ``limit`` elements (``None``: one window
         of everything); ``after_piece`` as in :func:`step_in_pieces`, before the window is written back."""
         if limit is None or not steps_in_pieces(self.optimizer, limit):
@@ -364,8 +387,12 @@ class WindowedStep:
         for master in masters:
             state = self.optimizer.state.get(master, {})
             for key, value in list(state.items()):
-                if isinstance(value, Tensor) and value.numel() > 1 and value.device.type == "cpu" \
-                        and not on_disk(value):
+                if (
+                    isinstance(value, Tensor)
+                    and value.numel() > 1
+                    and value.device.type == "cpu"
+                    and not on_disk(value)
+                ):
                     moved = zeros(value.numel(), value.dtype, self.path)
                     with torch.no_grad():
                         moved.copy_(value.reshape(-1))

@@ -131,7 +131,10 @@ class FlatLayout:
         """``(param, param_start, length, bucket_offset)`` for every parameter part inside ``bucket``."""
         out = []
         for p in bucket.params:
-            lo, hi = max(self.offsets[p], bucket.start), min(self.offsets[p] + self.numels[p], self.bucket_range(bucket)[1])
+            lo, hi = (
+                max(self.offsets[p], bucket.start),
+                min(self.offsets[p] + self.numels[p], self.bucket_range(bucket)[1]),
+            )
             out.append((p, lo - self.offsets[p], hi - lo, lo - bucket.start))
         return out
 
@@ -146,7 +149,9 @@ class FlatLayout:
                 for p in bucket.params:
                     lo, hi = max(self.offsets[p], c0), min(self.offsets[p] + self.numels[p], c1)
                     if lo < hi:
-                        pieces.append(Piece(param=p, param_start=lo - self.offsets[p], length=hi - lo, chunk_offset=lo - c0))
+                        pieces.append(
+                            Piece(param=p, param_start=lo - self.offsets[p], length=hi - lo, chunk_offset=lo - c0)
+                        )
                 per_rank.append(pieces)
             table.append(per_rank)
         return table
@@ -179,12 +184,15 @@ def plan_layout(
     for unit in sorted(set(unit_of)):
         unit_start = len(chains)
         for group in sorted(set(groups)):
-            members = sorted((i for i in range(len(numels)) if groups[i] == group and unit_of[i] == unit),
-                             key=lambda i: ready[i])
+            members = sorted(
+                (i for i in range(len(numels)) if groups[i] == group and unit_of[i] == unit), key=lambda i: ready[i]
+            )
             for bucket_plan in plan(members, numels, world_size, bucket_size):
                 previous = chains[-1][-1] if len(chains) > unit_start else None
                 same_unit = units is not None and previous is not None
-                spans = previous is not None and previous[1] == group and bool(set(previous[2][0]) & set(bucket_plan[0]))
+                spans = (
+                    previous is not None and previous[1] == group and bool(set(previous[2][0]) & set(bucket_plan[0]))
+                )
                 if same_unit or spans:
                     chains[-1].append((unit, group, bucket_plan))  # same unit, or a parameter spans both
                 else:
@@ -204,8 +212,9 @@ def plan_layout(
         shard_cursor += chunk_size
     complete = [max((ready[p] for p in b.params), default=0) for b in buckets]
     launch = tuple(sorted(range(len(buckets)), key=lambda b: (complete[b], b)))
-    return FlatLayout(world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params,
-                      tuple(unit_of), launch)
+    return FlatLayout(
+        world_size, tuple(numels), tuple(groups), tuple(offsets), tuple(buckets), whole_params, tuple(unit_of), launch
+    )
 
 
 # (parameters overlapping the bucket, chunk size, {parameter: offset from the bucket start} for those starting in it)
@@ -286,8 +295,15 @@ def plan_master_slots(layout: FlatLayout, rank: int, shapes: Sequence[tuple[int,
         pieces = layout.pieces(bucket, rank)
         if layout.whole_params:
             for pc in pieces:
-                slots.append(MasterSlot(bucket.group, bucket.shard_offset + pc.chunk_offset, pc.length,
-                                        tuple(shapes[pc.param]), ((pc.param, 0, pc.length, 0),)))
+                slots.append(
+                    MasterSlot(
+                        bucket.group,
+                        bucket.shard_offset + pc.chunk_offset,
+                        pc.length,
+                        tuple(shapes[pc.param]),
+                        ((pc.param, 0, pc.length, 0),),
+                    )
+                )
         elif bucket.chunk_size:
             parts = tuple((pc.param, pc.param_start, pc.length, pc.chunk_offset) for pc in pieces)
             slots.append(MasterSlot(bucket.group, bucket.shard_offset, bucket.chunk_size, (bucket.chunk_size,), parts))

@@ -13,6 +13,7 @@ def with_mixin(mixin: type, cls: type) -> type:
     if issubclass(cls, mixin):
         return cls
     if (mixin, cls) not in _CACHE:
-        _CACHE[(mixin, cls)] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__,
-                                                                 "__qualname__": cls.__qualname__})
+        _CACHE[(mixin, cls)] = type(
+            cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     return _CACHE[(mixin, cls)]

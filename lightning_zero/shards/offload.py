@@ -74,8 +74,9 @@ def _copy(target: Tensor, source: Tensor) -> None:
         target.copy_(source, non_blocking=target.device.type == "cuda" and source.is_pinned())
 
 
-def allocate_master(numel: int, dtype: torch.dtype, device: torch.device, offload: Union[bool, str],
-                    path: Optional[str] = None) -> Tensor:
+def allocate_master(
+    numel: int, dtype: torch.dtype, device: torch.device, offload: Union[bool, str], path: Optional[str] = None
+) -> Tensor:
     """A shard (the master, or stage 3's working shard with ``offload_params``): on the host (see [Note: what lives
     where ...]) with ``offload=True``, in a file under ``path`` with ``offload="disk"`` (see [Note: what lives on
     disk] in ``disk.py``), else on ``device``."""
@@ -111,8 +112,9 @@ class HostGrads:
     The buffer and the staging chunks are made on first use and kept (pinned memory is slow to allocate).
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, chunk_elements: int = 0,
-                 staging_chunks: int = 2) -> None:
+    def __init__(
+        self, numel: int, dtype: torch.dtype, device: torch.device, chunk_elements: int = 0, staging_chunks: int = 2
+    ) -> None:
         self.numel = numel
         self.dtype = dtype
         self.device = device
@@ -201,12 +203,12 @@ def check_steps_on_host(optimizer: Optimizer) -> None:
     probe_param = torch.zeros(2, requires_grad=True)
     try:
         probe = cls([probe_param], **optimizer.defaults)
-    except Exception:  # noqa: BLE001 - a constructor we cannot call with its defaults: nothing to probe
+    except Exception:
         return
     probe_param.grad = torch.zeros(2)
     try:
         probe.step()
-    except Exception as error:  # noqa: BLE001 - any failure means the same thing to the user
+    except Exception as error:
         name = f"{cls.__module__}.{cls.__qualname__}"
         raise TypeError(
             f"`offload_optimizer=True` runs the optimizer step on CPU tensors, but {name} failed to step on one "
@@ -227,6 +229,8 @@ def fused_hint(optimizer: Optimizer) -> Optional[str]:
     name = optimizer_name(optimizer)
     if name not in FUSED_ON_CPU or optimizer.defaults.get("fused"):
         return None
-    return (f"`offload_optimizer=True` runs {name}'s step on the CPU, where its default implementation is several "
-            f"times slower than `fused=True` (see benchmarks/RESULTS.md). Create it with `{name}(..., fused=True)` for "
-            "the fastest offloaded step.")
+    return (
+        f"`offload_optimizer=True` runs {name}'s step on the CPU, where its default implementation is several "
+        f"times slower than `fused=True` (see benchmarks/RESULTS.md). Create it with `{name}(..., fused=True)` for "
+        "the fastest offloaded step."
+    )

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.shards import disk, offload
 from lightning_zero.config import ZeroConfig
+from lightning_zero.shards import disk, offload
 from lightning_zero.shards.layout import FlatLayout, MasterSlot
 from lightning_zero.shards.optimizer_support import (
     check_optimizer,
@@ -45,8 +45,8 @@ from lightning_zero.shards.optimizer_support import (
     zero_subclass,
 )
 from lightning_zero.shards.sharing import borrowed_slots, split_members
-from lightning_zero.shards.store import ShardedStorage
 from lightning_zero.shards.slices import tensor_parallel_slice
+from lightning_zero.shards.store import ShardedStorage
 
 MakeStorage = Callable[[list[Tensor], list[int], bool], ShardedStorage]
 """Lays out and stores ``(params, param group of each, whole_params)`` (the engine's store makes it)."""
@@ -77,9 +77,15 @@ class ShardedOptimizer:
     ``optimizer.step()`` and the step does not reduce twice.
     """
 
-    def __init__(self, optimizer: Optimizer, config: ZeroConfig, make_storage: MakeStorage,
-                 lenders: Sequence[ShardedStorage] = (), module: Optional[torch.nn.Module] = None,
-                 whole_params: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        config: ZeroConfig,
+        make_storage: MakeStorage,
+        lenders: Sequence[ShardedStorage] = (),
+        module: Optional[torch.nn.Module] = None,
+        whole_params: Optional[bool] = None,
+    ) -> None:
         check_optimizer(optimizer)
         if config.offload_optimizer:
             offload.check_steps_on_host(optimizer)
@@ -108,8 +114,9 @@ class ShardedOptimizer:
             self.slots.append(slot)
             self.slot_sources.append(source)
             self.masters.append(source.master_view(slot))
-        self.windowed: Optional[disk.WindowedStep] = disk.WindowedStep(optimizer, config.offload_path) \
-            if config.offload_optimizer == disk.DISK else None
+        self.windowed: Optional[disk.WindowedStep] = (
+            disk.WindowedStep(optimizer, config.offload_path) if config.offload_optimizer == disk.DISK else None
+        )
         """With ``offload_optimizer="disk"``: the step window by window (see [Note: the step one window at a time])."""
         self.phase = StepPhase.ACCUMULATING
         self._reduced_at = -1  # the storage's clear count when it was reduced

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.shards.mixins import with_mixin
 from lightning_zero.config import ZeroConfig
+from lightning_zero.shards.mixins import with_mixin
 
 #: torch optimizers whose update of an element depends on that element's gradient and state only.
 ELEMENTWISE_OPTIMIZERS = frozenset(
@@ -21,11 +21,11 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
 #: Optimizers that cannot work on any partition of the parameters.
 UNSUPPORTED_OPTIMIZERS = {
     "torch.optim.LBFGS": "LBFGS re-evaluates the closure several times within one step and keeps a history of "
-                         "flattened whole-model gradients, but under ZeRO each rank holds only its shard and the "
-                         "closure runs once per step, before the gradients are reduced. Train with LBFGS under "
-                         "`strategy='ddp'`, or pick an optimizer that steps once per closure (Adam, SGD, ...)",
+    "flattened whole-model gradients, but under ZeRO each rank holds only its shard and the "
+    "closure runs once per step, before the gradients are reduced. Train with LBFGS under "
+    "`strategy='ddp'`, or pick an optimizer that steps once per closure (Adam, SGD, ...)",
     "torch.optim.SparseAdam": "SparseAdam needs sparse gradients, which ZeRO's flat buckets do not hold. Use "
-                              "`torch.optim.Adam` or `strategy='ddp'`",
+    "`torch.optim.Adam` or `strategy='ddp'`",
 }
 
 
@@ -63,7 +63,7 @@ def check_optimizer(optimizer: Any) -> None:
 class _ZeroGradHook:
     """Mixin that makes ``zero_grad`` also clear the gradients ZeRO keeps outside the optimizer's params."""
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - documented on torch.optim.Optimizer
+    def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # type: ignore[misc]
         self._zero_sharded.zero_grad()  # type: ignore[attr-defined]
 
@@ -85,8 +85,12 @@ def _piecewise_step_is_invisible(optimizer: Optimizer) -> bool:
     """Whether nothing but the tensors can tell several ``step`` calls from one (see [Note: the step in ...])."""
     from torch.optim import optimizer as torch_optimizer
 
-    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
-             torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    hooks = (
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
     return optimizer_name(optimizer) in ELEMENTWISE_OPTIMIZERS and not any(hooks)
 
 
@@ -103,9 +107,13 @@ def steps_in_pieces(optimizer: Optimizer, limit: int) -> bool:
     return pieces > 1
 
 
-def step_in_pieces(optimizer: Optimizer, limit: int, step: Callable[[], Any],
-                   after_piece: Optional[Callable[[list[Any]], None]] = None,
-                   before_piece: Optional[Callable[[list[list[Any]], int], None]] = None) -> Any:
+def step_in_pieces(
+    optimizer: Optimizer,
+    limit: int,
+    step: Callable[[], Any],
+    after_piece: Optional[Callable[[list[Any]], None]] = None,
+    before_piece: Optional[Callable[[list[list[Any]], int], None]] = None,
+) -> Any:
     """Run ``step`` (the user's ``optimizer.step``) once per run of master tensors of at most ``limit`` elements;
     ``after_piece`` gets the tensors of each piece once it is stepped, ``before_piece`` the tensors of every piece
     and the index of the one about to be stepped (both only when there are several pieces).
@@ -181,4 +189,5 @@ def check_not_dtensor(param: Tensor, name: str = "") -> None:
             "`configure_model`, `lightning_zero.tensor_parallel.parallelize(module, "
             "self.device_mesh['tensor_parallel'], plan)` with the same plan of ColwiseParallel()/RowwiseParallel(), "
             "or its layers (ColumnParallelLinear, RowParallelLinear, your own with `mark_tensor_parallel`); for "
-            "DTensor tensor parallelism use Lightning's ModelParallelStrategy (FSDP2).")
+            "DTensor tensor parallelism use Lightning's ModelParallelStrategy (FSDP2)."
+        )

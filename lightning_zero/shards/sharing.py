@@ -34,7 +34,6 @@ from lightning_zero.shards.layout import FlatLayout, MasterSlot
 from lightning_zero.shards.optimizer_support import check_optimizer, is_elementwise
 
 
-
 class Lender(Protocol):
     """What borrowing reads of a storage that owns parameters (a :class:`~lightning_zero.shards.store.ShardedStorage`)."""
 
@@ -94,8 +93,9 @@ def split_members(canonical: Sequence[Tensor], owners: Sequence["Lender"]) -> Me
     return Members(own + [i for i in trainable if id(canonical[i]) in owned_by], len(own), lenders, borrowed)
 
 
-def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int],
-                   owners: Sequence["Lender"]) -> list[tuple["Lender", MasterSlot]]:
+def borrowed_slots(
+    members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int], owners: Sequence["Lender"]
+) -> list[tuple["Lender", MasterSlot]]:
     """The master tensors a borrowing optimizer steps on for ``members[first_borrowed:]``, with the storage owning each.
 
     Each is a :class:`MasterSlot` whose ``start`` is an offset in the *owner's* shard and whose pieces index
@@ -117,8 +117,11 @@ def borrowed_slots(members: Sequence[Tensor], first_borrowed: int, group_of: dic
                 if not adjacent or group_of[id(members[last[0]])] != group_of[id(members[m])]:
                     runs.append([])
                 runs[-1].append((m, p_start, length, offset))
-            out.extend((owner, _slot_of(run, slot, group_of[id(members[run[0][0]])], owner.layout.whole_params))
-                       for run in runs if run)
+            out.extend(
+                (owner, _slot_of(run, slot, group_of[id(members[run[0][0]])], owner.layout.whole_params))
+                for run in runs
+                if run
+            )
     return out
 
 

@@ -30,10 +30,14 @@ def mark_tensor_parallel(param: Tensor, dim: int, group: Optional[Any], parts: i
     (of ``parts`` blocks, each cut: see :class:`TensorParallelSlice`); it survives stage 3's construction on the
     meta device. Returns ``param``."""
     if not -param.dim() <= dim < max(param.dim(), 1):
-        raise ValueError(f"mark_tensor_parallel: dim {dim} is out of range for a parameter of shape "
-                         f"{tuple(param.shape)}.")
-    setattr(param, _ATTRIBUTE, TensorParallelSlice(dim % max(param.dim(), 1), collectives.rank(group),
-                                                   collectives.world_size(group), parts))
+        raise ValueError(
+            f"mark_tensor_parallel: dim {dim} is out of range for a parameter of shape {tuple(param.shape)}."
+        )
+    setattr(
+        param,
+        _ATTRIBUTE,
+        TensorParallelSlice(dim % max(param.dim(), 1), collectives.rank(group), collectives.world_size(group), parts),
+    )
     return param
 
 

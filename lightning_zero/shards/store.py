@@ -26,13 +26,13 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.config import ZeroConfig
+from lightning_zero.memory.heap_pin import HeapPin
 from lightning_zero.shards import disk, offload
 from lightning_zero.shards.buckets import GradientReducer
 from lightning_zero.shards.compiled import eager_hook
-from lightning_zero.comm.groups import ShardGroups
-from lightning_zero.memory.heap_pin import HeapPin
 from lightning_zero.shards.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
 from lightning_zero.shards.optimizer_support import backward_order
 from lightning_zero.stages import StagePolicy
@@ -57,10 +57,21 @@ class ShardedStorage:
     by_units: ClassVar[bool] = False
     """Whether the layout follows stage 3's units (each bucket within one unit)."""
 
-    def __init__(self, params: list[Tensor], param_groups: Sequence[int], whole_params: bool, policy: StagePolicy,
-                 config: ZeroConfig, working_dtype: torch.dtype, master_dtype: torch.dtype, device: torch.device,
-                 module: Optional[torch.nn.Module] = None, unit_of: Optional[Callable[[Tensor], int]] = None,
-                 groups: Optional[ShardGroups] = None, unit_names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        param_groups: Sequence[int],
+        whole_params: bool,
+        policy: StagePolicy,
+        config: ZeroConfig,
+        working_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        device: torch.device,
+        module: Optional[torch.nn.Module] = None,
+        unit_of: Optional[Callable[[Tensor], int]] = None,
+        groups: Optional[ShardGroups] = None,
+        unit_names: Sequence[str] = (),
+    ) -> None:
         self.policy = policy
         self.groups = groups if groups is not None else ShardGroups()
         self.group = self.groups.shard
@@ -70,8 +81,12 @@ class ShardedStorage:
         self.param_units = [unit_of(p) if unit_of is not None else 0 for p in params]
         self.bucket_elements = config.bucket_elements(sum(p.numel() for p in params))
         self.layout: FlatLayout = plan_layout(
-            [p.numel() for p in params], list(param_groups), self.world_size, self.bucket_elements,
-            whole_params=whole_params, ready_order=backward_order(params, module),
+            [p.numel() for p in params],
+            list(param_groups),
+            self.world_size,
+            self.bucket_elements,
+            whole_params=whole_params,
+            ready_order=backward_order(params, module),
             units=self.param_units if self.by_units else None,
         )
         self._flat_order = sorted(range(len(params)), key=lambda j: self.layout.offsets[j])
@@ -79,9 +94,17 @@ class ShardedStorage:
         """This rank's master slots of ``params`` (an optimizer steps on them, see ``optimizer.py``)."""
         self.device = device
         moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
-        self.host_grads: Optional[offload.HostGrads] = offload.HostGrads(
-            self.layout.shard_size, master_dtype, device, max((b.chunk_size for b in self.layout.buckets), default=0),
-            config.bucket_buffers) if moved else None
+        self.host_grads: Optional[offload.HostGrads] = (
+            offload.HostGrads(
+                self.layout.shard_size,
+                master_dtype,
+                device,
+                max((b.chunk_size for b in self.layout.buckets), default=0),
+                config.bucket_buffers,
+            )
+            if moved
+            else None
+        )
         """With ``offload_optimizer``, the gradient shard itself (the reducer keeps none on the device)."""
         self.master_storage: Optional[Tensor] = None
         """The master shard (``None`` where the working storage doubles as the master: stages 1 and 2, one dtype)."""
@@ -89,8 +112,15 @@ class ShardedStorage:
         self.masters = [self.master_view(s) for s in self.slots]
         """The master tensor of each slot (the owning optimizer steps on these very tensors)."""
         self.reducer = GradientReducer(
-            self.layout, self.rank, working_dtype, device, config.bucket_buffers, config.overlap_comm, self.groups,
-            unit_names if self.by_units else (), sink=self.host_grads,
+            self.layout,
+            self.rank,
+            working_dtype,
+            device,
+            config.bucket_buffers,
+            config.overlap_comm,
+            self.groups,
+            unit_names if self.by_units else (),
+            sink=self.host_grads,
             quantize_block=config.quantization_block_size if config.quantized_gradients else None,
             heap_pin=HeapPin() if self._pins_heap(device) else None,
         )
@@ -108,8 +138,9 @@ class ShardedStorage:
         every stage on a CPU (stage 3's gathered units come from its pool, but the activations are the heap's)."""
         return device.type == "cpu"
 
-    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
-                      config: ZeroConfig) -> None:
+    def _make_storage(
+        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool, config: ZeroConfig
+    ) -> None:
         """Make the working storage and ``master_storage`` (see [Note: two storages, one step])."""
         raise NotImplementedError
 
@@ -165,8 +196,10 @@ class ShardedStorage:
         Stage 3 calls this once the parameters are materialized (materialization swaps tensors, hooks and all).
         """
         what = "the gradient hook of stages 2 and 3"
-        self._hooks = [p.register_post_accumulate_grad_hook(eager_hook(self._make_hook(j), what))
-                       for j, p in enumerate(self.params)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(eager_hook(self._make_hook(j), what))
+            for j, p in enumerate(self.params)
+        ]
 
     def _make_hook(self, index: int) -> Any:
         def hook(param: Tensor) -> None:

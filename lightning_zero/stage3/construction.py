@@ -146,6 +146,7 @@ class Recording(TorchDispatchMode):
     def seal(self) -> None:
         """Hold aliases instead of the module's own tensor objects: swapping a parameter's contents at
         materialization needs nobody else to reference it."""
+
         def alias(x: Any) -> Any:
             return x.detach() if _is_meta(x) else x
 
@@ -190,8 +191,16 @@ class Recording(TorchDispatchMode):
             self.ops.append(self._op(func, args, kwargs, flat_in, flat_out, rng_state, generator))
         return out
 
-    def _op(self, func: Any, args: tuple, kwargs: dict, flat_in: list, flat_out: list,
-            rng_state: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> _Op:
+    def _op(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        flat_in: list,
+        flat_out: list,
+        rng_state: Optional[torch.Tensor],
+        generator: Optional[torch.Generator],
+    ) -> _Op:
         mutated = _mutated_inputs(func, args, kwargs)
         aliased = {storage_key(t) for t in flat_in if _is_meta(t)}
         fresh = [t if _is_meta(t) and storage_key(t) not in aliased else None for t in flat_out]
@@ -233,8 +242,10 @@ class Recording(TorchDispatchMode):
                 generator.set_state(state)
         missing = [t for t in tensors if storage_key(t) not in storages]
         if missing:
-            raise RuntimeError(f"zero3 construction: {len(missing)} tensor(s) of shape {tuple(missing[0].shape)} "
-                               "were never written while `configure_model` ran; they have no value to replay.")
+            raise RuntimeError(
+                f"zero3 construction: {len(missing)} tensor(s) of shape {tuple(missing[0].shape)} "
+                "were never written while `configure_model` ran; they have no value to replay."
+            )
         return [_real(t, storages) for t in tensors]
 
     def _needed(self, targets: set[int]) -> list[_Op]:
@@ -316,12 +327,17 @@ class PendingRecording:
         if self.active:
             dispatch = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
             function = torch.overrides._get_current_function_mode_stack()
-            if not dispatch or dispatch[-1] is not self.recording or not function or function[-1] is not \
-                    self._looks_eager:
+            if (
+                not dispatch
+                or dispatch[-1] is not self.recording
+                or not function
+                or function[-1] is not self._looks_eager
+            ):
                 raise RuntimeError(
                     "zero3: the model built under `fabric.init_module()` is still being recorded, but another torch "
                     "mode was entered after it and is still open. Call `fabric.setup(...)` outside that mode's "
-                    "`with` block.")
+                    "`with` block."
+                )
             self.recording.__exit__(None, None, None)
             self._looks_eager.__exit__(None, None, None)
             self.active = False

@@ -87,8 +87,10 @@ class LockstepCheck:
 
     def describe(self, rows: list[list[int]], forward_order: Sequence[int]) -> str:
         """What each rank was about to run, and which units a rank skipped (see :meth:`skipped`)."""
-        doing = "; ".join(f"rank {r}: the {_PASSES.get(phase, 'pass')} of stage 3 unit '{self.names[unit]}'"
-                          for r, (phase, unit, _) in enumerate(rows))
+        doing = "; ".join(
+            f"rank {r}: the {_PASSES.get(phase, 'pass')} of stage 3 unit '{self.names[unit]}'"
+            for r, (phase, unit, _) in enumerate(rows)
+        )
         message = f"ZeRO stage 3: the ranks ran different units at the same point of the step ({doing})."
         skipped = self.skipped(rows, forward_order)
         if skipped:

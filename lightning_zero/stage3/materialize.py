@@ -32,11 +32,11 @@ from torch import nn
 
 from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.process.faults import fault_point
+from lightning_zero.process.shutdown import GUARD
 from lightning_zero.stage3 import guard
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.partitioned import PartitionedStorage
-from lightning_zero.process.faults import fault_point
-from lightning_zero.process.shutdown import GUARD
 from lightning_zero.stage3.plan import ROOT, UnitPlan
 
 #: A model built outside ``configure_model`` with more parameters than this gets a warning under zero3.
@@ -60,8 +60,9 @@ def drop_meta(module: nn.Module, device: torch.device) -> None:
                 param.data = torch.empty(0, dtype=param.dtype, device=device)
                 guard.restore([param])
             if param is not None and param.is_meta:
-                m._parameters[name] = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device),
-                                                   requires_grad=param.requires_grad)
+                m._parameters[name] = nn.Parameter(
+                    torch.empty(0, dtype=param.dtype, device=device), requires_grad=param.requires_grad
+                )
         for name, buffer in m._buffers.items():
             if buffer is not None and buffer.is_meta:
                 m._buffers[name] = torch.empty(0, dtype=buffer.dtype, device=device)
@@ -179,8 +180,13 @@ def broadcast_module_states(module: torch.nn.Module, shard_groups: ShardGroups) 
     _broadcast(list(module.parameters()) + list(module.buffers()), shard_groups)
 
 
-def shard_by_units(module: nn.Module, plan: UnitPlan, storages: Sequence[PartitionedStorage],
-                   device: torch.device, recording: Optional[Recording] = None) -> None:
+def shard_by_units(
+    module: nn.Module,
+    plan: UnitPlan,
+    storages: Sequence[PartitionedStorage],
+    device: torch.device,
+    recording: Optional[Recording] = None,
+) -> None:
     """Materialize, broadcast and shard every unit in turn (see [Note: never the whole model]).
 
     Materialization swaps each meta parameter's contents in place (``torch.utils.swap_tensors``), so the parameter
@@ -196,8 +202,13 @@ def shard_by_units(module: nn.Module, plan: UnitPlan, storages: Sequence[Partiti
         storage.install_grad_hooks()
 
 
-def _shard_by_units(module: nn.Module, plan: UnitPlan, storages: Sequence[PartitionedStorage],
-                    device: torch.device, recording: Optional[Recording]) -> None:
+def _shard_by_units(
+    module: nn.Module,
+    plan: UnitPlan,
+    storages: Sequence[PartitionedStorage],
+    device: torch.device,
+    recording: Optional[Recording],
+) -> None:
     managed = {id(p) for storage in storages for p in storage.params}
     shard_groups = storages[0].groups if storages else ShardGroups()
     for unit in range(1, len(plan.names)):

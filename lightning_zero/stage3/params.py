@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
+from lightning_zero.comm.quantize import Scratch, all_gather_quantized
 from lightning_zero.memory import costs
 from lightning_zero.shards.layout import FlatLayout
 from lightning_zero.shards.offload import copy_to_device, pins
-from lightning_zero.comm.quantize import Scratch, all_gather_quantized
 from lightning_zero.stage3.buffer import UnitBuffer
 from lightning_zero.stage3.pool import BlockPool
 
@@ -40,8 +40,16 @@ from lightning_zero.stage3.pool import BlockPool
 class ShardedParams:
     """The working shard and the per-unit gather buffers of one storage's parameters (see [Note: stage 3 storage])."""
 
-    def __init__(self, layout: FlatLayout, params: list[Tensor], rank: int, working_shard: Tensor,
-                 group: Optional[Any] = None, device: Optional[torch.device] = None, offloaded: bool = False) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: list[Tensor],
+        rank: int,
+        working_shard: Tensor,
+        group: Optional[Any] = None,
+        device: Optional[torch.device] = None,
+        offloaded: bool = False,
+    ) -> None:
         self.layout = layout
         self.params = params
         self.rank = rank
@@ -102,8 +110,9 @@ class ShardedParams:
                 source = self._upload(source, buffer, self.layout.chunk_range(bucket, self.rank)[0] - start)
             output = buffer[b0 - start : b1 - start]
             if quantize_block is not None:
-                works.append(all_gather_quantized(output, source, quantize_block, group=self.group,
-                                                  scratch=self.scratch))
+                works.append(
+                    all_gather_quantized(output, source, quantize_block, group=self.group, scratch=self.scratch)
+                )
                 continue
             works.append(collectives.all_gather(output, source, group=self.group, async_op=True, verified=verified))
         return works

@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.comm import collectives
+from lightning_zero.config import ZeroConfig
 from lightning_zero.shards import offload
 from lightning_zero.shards.layout import MasterSlot
 from lightning_zero.shards.store import ShardedStorage
@@ -24,21 +24,28 @@ class PartitionedStorage(ShardedStorage):
 
     by_units: ClassVar[bool] = True
 
-    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool,
-                      config: ZeroConfig) -> None:
+    def _make_storage(
+        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool, config: ZeroConfig
+    ) -> None:
         params_moved = config.offload_params  # see [Note: offloaded parameter shards] in params.py
         size = self.layout.shard_size
-        self.master_storage = offload.allocate_master(size, master_dtype, self.device, offload_optimizer,
-                                                      config.offload_path)
+        self.master_storage = offload.allocate_master(
+            size, master_dtype, self.device, offload_optimizer, config.offload_path
+        )
         # the working shard doubles as the master where both have one dtype and live on the same side
         aliased = working_dtype == master_dtype and offload_optimizer == params_moved
-        working = self.master_storage if aliased else offload.allocate_master(size, working_dtype, self.device,
-                                                                              params_moved, config.offload_path)
-        self.sharded = ShardedParams(self.layout, self.params, self.rank, working, self.group, self.device,
-                                     params_moved)
+        working = (
+            self.master_storage
+            if aliased
+            else offload.allocate_master(size, working_dtype, self.device, params_moved, config.offload_path)
+        )
+        self.sharded = ShardedParams(
+            self.layout, self.params, self.rank, working, self.group, self.device, params_moved
+        )
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
-        self.secondary = (SecondaryShards(self.layout, self.groups, self.sharded.units)
-                          if self.groups.secondary is not None else None)
+        self.secondary = (
+            SecondaryShards(self.layout, self.groups, self.sharded.units) if self.groups.secondary is not None else None
+        )
         """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self.weight_block = config.quantization_block_size if config.quantized_weights else None
         """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
@@ -107,8 +114,11 @@ class PartitionedStorage(ShardedStorage):
             chunk = full[c0 - start : c0 - start + bucket.chunk_size]
             with torch.no_grad():  # this rank's chunk in its place (an upload from a host master), then in place
                 chunk.copy_(self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size])
-            works.append(collectives.all_gather(full[b0 - start : b1 - start], chunk, group=self.group,
-                                                async_op=True, verified=False))
+            works.append(
+                collectives.all_gather(
+                    full[b0 - start : b1 - start], chunk, group=self.group, async_op=True, verified=False
+                )
+            )
         for work in works:
             collectives.wait(work, "gather a stage 3 unit's master values")
         return full

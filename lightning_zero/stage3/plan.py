@@ -72,8 +72,9 @@ def resolve_persistence_threshold(config: "ZeroConfig") -> int:
     return DEFAULT_PERSISTENCE_THRESHOLD
 
 
-def plan_units(module: nn.Module, unit_classes: Sequence[Union[type, str]] = (),
-               persistence_threshold: int = 0) -> UnitPlan:
+def plan_units(
+    module: nn.Module, unit_classes: Sequence[Union[type, str]] = (), persistence_threshold: int = 0
+) -> UnitPlan:
     """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names."""
     chosen = find_blocks(module, unit_classes)
     blocks = {id(m) for _, m in chosen}
@@ -99,8 +100,11 @@ def _runs_compiled(module: nn.Module) -> bool:
     """Whether ``module``'s ``forward`` (instance attribute) or whole call (``module.compile()``) is compiled."""
     compiled_call = module.__dict__.get("_compiled_call_impl")
     forward = module.__dict__.get("forward")
-    return compiled_call is not None or hasattr(forward, "_torchdynamo_orig_callable") or \
-        compiled_inner(module) is not module
+    return (
+        compiled_call is not None
+        or hasattr(forward, "_torchdynamo_orig_callable")
+        or compiled_inner(module) is not module
+    )
 
 
 def units_under_compile(root: nn.Module, plan: UnitPlan) -> list[str]:

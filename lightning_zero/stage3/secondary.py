@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
-from lightning_zero.memory import costs
 from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.memory import costs
 from lightning_zero.shards.layout import FlatLayout
 from lightning_zero.stage3.buffer import UnitBuffer
 
@@ -86,8 +86,15 @@ class SecondaryShards:
         kept, works, at = self.units[unit].secondary, [], 0
         assert kept is not None and self.has(unit), "gathered only from a current copy"
         for b0, n in self._ranges(unit):
-            works.append(collectives.all_gather(buffer[b0 : b0 + n * self.size], kept[at : at + n], group=self.group,
-                                                async_op=True, verified=verified))
+            works.append(
+                collectives.all_gather(
+                    buffer[b0 : b0 + n * self.size],
+                    kept[at : at + n],
+                    group=self.group,
+                    async_op=True,
+                    verified=verified,
+                )
+            )
             at += n
         return works
 

@@ -89,8 +89,9 @@ class UnitGroup:
 
     def _move(self, allowed: UnitState, to: UnitState, what: str) -> None:
         if self.state is not allowed:
-            raise IllegalUnitTransition(f"stage 3 unit '{self.name}': cannot {what} while {self.state.value} "
-                                        f"(only while {allowed.value}).")
+            raise IllegalUnitTransition(
+                f"stage 3 unit '{self.name}': cannot {what} while {self.state.value} (only while {allowed.value})."
+            )
         self.state = to
 
     def start_gather(self, compute: bool = False, backward: bool = False, guarded: bool = False) -> None:

@@ -59,8 +59,13 @@ if TYPE_CHECKING:
 class UnitRuntime:
     """Gathers and frees units around their forward and backward (see [Note: gather, free, and autograd])."""
 
-    def __init__(self, plan: UnitPlan, storages: list["PartitionedStorage"], prefetch_size: int,
-                 lockstep_check: Union[bool, str] = True) -> None:
+    def __init__(
+        self,
+        plan: UnitPlan,
+        storages: list["PartitionedStorage"],
+        prefetch_size: int,
+        lockstep_check: Union[bool, str] = True,
+    ) -> None:
         self.plan = plan
         self.storages = storages
         self.prefetch_size = prefetch_size
@@ -321,7 +326,7 @@ class UnitRuntime:
         order = self.forward_order if step > 0 else self.forward_order[::-1]
         if unit not in order or self.prefetch_size <= 0:
             return
-        ahead = order[order.index(unit) + 1:]
+        ahead = order[order.index(unit) + 1 :]
         budget = self.prefetch_size + (self.units[ahead[0]].numel if beyond_next and ahead else 0)
         for candidate in ahead:
             size = self.units[candidate].numel
@@ -350,4 +355,6 @@ def warn_if_units_compiled_inside(module: nn.Module, plan: UnitPlan) -> None:
             "of them (results unchanged, compiled once, not every step; but the region is compiled in pieces, not "
             "as one graph). To compile whole blocks, compile the units themselves in `configure_model`: "
             "`self.blocks[i] = torch.compile(block)`.",
-            UserWarning, stacklevel=4)
+            UserWarning,
+            stacklevel=4,
+        )

@@ -30,7 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), finalize: bool = False) -> list[Child]:
+def start(
+    script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (), finalize: bool = False
+) -> list[Child]:
     """Start ``tests/workers/<script>`` on ``world_size`` ranks (logs in ``out_dir/rank<r>.log``); returns them.
     ``finalize``: each rank ends through the interpreter's own shutdown (see ``Zygote.spawn``)."""
     port = str(free_port())
@@ -38,10 +40,26 @@ def start(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = (
     for rank in range(world_size):
         # ZYGOTE_ENV fixes glibc's mmap threshold: freed tensors go back to the OS, so resident memory tracks live
         # memory (the memory tests rely on it).
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size), RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", PL_DISABLE_FORK="1", **ZYGOTE_ENV)
-        procs.append(ZYGOTE.spawn([str(ROOT / "tests" / "workers" / script), str(out_dir), *args], env, out_dir,
-                                  out_dir / f"rank{rank}.log", finalize=finalize))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            PL_DISABLE_FORK="1",
+            **ZYGOTE_ENV,
+        )
+        procs.append(
+            ZYGOTE.spawn(
+                [str(ROOT / "tests" / "workers" / script), str(out_dir), *args],
+                env,
+                out_dir,
+                out_dir / f"rank{rank}.log",
+                finalize=finalize,
+            )
+        )
     return procs
 
 
@@ -74,8 +92,16 @@ def launch_nodes(script: str, nodes: int, out_dir: Path, timeout: float = 300) -
     launcher_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
     base = {k: v for k, v in os.environ.items() if k not in launcher_vars}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PL_DISABLE_FORK="1", **ZYGOTE_ENV)
-    procs = [ZYGOTE.spawn([str(ROOT / "tests" / "workers" / script), str(out_dir)], dict(base, NODE_RANK=str(node)),
-                          ROOT, out_dir / f"node{node}.log", session=True) for node in range(nodes)]
+    procs = [
+        ZYGOTE.spawn(
+            [str(ROOT / "tests" / "workers" / script), str(out_dir)],
+            dict(base, NODE_RANK=str(node)),
+            ROOT,
+            out_dir / f"node{node}.log",
+            session=True,
+        )
+        for node in range(nodes)
+    ]
     deadline = time.monotonic() + timeout
     try:
         codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
@@ -88,8 +114,10 @@ def launch_nodes(script: str, nodes: int, out_dir: Path, timeout: float = 300) -
             p.wait()
     if any(codes):
         raise AssertionError(f"{script} on {nodes} nodes failed with exit codes {codes}:\n{_tail(out_dir, 'node')}")
-    return [torch_load(path, path, trusted=True)  # the reports of this test run's workers
-            for path in sorted(out_dir.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))]
+    return [
+        torch_load(path, path, trusted=True)  # the reports of this test run's workers
+        for path in sorted(out_dir.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    ]
 
 
 def wait_all(procs: list[Any], timeout: float) -> list[int]:

@@ -90,8 +90,17 @@ class Zygote:
         self.lines: Optional[Lines] = None
         self.children: dict[int, Child] = {}
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Optional[Path] = None,
-              session: bool = False, group: Optional[int] = None, finalize: bool = False) -> Child:
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        stdout: Path,
+        stderr: Optional[Path] = None,
+        session: bool = False,
+        group: Optional[int] = None,
+        finalize: bool = False,
+    ) -> Child:
         """Fork a process that runs like ``python *argv`` (``argv``: a script and its arguments, or ``-m``, a module
         and its arguments) with ``env`` as its whole environment, in ``cwd``, writing to ``stdout`` (and ``stderr``,
         the same file if not given); ``session``: in a session and process group of its own, as
@@ -100,8 +109,16 @@ class Zygote:
         interpreter's own shutdown (module teardown, C++ static destructors: where a native thread left alive aborts
         the process) instead of ``os._exit`` after the same steps (see [Note: a forked rank is a fresh rank])."""
         proc = self._running()
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
-                   "stderr": str(stderr or stdout), "session": session, "group": group, "finalize": finalize}
+        request = {
+            "argv": argv,
+            "env": env,
+            "cwd": str(cwd),
+            "stdout": str(stdout),
+            "stderr": str(stderr or stdout),
+            "session": session,
+            "group": group,
+            "finalize": finalize,
+        }
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
@@ -131,9 +148,14 @@ class Zygote:
 
     def _running(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                         env=dict(os.environ, **ZYGOTE_ENV))
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=dict(os.environ, **ZYGOTE_ENV),
+            )
             self.lines = Lines(self.proc.stdout.fileno())
             self.children.clear()
         return self.proc

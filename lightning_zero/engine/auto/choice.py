@@ -63,13 +63,19 @@ class Candidate:
 
     def apply(self, config: ZeroConfig) -> ZeroConfig:
         """``config`` with this candidate's stage and offload options."""
-        return replace(config, stage=self.stage, offload_optimizer=self.offload_optimizer,
-                       offload_params=self.offload_params)
+        return replace(
+            config, stage=self.stage, offload_optimizer=self.offload_optimizer, offload_params=self.offload_params
+        )
 
 
 #: The candidates in the order ``zero_auto`` tries them: least traffic and time first.
-CANDIDATES = (Candidate(1), Candidate(2), Candidate(3), Candidate(3, offload_optimizer=True),
-              Candidate(3, offload_optimizer=True, offload_params=True))
+CANDIDATES = (
+    Candidate(1),
+    Candidate(2),
+    Candidate(3),
+    Candidate(3, offload_optimizer=True),
+    Candidate(3, offload_optimizer=True, offload_params=True),
+)
 
 
 #: What a process's resident memory grows by once, in its first run on CPU (see [Note: the predicted peak]).
@@ -121,8 +127,14 @@ class Prediction:
     @property
     def peak(self) -> float:
         """Bytes per rank at the peak of a step (see [Note: the predicted peak])."""
-        return (self.model_states + self.buffers + self.pool + self.buckets + max(self.activations, self.step)
-                + self.runtime)
+        return (
+            self.model_states
+            + self.buffers
+            + self.pool
+            + self.buckets
+            + max(self.activations, self.step)
+            + self.runtime
+        )
 
     @property
     def needs(self) -> float:
@@ -130,8 +142,9 @@ class Prediction:
         return self.peak * (1 + HEADROOM)
 
 
-def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig,
-            on_host: bool) -> Prediction:
+def predict(
+    candidate: Candidate, facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig, on_host: bool
+) -> Prediction:
     """The peak ``candidate`` reaches per rank (see [Note: the predicted peak]); ``on_host``: the device is the CPU,
     so offloaded bytes stay in the budget."""
     psi, n, stage = facts.num_params, world_size, candidate.stage
@@ -153,8 +166,17 @@ def predict(candidate: Candidate, facts: ModelFacts, world_size: int, precision:
         largest = units[0] if units else 0
         ahead = min(config.prefetch_size, sum(units[1:]))
         pool = float((facts.root_elements + largest + ahead) * param_b)
-    return Prediction(candidate, states, grads, float(facts.buffer_bytes), pool, buckets,
-                      float(facts.activation_bytes), step, FIRST_RUN_BYTES if facts.first_run and on_host else 0.0)
+    return Prediction(
+        candidate,
+        states,
+        grads,
+        float(facts.buffer_bytes),
+        pool,
+        buckets,
+        float(facts.activation_bytes),
+        step,
+        FIRST_RUN_BYTES if facts.first_run and on_host else 0.0,
+    )
 
 
 def _step_bytes(psi: int, world_size: int, precision: str) -> float:
@@ -178,32 +200,43 @@ class Choice:
 
     def line(self, verb: str = "chose") -> str:
         """The one-line reason: ``zero2: predicted peak 11.2 GiB of 12.0 GiB; zero1 would need 14.9 GiB``."""
-        text = (f"zero_auto {verb} {self.chosen.candidate.name}: predicted peak {human_bytes(self.chosen.peak)} of "
-                f"{human_bytes(self.budget)} per rank")
+        text = (
+            f"zero_auto {verb} {self.chosen.candidate.name}: predicted peak {human_bytes(self.chosen.peak)} of "
+            f"{human_bytes(self.budget)} per rank"
+        )
         cheaper = list(self.predictions[: self.predictions.index(self.chosen)])
         if cheaper:
             text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.needs)}" for p in cheaper)
         c = self.chosen
-        parts = {"model states": c.model_states, "activations": c.activations, "gathered units": c.pool,
-                 "gradient buckets": c.buckets, "optimizer step": c.step, "first run of the process": c.runtime,
-                 "module buffers": c.buffers}
+        parts = {
+            "model states": c.model_states,
+            "activations": c.activations,
+            "gathered units": c.pool,
+            "gradient buckets": c.buckets,
+            "optimizer step": c.step,
+            "first run of the process": c.runtime,
+            "module buffers": c.buffers,
+        }
         return text + " (" + ", ".join(f"{name} {human_bytes(value)}" for name, value in parts.items() if value) + ")"
 
     def report(self, measured: float) -> str:
         """The prediction against the ``measured`` peak: ``zero_auto zero2: predicted peak 11.2 GiB, measured
         10.9 GiB (+3%) of 12.0 GiB per rank``."""
         predicted = self.chosen.peak
-        return (f"zero_auto {self.chosen.candidate.name}: predicted peak {human_bytes(predicted)}, measured "
-                f"{human_bytes(measured)} ({(predicted - measured) / measured:+.0%}) of {human_bytes(self.budget)} "
-                "per rank")
+        return (
+            f"zero_auto {self.chosen.candidate.name}: predicted peak {human_bytes(predicted)}, measured "
+            f"{human_bytes(measured)} ({(predicted - measured) / measured:+.0%}) of {human_bytes(self.budget)} "
+            "per rank"
+        )
 
 
 class BudgetTooSmall(ValueError):
     """No candidate fits the memory budget."""
 
 
-def choose(facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig, budget: float,
-           on_host: bool) -> Choice:
+def choose(
+    facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig, budget: float, on_host: bool
+) -> Choice:
     """The first candidate of :data:`CANDIDATES` whose predicted peak fits ``budget``; raises
     :class:`BudgetTooSmall`, naming the smallest budget that would fit, when none does."""
     predictions = tuple(predict(candidate, facts, world_size, precision, config, on_host) for candidate in CANDIDATES)
@@ -216,4 +249,5 @@ def choose(facts: ModelFacts, world_size: int, precision: str, config: ZeroConfi
         f"{smallest.candidate.name}, needs {human_bytes(smallest.needs)} with {HEADROOM:.0%} headroom (activations "
         f"{human_bytes(facts.activation_bytes)}"
         f" of it): set `memory_budget` to at least {human_bytes(smallest.needs)}, add ranks, or make the micro-batch "
-        "smaller.")
+        "smaller."
+    )

@@ -18,12 +18,23 @@ from lightning_zero.stage3.materialize import materialize
 from lightning_zero.stage3.plan import ROOT, plan_units, resolve_persistence_threshold
 
 
-def model_facts(module: nn.Module, batch: Any, precision: PrecisionMode, config: ZeroConfig,
-                device: torch.device, accumulates: bool = False) -> ModelFacts:
+def model_facts(
+    module: nn.Module,
+    batch: Any,
+    precision: PrecisionMode,
+    config: ZeroConfig,
+    device: torch.device,
+    accumulates: bool = False,
+) -> ModelFacts:
     """Sizes of ``module`` (real or on the meta device) and the activation probe's peak on ``batch``."""
     mixed_or_half = precision.precision != "32-true"
-    activations = probe_activations(module, batch, precision.working_dtype if mixed_or_half else None,
-                                    lambda: precision.forward_context(device.type), device)
+    activations = probe_activations(
+        module,
+        batch,
+        precision.working_dtype if mixed_or_half else None,
+        lambda: precision.forward_context(device.type),
+        device,
+    )
     return replace(model_sizes(module, config), activation_bytes=activations, accumulates=accumulates)
 
 
@@ -35,8 +46,13 @@ def model_sizes(module: nn.Module, config: ZeroConfig) -> ModelFacts:
     for p in params:
         per_unit[plan.unit(p)] += p.numel()
     buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-    return ModelFacts(num_params=sum(p.numel() for p in params), buffer_bytes=buffer_bytes,
-                      root_elements=per_unit[ROOT], unit_elements=tuple(per_unit[1:]), activation_bytes=0)
+    return ModelFacts(
+        num_params=sum(p.numel() for p in params),
+        buffer_bytes=buffer_bytes,
+        root_elements=per_unit[ROOT],
+        unit_elements=tuple(per_unit[1:]),
+        activation_bytes=0,
+    )
 
 
 def held_bytes(module: nn.Module) -> int:

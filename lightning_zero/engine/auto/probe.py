@@ -69,21 +69,27 @@ class LiveBytes(TorchDispatchMode):
         self.live -= self._alive.pop(key, 0)
 
 
-def probe_activations(module: nn.Module, batch: Any, param_dtype: Optional[torch.dtype],
-                      forward_context: Callable[[], contextlib.AbstractContextManager], device: torch.device) -> int:
+def probe_activations(
+    module: nn.Module,
+    batch: Any,
+    param_dtype: Optional[torch.dtype],
+    forward_context: Callable[[], contextlib.AbstractContextManager],
+    device: torch.device,
+) -> int:
     """Peak bytes one micro-batch's ``training_step`` and backward make alive on ``device``, model states left out
     (see [Note: the activation probe]). ``param_dtype``: the dtype the parameters compute in (``None``: theirs)."""
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        leaves = {name: _fake_like(t, param_dtype if t.is_floating_point() else None, device)
-                  for name, t in [*module.named_parameters(),
-                                  *module.named_buffers()]}
+        leaves = {
+            name: _fake_like(t, param_dtype if t.is_floating_point() else None, device)
+            for name, t in [*module.named_parameters(), *module.named_buffers()]
+        }
         handles = [t.register_post_accumulate_grad_hook(_drop_grad) for t in leaves.values() if t.requires_grad]
         fake_batch = tree_map(lambda x: fake.from_tensor(x.to(device)) if isinstance(x, torch.Tensor) else x, batch)
         counter = LiveBytes()
         try:
             with _reparametrize_module(module, leaves, tie_weights=True), _quiet(module), counter:
                 with forward_context():
-                    loss = getattr(module, "training_step")(fake_batch, 0)
+                    loss = module.training_step(fake_batch, 0)
                 loss = loss.get("loss") if isinstance(loss, dict) else loss
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()

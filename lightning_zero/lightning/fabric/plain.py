@@ -60,8 +60,10 @@ def load_into_plain_models(checkpoint: dict[str, Any], state: dict[str, Any], st
     checkpoint = _as_plain(checkpoint, state)
     missing = [key for key in state if key not in checkpoint]
     if strict and missing:
-        raise KeyError(f"The requested state contains keys that are not present in the checkpoint: {missing}. "
-                       "Pass `strict=False` to load what is there.")
+        raise KeyError(
+            f"The requested state contains keys that are not present in the checkpoint: {missing}. "
+            "Pass `strict=False` to load what is there."
+        )
     for key, obj in list(state.items()):
         if key not in checkpoint:
             continue
@@ -88,9 +90,14 @@ def _as_plain(checkpoint: dict[str, Any], state: Mapping[str, Any]) -> dict[str,
             plain[key] = checkpoint["state_dict"]
         else:
             prefix = f"{key}."
-            plain[key] = {name[len(prefix):]: value for name, value in checkpoint["state_dict"].items()
-                          if name.startswith(prefix)}
+            plain[key] = {
+                name[len(prefix) :]: value
+                for name, value in checkpoint["state_dict"].items()
+                if name.startswith(prefix)
+            }
     if optimizers:
-        raise ValueError("A ZeRO checkpoint's optimizer states load into set-up optimizers only: call "
-                         "`fabric.setup(model, optimizer)` before `fabric.load`.")
+        raise ValueError(
+            "A ZeRO checkpoint's optimizer states load into set-up optimizers only: call "
+            "`fabric.setup(model, optimizer)` before `fabric.load`."
+        )
     return plain

@@ -21,8 +21,11 @@ __all__ = ["release_held", "states_of", "load_states"]
 def release_held(engines: list[ZeroEngine], module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
     """Release (see [Note: setting up a model again]) every engine of ``engines`` holding ``module`` or one of
     ``optimizers``, and remove it from ``engines`` (in place)."""
-    held = [engine for engine in engines
-            if engine.module is module or any(owns(engine, optimizer) for optimizer in optimizers)]
+    held = [
+        engine
+        for engine in engines
+        if engine.module is module or any(owns(engine, optimizer) for optimizer in optimizers)
+    ]
     for engine in held:
         release(engine)
         engines.remove(engine)

@@ -58,11 +58,17 @@ class EngineGroup:
     def __init__(self, named: dict[str, "ZeroEngine"]) -> None:
         bad = [key for key in named if not key.isidentifier()]
         if bad:
-            raise ValueError(f"`fabric.save`/`fabric.load` of several models names each by its key in the state, and "
-                             f"{bad[0]!r} cannot name a submodule. Use keys such as 'generator' and 'discriminator'.")
+            raise ValueError(
+                f"`fabric.save`/`fabric.load` of several models names each by its key in the state, and "
+                f"{bad[0]!r} cannot name a submodule. Use keys such as 'generator' and 'discriminator'."
+            )
         engines = list(named.values())
         self.engines = engines
-        self.config, self.shard_groups, self.precision = engines[0].config, engines[0].shard_groups, engines[0].precision
+        self.config, self.shard_groups, self.precision = (
+            engines[0].config,
+            engines[0].shard_groups,
+            engines[0].precision,
+        )
         self.module = nn.ModuleDict({key: engine.module for key, engine in named.items()})
         self.optimizers: list[Any] = [o for engine in engines for o in engine.optimizers]
         self.store = _Storages([s for engine in engines for s in engine.store.storages])
@@ -85,8 +91,10 @@ def engine_of_optimizer(engines: Sequence["ZeroEngine"], optimizer: Optimizer) -
     for engine in engines:
         if owns(engine, optimizer):
             return engine
-    raise ValueError("This optimizer was not set up by `fabric.setup` / `fabric.setup_optimizers`: step, clip, save "
-                     "and load the optimizers returned by them.")
+    raise ValueError(
+        "This optimizer was not set up by `fabric.setup` / `fabric.setup_optimizers`: step, clip, save "
+        "and load the optimizers returned by them."
+    )
 
 
 def engine_of_params(engines: Sequence["ZeroEngine"], optimizer: Optimizer) -> "ZeroEngine":
@@ -96,8 +104,10 @@ def engine_of_params(engines: Sequence["ZeroEngine"], optimizer: Optimizer) -> "
     for engine in reversed(engines):
         if any(id(p) in params for p in engine.module.parameters()):
             return engine
-    raise ValueError("`fabric.setup_optimizers`: the optimizer's parameters belong to no model set up with "
-                     "`fabric.setup_module`. Set up the model first, then make the optimizer from its parameters.")
+    raise ValueError(
+        "`fabric.setup_optimizers`: the optimizer's parameters belong to no model set up with "
+        "`fabric.setup_module`. Set up the model first, then make the optimizer from its parameters."
+    )
 
 
 def engine_of_module(engines: Sequence["ZeroEngine"], module: nn.Module) -> "ZeroEngine":
@@ -105,8 +115,9 @@ def engine_of_module(engines: Sequence["ZeroEngine"], module: nn.Module) -> "Zer
     for engine in engines:
         if engine.module is module:
             return engine
-    raise ValueError("ZeroFabricStrategy saves and loads the models it set up: pass the modules returned by "
-                     "`fabric.setup`.")
+    raise ValueError(
+        "ZeroFabricStrategy saves and loads the models it set up: pass the modules returned by `fabric.setup`."
+    )
 
 
 @contextmanager

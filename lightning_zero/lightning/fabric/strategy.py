@@ -39,16 +39,16 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import state as engine_state
-from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
-from lightning_zero.lightning.precision import LossScaler, PrecisionInput, UsesPrecisionMode
-from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.lightning.processes import StartMethod, ZeroProcesses
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
+from lightning_zero.config import ZeroConfig, check_option_names
+from lightning_zero.engine import state as engine_state
 from lightning_zero.engine.construction import InitModuleRecording, place_module
 from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.lightning.fabric import plain, resetup, several
 from lightning_zero.lightning.fabric.several import MODELS_KEY, EngineGroup
+from lightning_zero.lightning.precision import LossScaler, PrecisionInput, UsesPrecisionMode
+from lightning_zero.lightning.processes import StartMethod, ZeroProcesses
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
 PRECISION_KEY = "ZeroPrecision"
@@ -60,8 +60,9 @@ class ZeroFabricPrecision(UsesPrecisionMode, Precision):
     Inputs and outputs are cast as Fabric's own ``MixedPrecision`` / ``HalfPrecision`` cast them.
     """
 
-    def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
-                 loss_scaler: Optional[LossScaler] = None) -> None:
+    def __init__(
+        self, precision: PrecisionInput = "32-true", device_type: str = "cpu", loss_scaler: Optional[LossScaler] = None
+    ) -> None:
         super().__init__(precision, device_type, loss_scaler)
 
     @override
@@ -139,8 +140,13 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         check_option_names(options)
         self.config = ZeroConfig(stage=stage, **options)
         self._init_processes(stage, process_group_backend, timeout, start_method)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
         self._num_nodes = 1
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._init_module = InitModuleRecording()
@@ -183,8 +189,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
 
     # ------------------------------------------------------------------ setup
     @override
-    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer],
-                                    scheduler: Optional[Any] = None) -> tuple[Module, list[Optimizer], Optional[Any]]:
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
         self._make_engine(module, optimizers)
         return module, optimizers, scheduler
 
@@ -196,8 +203,10 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.engine is None:
-            raise RuntimeError("Set up the model first: `model = fabric.setup_module(model)`, then create the "
-                               "optimizer from its parameters and call `fabric.setup_optimizers(optimizer)`.")
+            raise RuntimeError(
+                "Set up the model first: `model = fabric.setup_module(model)`, then create the "
+                "optimizer from its parameters and call `fabric.setup_optimizers(optimizer)`."
+            )
         several.engine_of_params(self.engines, optimizer).add_optimizers([optimizer])
         return optimizer
 
@@ -205,8 +214,15 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         recording = self._init_module.take(module)
         resetup.release_held(self.engines, module, optimizers)  # see [Note: setting up a model again]
         states = resetup.states_of(optimizers)
-        self.engine = ZeroEngine(module, optimizers, precision=self.precision.mode, device=self.root_device,
-                                 config=self.config, recording=recording, shard_groups=self.shard_groups)
+        self.engine = ZeroEngine(
+            module,
+            optimizers,
+            precision=self.precision.mode,
+            device=self.root_device,
+            config=self.config,
+            recording=recording,
+            shard_groups=self.shard_groups,
+        )
         resetup.load_states(self.engine, states)
         self.engines.append(self.engine)
 
@@ -254,8 +270,14 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         return loss if closure is not None else output
 
     @override
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
         engine = several.engine_of_optimizer(self.engines, optimizer)
         norm = engine.clip_grad_norm(float(max_norm), optimizer, float(norm_type), error_if_nonfinite)
         return norm.reshape(())  # a scalar, as under the other strategies
@@ -271,16 +293,22 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
 
     # ------------------------------------------------------------------ collectives
     @override
-    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
-                   reduce_op: Optional[Union[Any, str]] = "mean") -> Tensor:
+    def all_reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
+    ) -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
         """See [Note: the Fabric state dict in the Trainer's format]; a state whose models are not set up is saved as
         ``ddp`` saves it (see [Note: saving and loading a model that is not set up] in ``plain.py``)."""
         if not self._holds_set_up_model(state):
@@ -289,12 +317,17 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if storage_options is not None:
             raise TypeError(STORAGE_OPTIONS_ERROR)
         if filter:
-            raise ValueError("ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
-                             "any world size and stage): remove `filter=` from `fabric.save`.")
+            raise ValueError(
+                "ZeroFabricStrategy saves whole model and optimizer states (a checkpoint must resume at "
+                "any world size and stage): remove `filter=` from `fabric.save`."
+            )
         engine = self._engine_of(state)
         optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
-        checkpoint = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj for key, obj in state.items()
-                      if not isinstance(obj, (Module, Optimizer))}
+        checkpoint = {
+            key: obj.state_dict() if isinstance(obj, _Stateful) else obj
+            for key, obj in state.items()
+            if not isinstance(obj, (Module, Optimizer))
+        }
         if isinstance(engine, EngineGroup):
             checkpoint[MODELS_KEY] = list(engine.module.keys())
         checkpoint.update(engine_state.states_entries(engine, optimizers))
@@ -302,8 +335,13 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         engine_state.save(engine, checkpoint, Path(path), writer="fabric")
 
     @override
-    def load_checkpoint(self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint of any writer (Fabric, Trainer, full file); the rest of the
         checkpoint is returned. A bare module or optimizer (``fabric.load_raw``) takes a raw state dict file too.
         Only data is unpickled unless ``weights_only=False`` (see [Note: a checkpoint is data, never code] in
@@ -317,8 +355,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         if isinstance(state, (Module, Optimizer)) and not self._holds_set_up_model({"state": state}):
             return super().load_checkpoint(path, state, strict, weights_only)
         if isinstance(state, dict) and not self._holds_set_up_model(state):
-            return plain.load_into_plain_models(plain.read_for_plain_models(path, self.checkpoint_io, weights_only),
-                                                state, strict)
+            return plain.load_into_plain_models(
+                plain.read_for_plain_models(path, self.checkpoint_io, weights_only), state, strict
+            )
         checkpoint = engine_state.read(path, trusted)
         if isinstance(state, Module):
             engine_state.load_model(several.engine_of_module(self.engines, state), checkpoint, strict)
@@ -331,37 +370,46 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         saved_models = checkpoint.get(MODELS_KEY)
         models = list(engine.module.keys()) if isinstance(engine, EngineGroup) else None
         if saved_models != models:
-            raise ValueError(f"The checkpoint {path} holds the model(s) {saved_models or 'of one model'} and the "
-                             f"state passed to `fabric.load` has {models or 'one model'}: pass the models (and their "
-                             "optimizers) under the keys they were saved with.")
+            raise ValueError(
+                f"The checkpoint {path} holds the model(s) {saved_models or 'of one model'} and the "
+                f"state passed to `fabric.load` has {models or 'one model'}: pass the models (and their "
+                "optimizers) under the keys they were saved with."
+            )
         return self._restore(engine, checkpoint, state, strict)
 
     def _holds_set_up_model(self, state: dict[str, Any]) -> bool:
         """Whether a model (or optimizer) of ``state`` was set up by this strategy."""
-        return any(engine.module is obj or (isinstance(obj, Optimizer) and several.owns(engine, obj))
-                   for engine in self.engines for obj in state.values())
+        return any(
+            engine.module is obj or (isinstance(obj, Optimizer) and several.owns(engine, obj))
+            for engine in self.engines
+            for obj in state.values()
+        )
 
     def _engine_of(self, state: dict[str, Any]) -> Any:
         """The engine of the one model in ``state``, or an :class:`EngineGroup` of its several models (see [Note:
         several models in one checkpoint] in ``several.py``)."""
-        named = {key: several.engine_of_module(self.engines, obj) for key, obj in state.items()
-                 if isinstance(obj, Module)}
+        named = {
+            key: several.engine_of_module(self.engines, obj) for key, obj in state.items() if isinstance(obj, Module)
+        }
         if len(named) == 1:
             return next(iter(named.values()))
         return EngineGroup(named)
 
-    def _restore(self, engine: Any, checkpoint: dict[str, Any], state: dict[str, Any],
-                 strict: bool) -> dict[str, Any]:
+    def _restore(self, engine: Any, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
         modules = [key for key, obj in state.items() if isinstance(obj, Module)]
         optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
         if optimizers and len(optimizers) != len(engine.optimizers):
-            raise ValueError(f"`fabric.load` got {len(optimizers)} of the model's {len(engine.optimizers)} "
-                             "optimizers: pass all of them (or none).")
+            raise ValueError(
+                f"`fabric.load` got {len(optimizers)} of the model's {len(engine.optimizers)} "
+                "optimizers: pass all of them (or none)."
+            )
         others = [key for key in state if key not in modules and key not in optimizers]
         missing = [key for key in others if key not in checkpoint]
         if strict and missing:
-            raise KeyError(f"The requested state contains keys that are not present in the checkpoint: {missing}. "
-                           "Pass `strict=False` to load what is there.")
+            raise KeyError(
+                f"The requested state contains keys that are not present in the checkpoint: {missing}. "
+                "Pass `strict=False` to load what is there."
+            )
         if modules:
             engine_state.load_model(engine, checkpoint, strict)
         if optimizers:

@@ -54,18 +54,29 @@ def check_auto(stage: object, memory_budget: Optional[Union[str, float]], option
     """
     if stage != "auto":
         if memory_budget is not None:
-            raise ValueError(f"`memory_budget` is the budget `stage='auto'` chooses a configuration for; with "
-                             f"`stage={stage!r}` nothing reads it. Use `strategy='zero_auto'` or leave it out.")
+            raise ValueError(
+                f"`memory_budget` is the budget `stage='auto'` chooses a configuration for; with "
+                f"`stage={stage!r}` nothing reads it. Use `strategy='zero_auto'` or leave it out."
+            )
         return None
     chosen = [name for name in CHOSEN_OPTIONS if options.get(name)]
     if chosen:
-        raise ValueError(f"`{chosen[0]}` is chosen by `stage='auto'` itself (zero3 with offload comes last, where "
-                         "nothing else fits); to set it, pick the stage too (`strategy='zero3'`).")
+        raise ValueError(
+            f"`{chosen[0]}` is chosen by `stage='auto'` itself (zero3 with offload comes last, where "
+            "nothing else fits); to set it, pick the stage too (`strategy='zero3'`)."
+        )
     return resolve_budget(memory_budget)
 
 
-def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: ZeroPrecision, config: ZeroConfig,
-                    budget: Optional[float], agree: Callable[[float], float], ranks: tuple[int, int]) -> AutoRun:
+def choose_at_setup(
+    trainer: "pl.Trainer",
+    module: torch.nn.Module,
+    precision: ZeroPrecision,
+    config: ZeroConfig,
+    budget: Optional[float],
+    agree: Callable[[float], float],
+    ranks: tuple[int, int],
+) -> AutoRun:
     """Start the peak meter, probe the first micro-batch and choose (see [Note: the predicted peak]).
 
     ``ranks``: the world size and the ranks of this node. ``agree``: the smallest of a number over the ranks. The
@@ -74,8 +85,17 @@ def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: Z
     """
     device = trainer.strategy.root_device
     meter = PeakMeter(device, held_bytes(module))
-    facts = replace(model_facts(module, first_batch(trainer), precision.mode, config, device,
-                                accumulates=trainer.accumulate_grad_batches > 1), first_run=not _RUNS)
+    facts = replace(
+        model_facts(
+            module,
+            first_batch(trainer),
+            precision.mode,
+            config,
+            device,
+            accumulates=trainer.accumulate_grad_batches > 1,
+        ),
+        first_run=not _RUNS,
+    )
     _RUNS.append(True)
     world_size, local_ranks = ranks
     limit = agree(budget if budget is not None else default_budget(device, local_ranks))
@@ -86,9 +106,15 @@ def choose_at_setup(trainer: "pl.Trainer", module: torch.nn.Module, precision: Z
 def register(registry: Any, cls: type) -> None:
     """``zero_auto`` and its ``_spawn`` / ``_fork`` variants."""
     for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-        registry.register(f"zero_auto{suffix}", cls, override=True, stage="auto", start_method=start_method,
-                          description="ZeRO, the stage and offload chosen at setup from the memory budget, start "
-                                      f"method '{start_method}'")
+        registry.register(
+            f"zero_auto{suffix}",
+            cls,
+            override=True,
+            stage="auto",
+            start_method=start_method,
+            description="ZeRO, the stage and offload chosen at setup from the memory budget, start "
+            f"method '{start_method}'",
+        )
 
 
 def first_batch(trainer: "pl.Trainer") -> Any:

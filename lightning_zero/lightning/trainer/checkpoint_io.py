@@ -17,16 +17,22 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_zero.checkpoints.storage import KEY, check_files, read_meta
-from lightning_zero.checkpoints.sharded import load_model_from_dir
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
+from lightning_zero.checkpoints.sharded import load_model_from_dir
 from lightning_zero.checkpoints.shards import Shard
+from lightning_zero.checkpoints.storage import KEY, check_files, read_meta
 
 ModuleT = TypeVar("ModuleT", bound=pl.LightningModule)
 
 
-def load_from_checkpoint(cls: type[ModuleT], path: _PATH, map_location: Optional[Union[str, torch.device]] = None,
-                         strict: bool = True, weights_only: Optional[bool] = None, **kwargs: Any) -> ModuleT:
+def load_from_checkpoint(
+    cls: type[ModuleT],
+    path: _PATH,
+    map_location: Optional[Union[str, torch.device]] = None,
+    strict: bool = True,
+    weights_only: Optional[bool] = None,
+    **kwargs: Any,
+) -> ModuleT:
     """``cls.load_from_checkpoint`` for sharded directories and files alike, in a plain process.
 
     For a directory the module is built from the saved hyperparameters (``kwargs`` override them), ``configure_model``
@@ -39,8 +45,9 @@ def load_from_checkpoint(cls: type[ModuleT], path: _PATH, map_location: Optional
     if not path.is_dir():
         if not path.exists():
             raise FileNotFoundError(f"No checkpoint at {path}.")
-        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, weights_only=weights_only,
-                                        **kwargs)
+        return cls.load_from_checkpoint(
+            path, map_location=map_location, strict=strict, weights_only=weights_only, **kwargs
+        )
     trusted = weights_only is False
     meta = read_meta(path, trusted)
     check_files(path, meta)
@@ -76,8 +83,6 @@ def _instantiate(cls: type[ModuleT], meta: dict[str, Any], overrides: dict[str, 
     return model
 
 
-
-
 class ZeroCheckpointIO(TorchCheckpointIO):
     """Lets any strategy (``ddp``, a single device) load lightning-zero's sharded checkpoint directories.
 
@@ -87,8 +92,9 @@ class ZeroCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         if Path(path).is_dir():
             return load_full_checkpoint(path, trust_code=weights_only is False)
         if map_location is None:

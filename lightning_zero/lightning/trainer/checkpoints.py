@@ -17,10 +17,11 @@ from lightning.fabric.utilities.types import _PATH
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import state as engine_state
-from lightning_zero.lightning.trainer import early_checks
-from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.checkpoints.storage import KEY
+from lightning_zero.engine import state as engine_state
+from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
+from lightning_zero.lightning.trainer import early_checks
+
 
 class CheckpointHooks:
     """Sharded (a directory, every rank writes its pieces) or full (one file on rank 0) checkpoints for ZeroStrategy.
@@ -43,8 +44,9 @@ class CheckpointHooks:
         return engine_state.optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer))
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
-                        storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
         if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
             raise TypeError(STORAGE_OPTIONS_ERROR)
         engine_state.save(self.engine, checkpoint, Path(filepath), writer="trainer")
@@ -60,8 +62,9 @@ class CheckpointHooks:
         and the tensors are read later, straight into this rank's shards. Only data is unpickled unless
         ``weights_only=False`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``)."""
         # see [Note: the Trainer's weights_only reaches a strategy that restores after setup] in early_checks.py
-        trusted = weights_only is False or (weights_only is None and early_checks.requested_trust(
-            self.lightning_module))
+        trusted = weights_only is False or (
+            weights_only is None and early_checks.requested_trust(self.lightning_module)
+        )
         if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, False if trusted else weights_only)
         meta = engine_state.read(Path(checkpoint_path), trusted=trusted)

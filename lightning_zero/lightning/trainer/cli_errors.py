@@ -104,10 +104,12 @@ def unknown_zero_strategy(name: object) -> Optional[str]:
     if not isinstance(name, str) or not name.lower().startswith("zero") or name.lower() in StrategyRegistry:
         return None
     ours = sorted(n for n in StrategyRegistry if n.startswith("zero"))
-    return (f"There is no strategy {name!r}. lightning-zero registers zero1, zero2, zero3 (ZeRO stages 1-3), "
-            f"zero_auto (the stage chosen from the memory budget) and their _spawn/_fork variants: {', '.join(ours)}. "
-            "For options, use the long form `strategy: {class_path: lightning_zero.ZeroStrategy, init_args: {stage: "
-            "3, ...}}`.")
+    return (
+        f"There is no strategy {name!r}. lightning-zero registers zero1, zero2, zero3 (ZeRO stages 1-3), "
+        f"zero_auto (the stage chosen from the memory budget) and their _spawn/_fork variants: {', '.join(ours)}. "
+        "For options, use the long form `strategy: {class_path: lightning_zero.ZeroStrategy, init_args: {stage: "
+        "3, ...}}`."
+    )
 
 
 def _names_ours(check: Callable[..., Any]) -> Callable[..., Any]:
@@ -134,8 +136,10 @@ def install() -> None:
     for connector in (accelerator_connector._AcceleratorConnector, fabric_connector._Connector):
         if not getattr(connector._check_config_and_set_final_flags, _MARK, False):
             connector._check_config_and_set_final_flags = _names_ours(  # type: ignore[method-assign]
-                connector._check_config_and_set_final_flags)
+                connector._check_config_and_set_final_flags
+            )
     if not getattr(LightningArgumentParser.error, _MARK, False):
         LightningArgumentParser.error = _one_line(LightningArgumentParser.error)  # type: ignore[method-assign]
         LightningArgumentParser.parse_args = _remembers_argv(  # type: ignore[method-assign]
-            LightningArgumentParser.parse_args)
+            LightningArgumentParser.parse_args
+        )

@@ -98,9 +98,11 @@ def check_path(path: Optional[Path], trusted: bool = False) -> None:
 
 def _check_path(path: Path, trusted: bool) -> None:
     if not path.exists():
-        raise CheckpointError(f"`ckpt_path`: {missing_message(path)} Nothing was built yet. Check the path (a sharded "
-                              "checkpoint is a directory, e.g. checkpoints/last.ckpt), or leave `ckpt_path` out to "
-                              "start from scratch.")
+        raise CheckpointError(
+            f"`ckpt_path`: {missing_message(path)} Nothing was built yet. Check the path (a sharded "
+            "checkpoint is a directory, e.g. checkpoints/last.ckpt), or leave `ckpt_path` out to "
+            "start from scratch."
+        )
     if path.is_dir():
         check_files(path, read_meta(path, trusted), verify=False)
 
@@ -116,12 +118,19 @@ def _check_shapes(path: Path, module: nn.Module, strict: bool, trusted: bool) ->
     info = read_meta(path, trusted)[KEY]
     if info.get("tensor_parallel_size", 1) != 1 or getattr(module, "_device_mesh", None) is not None:
         return  # local slices: the load compares them, with the mesh
-    saved = {key: tuple(info["tensors"][stored][0]) for key, stored in info["model"].items()
-             if info["tensors"].get(stored) is not None}
-    here = {key: SimpleNamespace(shape=tuple(t.shape), full_shape=tuple(t.shape))
-            for key, t in module.state_dict(keep_vars=True).items() if hasattr(t, "shape")}
+    saved = {
+        key: tuple(info["tensors"][stored][0])
+        for key, stored in info["model"].items()
+        if info["tensors"].get(stored) is not None
+    }
+    here = {
+        key: SimpleNamespace(shape=tuple(t.shape), full_shape=tuple(t.shape))
+        for key, t in module.state_dict(keep_vars=True).items()
+        if hasattr(t, "shape")
+    }
     try:
         check_model_keys(saved, here, strict, str(path), warn=False)  # type: ignore[arg-type]  # the load warns
     except CheckpointError as error:
-        raise CheckpointError(f"`ckpt_path`: {error} Found before the model was built and sharded; "
-                              "nothing was loaded.") from None
+        raise CheckpointError(
+            f"`ckpt_path`: {error} Found before the model was built and sharded; nothing was loaded."
+        ) from None

@@ -29,8 +29,12 @@ from lightning_zero.pretrained import loading as pretrained
 _DISPATCH = "_lightning_zero_grad_norm"
 
 
-def _grad_norm(original: Callable[..., dict[str, Any]], module: nn.Module, norm_type: Union[float, int, str],
-               group_separator: str = "/") -> dict[str, Any]:
+def _grad_norm(
+    original: Callable[..., dict[str, Any]],
+    module: nn.Module,
+    norm_type: Union[float, int, str],
+    group_separator: str = "/",
+) -> dict[str, Any]:
     """``original(module, ...)``, or the engine's norms when an engine holds ``module``'s parameters."""
     held = pretrained._owner_of(module)
     if held is None or not hasattr(held[2], "grad_norms"):
@@ -45,8 +49,8 @@ def _grad_norm(original: Callable[..., dict[str, Any]], module: nn.Module, norm_
     head = f"grad_{norm_type}_norm/"
     norms = {}
     for key, value in every.items():
-        if key.startswith(head) and root_names.get(key[len(head):]) in ours:
-            norms[f"grad_{norm_type}_norm{group_separator}{ours[root_names[key[len(head):]]]}"] = value
+        if key.startswith(head) and root_names.get(key[len(head) :]) in ours:
+            norms[f"grad_{norm_type}_norm{group_separator}{ours[root_names[key[len(head) :]]]}"] = value
     if norms:
         norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
     return norms
@@ -63,7 +67,8 @@ def install() -> None:
     function = grads.grad_norm
     if _DISPATCH in function.__globals__:
         return
-    original = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
-                                  function.__closure__)
+    original = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
     function.__globals__[_DISPATCH] = functools.partial(_grad_norm, original)
     function.__code__ = _dispatch.__code__

@@ -34,8 +34,9 @@ class ZeroPrecision(UsesPrecisionMode, Precision):
         loss_scaler: the scaler for ``"16-mixed"``; a default dynamic one is made when omitted.
     """
 
-    def __init__(self, precision: PrecisionInput = "32-true", device_type: str = "cpu",
-                 loss_scaler: Optional[LossScaler] = None) -> None:
+    def __init__(
+        self, precision: PrecisionInput = "32-true", device_type: str = "cpu", loss_scaler: Optional[LossScaler] = None
+    ) -> None:
         super().__init__(precision, device_type, loss_scaler)
         self.engine: Optional["ZeroEngine"] = None
         """Set by the strategy at setup."""
@@ -55,13 +56,21 @@ class ZeroPrecision(UsesPrecisionMode, Precision):
         """The engine's step with Lightning's hooks as ``before_step``; the closure (forward and backward) runs
         inside the user's ``optimizer.step``, as under ``ddp`` (see [Note: the closure goes to the optimizer] in
         ``stepping.py``)."""
-        return self._engine().step(optimizer, closure=closure,
-                                   before_step=lambda: self._after_closure(model, optimizer), zero_grad=False,
-                                   **kwargs)
+        return self._engine().step(
+            optimizer,
+            closure=closure,
+            before_step=lambda: self._after_closure(model, optimizer),
+            zero_grad=False,
+            **kwargs,
+        )
 
     @override
-    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         if clip_val <= 0:
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
@@ -71,8 +80,10 @@ class ZeroPrecision(UsesPrecisionMode, Precision):
 
     def _engine(self) -> "ZeroEngine":
         if self.engine is None:
-            raise RuntimeError("ZeroPrecision only works together with ZeroStrategy, which sets it up; create the "
-                               "optimizers in `configure_optimizers`.")
+            raise RuntimeError(
+                "ZeroPrecision only works together with ZeroStrategy, which sets it up; create the "
+                "optimizers in `configure_optimizers`."
+            )
         return self.engine
 
 

@@ -16,7 +16,6 @@ from torch import Tensor
 from typing_extensions import override
 
 
-
 class StepHooks:
     """Uses the strategy's ``engine``, ``lightning_module`` and ``_step_boundary`` (``lightning/processes.py``)."""
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -28,18 +28,19 @@ from typing_extensions import override
 
 from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.process import one_report
+from lightning_zero.engine.auto.facts import build_whole
 from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.lightning.processes import StartMethod, ZeroProcesses
-from lightning_zero.stages import policy_for
 from lightning_zero.lightning.trainer import early_checks
+from lightning_zero.lightning.trainer.auto import AUTO_UNTIL_SETUP, STEPS_MEASURED, AutoRun, check_auto, choose_at_setup
+from lightning_zero.lightning.trainer.auto import register as register_auto
 from lightning_zero.lightning.trainer.checkpoints import CheckpointHooks
 from lightning_zero.lightning.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.trainer.steps import StepHooks
-from lightning_zero.engine.auto.facts import build_whole
-from lightning_zero.lightning.trainer.auto import AUTO_UNTIL_SETUP, STEPS_MEASURED, AutoRun, check_auto, choose_at_setup
-from lightning_zero.lightning.trainer.auto import register as register_auto
+from lightning_zero.process import one_report
+from lightning_zero.stages import policy_for
+
 
 class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
@@ -92,9 +93,13 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         self.config = ZeroConfig(stage=fixed, **options)
         self._init_processes(fixed, process_group_backend, timeout, start_method)
         self._choosing = stage == "auto"
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.num_nodes = 1
         self._ranks_in_step = True
         self._init_module = InitModuleRecording()
@@ -151,8 +156,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         super().setup_environment()
         self._start_distributed()
         # before configure_model: see [Note: a checkpoint is checked before the build] in early_checks.py
-        early_checks.check_path(early_checks.selected_ckpt_path(self.lightning_module),
-                                early_checks.requested_trust(self.lightning_module))
+        early_checks.check_path(
+            early_checks.selected_ckpt_path(self.lightning_module), early_checks.requested_trust(self.lightning_module)
+        )
         if self.device_mesh is not None and self.lightning_module is not None:
             # as Lightning's ModelParallelStrategy: `configure_model` parallelizes over `self.device_mesh`
             self.lightning_module._device_mesh = self.device_mesh
@@ -163,9 +169,12 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """Make the engine over the LightningModule and the optimizers of ``configure_optimizers`` (none outside
         fit: stage 3 still shards the weights for validate, test and predict)."""
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
-        early_checks.check_shapes(early_checks.selected_ckpt_path(self.lightning_module), self.lightning_module,
-                                  strict=self.lightning_module.strict_loading,  # before the engine shards the model
-                                  trusted=early_checks.requested_trust(self.lightning_module))
+        early_checks.check_shapes(
+            early_checks.selected_ckpt_path(self.lightning_module),
+            self.lightning_module,
+            strict=self.lightning_module.strict_loading,  # before the engine shards the model
+            trusted=early_checks.requested_trust(self.lightning_module),
+        )
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -177,9 +186,15 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         if fitting:
             super().setup_optimizers(trainer)
         recording = self._recording if self._recording is not None else self._init_module.take(self.lightning_module)
-        self.engine = ZeroEngine(self.lightning_module, self.optimizers if fitting else [],
-                                 precision=self.precision_plugin.mode, device=self.root_device, config=self.config,
-                                 recording=recording, shard_groups=self.shard_groups)
+        self.engine = ZeroEngine(
+            self.lightning_module,
+            self.optimizers if fitting else [],
+            precision=self.precision_plugin.mode,
+            device=self.root_device,
+            config=self.config,
+            recording=recording,
+            shard_groups=self.shard_groups,
+        )
         self._recording = None  # construction is replayed once; the log holds no memory worth keeping
         self.precision_plugin.engine = self.engine
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
@@ -192,14 +207,21 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         """``zero_auto``: pick the configuration for this fit (see ``docs/zero_auto.md``); a model recorded on the
         meta device is built whole for stages 1 and 2."""
         assert self.lightning_module is not None
-        self._auto = choose_at_setup(trainer, self.lightning_module, self.precision_plugin, self.config,
-                                     self._auto_budget, lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")),
-                                     (self.world_size, self.num_processes))
+        self._auto = choose_at_setup(
+            trainer,
+            self.lightning_module,
+            self.precision_plugin,
+            self.config,
+            self._auto_budget,
+            lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")),
+            (self.world_size, self.num_processes),
+        )
         self.config = self._auto.choice.chosen.candidate.apply(self.config)
         self.policy = policy_for(self.config.stage)
         if not self.policy.shards_params:
-            recording = self._recording if self._recording is not None else self._init_module.take(
-                self.lightning_module)
+            recording = (
+                self._recording if self._recording is not None else self._init_module.take(self.lightning_module)
+            )
             build_whole(self.lightning_module, self.root_device, recording)
             self._recording = None
         rank_zero_info(self._auto.choice.line())
@@ -208,8 +230,12 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """``zero_auto``: after the first steps, the measured peak next to the predicted one."""
         super().on_train_batch_start(batch, batch_idx)
-        if self._auto is not None and self._auto.measured is None and self.lightning_module is not None and (
-                self.lightning_module.trainer.global_step >= STEPS_MEASURED):
+        if (
+            self._auto is not None
+            and self._auto.measured is None
+            and self.lightning_module is not None
+            and (self.lightning_module.trainer.global_step >= STEPS_MEASURED)
+        ):
             self._measure_peak()
 
     @override
@@ -280,8 +306,10 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         # still gather
         if self.engine is not None:
             if self.engine.skipped_steps:  # see [Note: the non-finite guard] in engine/stepping.py
-                rank_zero_info(f"lightning-zero: {self.engine.skipped_steps} optimizer step(s) skipped on every rank "
-                               "for non-finite gradients (`nonfinite='skip'`).")
+                rank_zero_info(
+                    f"lightning-zero: {self.engine.skipped_steps} optimizer step(s) skipped on every rank "
+                    "for non-finite gradients (`nonfinite='skip'`)."
+                )
             self.engine.teardown(gather=self._ranks_in_step)
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
@@ -294,8 +322,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
+    ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
