@@ -26,8 +26,8 @@ def test_the_package_marks_exactly_the_listed_points_and_only_faults_py_reads_th
     assert marked == set(POINTS)
     readers = [path.name for path, text in _sources().items() if VARIABLE in text]
     assert readers == ["faults.py"], readers
-    collectives = (PACKAGE / "core" / "collectives.py").read_text()
-    assert "fault_point" not in collectives and "core.faults" not in collectives  # no collective carries one
+    collectives = (PACKAGE / "comm" / "collectives.py").read_text()
+    assert "fault_point" not in collectives and "process.faults" not in collectives  # no collective carries one
 
 
 def test_a_fault_fires_at_its_occurrence_and_the_variable_re_arms_and_disarms(monkeypatch):
