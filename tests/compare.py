@@ -93,6 +93,22 @@ def traffic_per_step(batches: list[dict[str, Any]], micro: int) -> list[dict[str
     return steps
 
 
+def last_unit_elements(strategy: Any) -> int:
+    """Elements (padded) of the unit a stage 3 training forward runs last, read from ``strategy.runtime`` while set
+    up (``on_train_end``); 0 without stage 3. That unit stays gathered into backward, which does not gather it again
+    (see [Note: the last unit stays gathered into backward] in ``stage3/units.py``)."""
+    runtime = getattr(strategy, "runtime", None)
+    if runtime is None or not runtime.forward_order:
+        return 0
+    return runtime.units[runtime.forward_order[-1]].numel
+
+
+def backwards_keeping_the_last_unit(step: int, micro: int) -> int:
+    """Backwards of optimizer step ``step`` (from 0, of ``micro`` micro-batches) that find the last unit still
+    gathered: all but the run's very first, whose forward ran before the order of the units was known."""
+    return micro - 1 if step == 0 else micro
+
+
 def displacement_errors(actual: dict[Any, Any], expected: dict[Any, Any],
                         initial: dict[Any, Any]) -> dict[Any, float]:
     """Per tensor, ``|actual - expected| / |expected - initial|`` in float64: how far a run ends from the reference
