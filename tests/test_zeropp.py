@@ -199,18 +199,23 @@ def test_hpz_on_top_of_qwz_changes_no_bit(ranks):
 def test_qwz_bytes_against_the_formula(ranks):
     """Per micro-batch every bucket of chunk c is all-gathered twice (forward, backward) as N chunks of int8 codes
     padded to whole blocks plus one fp32 scale per block, instead of N·c fp32 values; with hpZ the backward gather
-    is the exact one inside the secondary group (T fp32 values)."""
+    is the exact one inside the secondary group (T fp32 values). The buckets of the unit forward runs last are
+    gathered once: backward finds that unit gathered (but in the run's first micro-batch)."""
     for rank in ranks:
         exact, qwz, both = rank["zero3"], rank["qwz"], rank["qwz_hpz"]
-        chunks, padded = qwz["chunks"], qwz["padded"]
+        chunks, padded, last = qwz["chunks"], qwz["padded"], qwz["last_chunks"]
         assert qwz["root"] == 0  # every bucket belongs to a unit gathered for forward and again for backward
+        assert last and exact["last_chunks"] == both["last_chunks"] == last
         forward_q = WORLD * sum(quantized_bytes(c, BLOCK) for c in chunks)
+        last_q = WORLD * sum(quantized_bytes(c, BLOCK) for c in last)
         assert forward_q < WORLD * sum(chunks) * (1 + 4 / BLOCK) + WORLD * len(chunks) * (BLOCK + 4)
-        for e, q, h in zip(_bytes_per_step(exact, "all_gather"), _bytes_per_step(qwz, "all_gather"),
-                           _bytes_per_step(both, "all_gather")):
-            assert e == MICRO * 2 * WORLD * sum(chunks) * 4
-            assert q == MICRO * 2 * forward_q
-            assert h == MICRO * (forward_q + 4 * padded)
+        steps = zip(_bytes_per_step(exact, "all_gather"), _bytes_per_step(qwz, "all_gather"),
+                    _bytes_per_step(both, "all_gather"))
+        for step, (e, q, h) in enumerate(steps):
+            kept = backwards_keeping_the_last_unit(step, MICRO)
+            assert e == MICRO * 2 * WORLD * sum(chunks) * 4 - kept * WORLD * sum(last) * 4
+            assert q == MICRO * 2 * forward_q - kept * last_q
+            assert h == MICRO * (forward_q + 4 * padded) - kept * WORLD * sum(last) * 4
 
 
 @pytest.mark.parametrize(("run", "exact_name"), [("qgz2", "zero2"), ("qgz3", "zero3")])
