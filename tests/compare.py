@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -91,6 +91,26 @@ def traffic_per_step(batches: list[dict[str, Any]], micro: int) -> list[dict[str
                     scopes[scope][kind] += n
         steps.append(scopes)
     return steps
+
+
+def last_unit(strategy: Any) -> Optional[int]:
+    """The stage 3 unit a training forward runs last, read from ``strategy.runtime`` while set up (``on_train_end``);
+    ``None`` without stage 3. That unit stays gathered into backward, which does not gather it again (see [Note: the
+    last unit stays gathered into backward] in ``stage3/units.py``)."""
+    runtime = getattr(strategy, "runtime", None)
+    return runtime.forward_order[-1] if runtime is not None and runtime.forward_order else None
+
+
+def last_unit_elements(strategy: Any) -> int:
+    """Elements (padded) of :func:`last_unit`; 0 without stage 3."""
+    unit = last_unit(strategy)
+    return 0 if unit is None else strategy.runtime.units[unit].numel
+
+
+def backwards_keeping_the_last_unit(step: int, micro: int) -> int:
+    """Backwards of optimizer step ``step`` (from 0, of ``micro`` micro-batches) that find the last unit still
+    gathered: all but the run's very first, whose forward ran before the order of the units was known."""
+    return micro - 1 if step == 0 else micro
 
 
 def displacement_errors(actual: dict[Any, Any], expected: dict[Any, Any],

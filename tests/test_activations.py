@@ -39,12 +39,16 @@ def test_checkpointed_zero_matches_ddp_with_dropout_and_frozen_params(lightning_
         assert not run["wrapped_after_fit"]  # teardown gave the blocks their own forward back
 
 
-def test_zero3_recompute_gathers_each_unit_exactly_once_in_backward(lightning_runs):
+def test_zero3_recompute_gathers_each_unit_at_most_once_in_backward(lightning_runs):
     for rank in lightning_runs:
         for case in ("zero3", "zero3_deep"):
             run = rank[case]
             units = range(1, run["temporary"]["units"])  # every unit but the root, which stays gathered
-            assert run["backward_gathers"] and all(g == {u: 1 for u in units} for g in run["backward_gathers"])
+            first, *later = run["backward_gathers"]
+            assert first == {u: 1 for u in units} and later  # the first forward does not know yet which unit is last
+            # later, the unit forward ran last is still gathered when its recompute starts backward
+            last = run["temporary"]["last_unit"]
+            assert last in units and all(g == {u: 1 for u in units if u != last} for g in later)
 
 
 def test_bf16_mixed_checkpointing_recomputes_the_same_values(lightning_runs):

@@ -27,7 +27,7 @@ from lightning_zero.comm.traffic import Traffic
 from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.comm.groups import resolve_shard_group_size
 from lightning_zero.comm.groups import hybrid_rank_lists
-from tests.compare import relative, traffic_per_step
+from tests.compare import backwards_keeping_the_last_unit, relative, traffic_per_step
 from lightning_zero.testing.launch import launch, launch_nodes
 from tests.models import TinyGPT
 
@@ -142,7 +142,7 @@ def test_traffic_inside_and_across_groups(ranks, stage):
     """Per optimizer step and rank (see [Note: hybrid sharding and its traffic] in comm/groups.py), T the padded
     flat size (Ψ rounded up per bucket to a multiple of k): inside the shard group, reduce-scatters of T per
     reduction (stage 1 reduces once per step, stages 2-3 once per micro-batch) and all-gathers of T (stage 3: T for
-    forward and T for backward per micro-batch); across groups one all-reduce of the T/k shard per reduction, i.e.
+    forward and T for backward per micro-batch, less the unit forward ran last, which backward finds gathered); across groups one all-reduce of the T/k shard per reduction, i.e.
     2(T/k)(R-1)/R elements on a ring's wire. The gradient norms the worker logs (one element per parameter) stay
     inside; only the signal agreement (3 int32 flags) spans the world."""
     reductions = 1 if stage == "zero1" else MICRO
@@ -151,8 +151,10 @@ def test_traffic_inside_and_across_groups(ranks, stage):
         run = rank[stage]
         padded, shard = run["padded"], run["shard"]
         assert padded == K * shard and 0 <= padded - sum(p.numel() for p in run["params"].values()) < 12 * K
-        for scopes in traffic_per_step(run["traffic"], MICRO):
-            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathers * padded,
+        assert (run["last"] > 0) == (stage == "zero3")
+        for step, scopes in enumerate(traffic_per_step(run["traffic"], MICRO)):
+            kept = backwards_keeping_the_last_unit(step, MICRO) * run["last"]
+            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathers * padded - kept,
                                        "all_reduce": len(run["params"])}, scopes
             assert scopes["replicate"] == {"all_reduce": reductions * shard}, scopes
             assert scopes["world"] == {"control": 3 * MICRO}, scopes

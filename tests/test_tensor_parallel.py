@@ -32,8 +32,8 @@ from lightning_zero.tensor_parallel import (
     parallelize,
     tensor_parallel_slice,
 )
-from tests.compare import (BF16_ROUNDOFF, assert_displacements_close, assert_model_close, mixed_precision_rtol, relative,
-                           traffic_per_step)
+from tests.compare import (BF16_ROUNDOFF, assert_displacements_close, assert_model_close,
+                           backwards_keeping_the_last_unit, mixed_precision_rtol, relative, traffic_per_step)
 from lightning_zero.testing.launch import launch
 
 WORLD, T = 4, 2
@@ -206,10 +206,10 @@ def test_pa_partitions_over_the_tensor_group_by_default(ranks):
 def test_traffic_over_the_data_and_tensor_groups(ranks, stage):
     """Per optimizer step and rank, with T_p this rank's padded flat size: over the data-parallel group (scope
     ``"shard"``) exactly ZeRO's payloads with d in place of N (reduce-scatters of T_p per reduction, all-gathers of
-    T_p; stage 3 each unit twice per micro-batch, the root unit, which stays gathered through backward, once, and the
-    root once more per step: its gather for the next forward starts after the optimizer step, and the validation that
-    follows each step here uses it, see [Note: the root is gathered ahead of the next step]) and the clipping norm's
-    one element; over the tensor group the layers' own
+    T_p; stage 3 each unit twice per micro-batch, but the one forward ran last once (backward finds it gathered), the
+    root unit, which stays gathered through backward, once, and the root once more per step: its gather for the next
+    forward starts after the optimizer step, and the validation that follows each step here uses it, see [Note: the
+    root is gathered ahead of the next step]) and the clipping norm's one element; over the tensor group the layers' own
     all-reduces, 4 activations of (batch, sequence, width) per block and micro-batch (forward: after the attention
     and after the MLP; backward: into the fused q/k/v projection and into the MLP), and the norm's second element;
     over the world only the signal agreement."""
@@ -220,10 +220,12 @@ def test_traffic_over_the_data_and_tensor_groups(ranks, stage):
         padded, shard, root = run["padded"], run["shard"], run["root"]
         assert padded == (WORLD // T) * shard
         gathered = MICRO * (2 * (padded - root) + root) + root if stage == "zero3" else padded
+        assert (run["last"] > 0) == (stage == "zero3")
         steps = traffic_per_step(run["traffic"], MICRO)
         assert len(steps) == STEPS
-        for scopes in steps:
-            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathered,
+        for step, scopes in enumerate(steps):
+            kept = backwards_keeping_the_last_unit(step, MICRO) * run["last"]
+            assert scopes["shard"] == {"reduce_scatter": reductions * padded, "all_gather": gathered - kept,
                                        "all_reduce": 1}, scopes
             assert scopes["tensor"] == {"all_reduce": MICRO * LAYERS * 4 * activation + 1}, scopes
             assert scopes["world"] == {"control": 3 * MICRO}, scopes
@@ -298,8 +300,9 @@ def test_hybrid_sharding_of_the_data_dimension(hybrid_ranks, stage):
         padded, shard, root = run["padded"], run["shard"], run["root"]
         assert padded == HYBRID_K * shard
         gathered = MICRO * (2 * (padded - root) + root) + root if stage == "zero3" else padded
-        for scopes in traffic_per_step(run["traffic"], MICRO):
-            inside = {"reduce_scatter": reductions * padded, "all_gather": gathered, "all_reduce": 1}
+        for step, scopes in enumerate(traffic_per_step(run["traffic"], MICRO)):
+            kept = backwards_keeping_the_last_unit(step, MICRO) * run["last"]
+            inside = {"reduce_scatter": reductions * padded, "all_gather": gathered - kept, "all_reduce": 1}
             assert scopes.get("shard") == (inside if HYBRID_K > 1 else None), scopes
             assert scopes["replicate"] == {"all_reduce": reductions * shard}, scopes
             assert scopes["world"] == {"control": 3 * MICRO}, scopes

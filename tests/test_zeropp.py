@@ -16,7 +16,7 @@ from lightning_zero import ZeroConfig, ZeroStrategy
 from lightning_zero.comm.groups import resolve_secondary_group_size
 from lightning_zero.comm.quantize import QMAX, dequantize, quantize, quantized_bytes, reduce_scatter_quantized
 from lightning_zero.testing.launch import launch
-from tests.compare import assert_losses_close, assert_params_close, traffic_per_step
+from tests.compare import assert_losses_close, assert_params_close, backwards_keeping_the_last_unit, traffic_per_step
 
 WORLD, S = 4, 2
 MICRO = 2  # micro-batches per optimizer step (accumulate_grad_batches in the worker)
@@ -141,16 +141,20 @@ def test_backward_regathers_the_very_values_forward_gathered(ranks, run):
 @pytest.mark.parametrize("run", HPZ)
 def test_backward_gathers_inside_the_secondary_group(ranks, run):
     """Per optimizer step and rank, T the padded flat size and U = T minus the root unit: zero3 all-gathers 2T per
-    micro-batch over the world (forward and backward); with hpZ backward's U moves to the ``"secondary"`` scope (a
-    group of s ranks) and the world keeps forward's T plus the root's re-gathers. Reduce-scatter is unchanged."""
+    micro-batch over the world (forward and backward), less the unit forward ran last (L), which backward finds
+    gathered; with hpZ backward's U - L moves to the ``"secondary"`` scope (a group of s ranks) and the world keeps
+    forward's T plus the root's re-gathers. Reduce-scatter is unchanged."""
     for rank in ranks:
         plain, hpz = rank["zero3"], rank[run]
         padded, root = hpz["padded"], hpz["root"]
         assert hpz["secondary_ranks"] == S and plain["secondary_ranks"] is None
         assert padded == plain["padded"] and padded > root
-        for before, after in zip(traffic_per_step(plain["traffic"], MICRO), traffic_per_step(hpz["traffic"], MICRO)):
-            assert "secondary" not in before and before["world"]["all_gather"] == 2 * MICRO * padded, before
-            assert after["secondary"] == {"all_gather": MICRO * (padded - root)}, after
+        assert hpz["last"] == plain["last"] > 0
+        steps = zip(traffic_per_step(plain["traffic"], MICRO), traffic_per_step(hpz["traffic"], MICRO))
+        for step, (before, after) in enumerate(steps):
+            kept = backwards_keeping_the_last_unit(step, MICRO) * hpz["last"]
+            assert "secondary" not in before and before["world"]["all_gather"] == 2 * MICRO * padded - kept, before
+            assert after["secondary"] == {"all_gather": MICRO * (padded - root) - kept}, after
             assert after["world"]["all_gather"] == 2 * MICRO * padded - MICRO * (padded - root), after
             assert after["world"]["reduce_scatter"] == before["world"]["reduce_scatter"] == MICRO * padded
             # on a ring: (s-1)/s of backward's payload over the node's links instead of (N-1)/N over the world's
@@ -195,18 +199,23 @@ def test_hpz_on_top_of_qwz_changes_no_bit(ranks):
 def test_qwz_bytes_against_the_formula(ranks):
     """Per micro-batch every bucket of chunk c is all-gathered twice (forward, backward) as N chunks of int8 codes
     padded to whole blocks plus one fp32 scale per block, instead of N·c fp32 values; with hpZ the backward gather
-    is the exact one inside the secondary group (T fp32 values)."""
+    is the exact one inside the secondary group (T fp32 values). The buckets of the unit forward runs last are
+    gathered once: backward finds that unit gathered (but in the run's first micro-batch)."""
     for rank in ranks:
         exact, qwz, both = rank["zero3"], rank["qwz"], rank["qwz_hpz"]
-        chunks, padded = qwz["chunks"], qwz["padded"]
+        chunks, padded, last = qwz["chunks"], qwz["padded"], qwz["last_chunks"]
         assert qwz["root"] == 0  # every bucket belongs to a unit gathered for forward and again for backward
+        assert last and exact["last_chunks"] == both["last_chunks"] == last
         forward_q = WORLD * sum(quantized_bytes(c, BLOCK) for c in chunks)
+        last_q = WORLD * sum(quantized_bytes(c, BLOCK) for c in last)
         assert forward_q < WORLD * sum(chunks) * (1 + 4 / BLOCK) + WORLD * len(chunks) * (BLOCK + 4)
-        for e, q, h in zip(_bytes_per_step(exact, "all_gather"), _bytes_per_step(qwz, "all_gather"),
-                           _bytes_per_step(both, "all_gather")):
-            assert e == MICRO * 2 * WORLD * sum(chunks) * 4
-            assert q == MICRO * 2 * forward_q
-            assert h == MICRO * (forward_q + 4 * padded)
+        steps = zip(_bytes_per_step(exact, "all_gather"), _bytes_per_step(qwz, "all_gather"),
+                    _bytes_per_step(both, "all_gather"))
+        for step, (e, q, h) in enumerate(steps):
+            kept = backwards_keeping_the_last_unit(step, MICRO)
+            assert e == MICRO * 2 * WORLD * sum(chunks) * 4 - kept * WORLD * sum(last) * 4
+            assert q == MICRO * 2 * forward_q - kept * last_q
+            assert h == MICRO * (forward_q + 4 * padded) - kept * WORLD * sum(last) * 4
 
 
 @pytest.mark.parametrize(("run", "exact_name"), [("qgz2", "zero2"), ("qgz3", "zero3")])

@@ -10,8 +10,9 @@ sharding and are replicated across the replica group. Per step and per rank, wit
 the counters count (logical payload, see [Note: what the counters count] in ``traffic.py``):
 
 - inside the shard group (scope ``"shard"``): reduce-scatter Ψ, all-gather Ψ (stages 1-2: the updated params; stage 3:
-  twice, forward and backward), i.e. 2Ψ or 3Ψ as in the paper's table with k in place of N. A ring moves
-  (k-1)/k of each payload per rank: 2Ψ(k-1)/k or 3Ψ(k-1)/k elements on the wire.
+  twice, forward and backward, less the unit forward ran last, which backward finds gathered), i.e. 2Ψ or 3Ψ as in
+  the paper's table with k in place of N. A ring moves (k-1)/k of each payload per rank: 2Ψ(k-1)/k or 3Ψ(k-1)/k
+  elements on the wire.
 - across shard groups (scope ``"replicate"``): one all-reduce of each reduced bucket chunk, Ψ/k elements in all
   (the gradient shard). A ring all-reduce moves 2(Ψ/k)(R-1)/R elements per rank.
 

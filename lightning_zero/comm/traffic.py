@@ -4,8 +4,10 @@
 Each collective adds the *logical payload* it moves to its kind: the full input of a reduce-scatter, the full output
 of an all-gather, the tensor of an all-reduce or broadcast. That is the unit of the ZeRO paper's traffic column: a
 stage 1 or 2 step moves Ψ elements by reduce-scatter and Ψ by all-gather (2Ψ, the same as DDP's one all-reduce of
-Ψ), stage 3 adds a second all-gather. Bytes on the wire depend on the algorithm (a ring moves about twice the payload
-times ``(N - 1) / N``) and are not what is compared. A process group of one rank moves nothing and counts nothing.
+Ψ), stage 3 adds a second all-gather (less the unit forward ran last, which backward finds still gathered: see
+[Note: the last unit stays gathered into backward] in ``stage3/units.py``). Bytes on the wire depend on the
+algorithm (a ring moves about twice the payload times ``(N - 1) / N``) and are not what is compared. A process
+group of one rank moves nothing and counts nothing.
 
 Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
 scope in the counters of the :class:`~lightning_zero.comm.groups.ShardGroups` that owns it (see

@@ -33,6 +33,19 @@ callback sees between steps is what it saw before, and every path that reads the
 ``gathered_parameters``, ``state_dict``) waits for the gather first; ``load_state_dict``, a checkpoint load and
 ``load_pretrained`` wait for it before they write the shards it reads (:meth:`UnitRuntime.land`). The memory is the
 root's, held from the step's end instead of from the next forward's start: after the step's peak, not on it.
+
+[Note: the last unit stays gathered into backward]
+Backward starts where forward ended: the first unit it needs is the last one forward ran. Freeing that unit after
+its forward and gathering it again as backward's first act moves one unit per step for nothing (and waits for it with
+nothing to overlap), so, as FSDP2 does not reshard the root's last module after forward, a training forward leaves
+the last unit of the recorded order gathered (:meth:`UnitRuntime._keeps_for_backward`: once the order is known, only
+when its output requires grad, never while recomputing or ``SUMMONED``); its pre-backward hook finds it gathered and
+its gradient hook frees it as it frees every unit. Its hpZ copy is not kept: backward reads the gathered buffers. A
+forward that no backward follows must not leave it behind: the next unit hook of another forward frees it
+(:meth:`UnitRuntime._settle_kept`), as do the end of the backward, the end of a step and an optimizer step's refresh
+gathers it again from the new shards. The values are those a backward gather would give (the same shards, the same
+int8 blocks under qwZ), so nothing but the traffic changes: per step and micro-batch stage 3 all-gathers its units
+once for forward and, for backward, every unit but the root and the last one.
 """
 
 from __future__ import annotations
@@ -76,6 +89,9 @@ class UnitRuntime:
         """Whether :attr:`forward_order` is complete (from the end of the first backward on)."""
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
+        self.kept: Optional[int] = None
+        """The unit a training forward ran last and left gathered for backward (see [Note: the last unit stays
+        gathered into backward]); ``None`` once backward took it or it was freed."""
         # a collective: every rank makes it; with nobody to compare with, nothing to check
         check = LockstepCheck(plan.names, strict=lockstep_check == "strict") if lockstep_check else None
         self.lockstep = check if check is not None and check.active else None
@@ -138,6 +154,8 @@ class UnitRuntime:
                     self._free(unit)
 
     def _free(self, unit: int) -> None:
+        if unit == self.kept:
+            self.kept = None
         self.units[unit].free()
 
     def end_backward(self, include_root: bool) -> None:
@@ -179,6 +197,7 @@ class UnitRuntime:
         """Free every gathered unit (end of backward; with ``include_root`` also the end of a step) and drop hpZ's
         secondary copies (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
         self._drop_secondary()
+        self.kept = None
         for u in self.units:
             u.reset_grads()
             if u.index != ROOT or include_root:
@@ -227,10 +246,26 @@ class UnitRuntime:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook(unit))
+            if self._keeps_for_backward(unit, bool(tensors)):
+                self.kept = unit
+                self.units[unit].drop_secondary()  # backward reads the gathered buffers themselves
+                return
             self._keep_secondary(unit, module, bool(tensors))
             self.release(unit)
 
         return eager_hook(hook, "stage 3's post-forward hook (frees the unit)")
+
+    def _keeps_for_backward(self, unit: int, needs_grad: bool) -> bool:
+        """Whether a forward leaves ``unit`` gathered for the backward that follows: the last unit of the recorded
+        order, in a training forward whose output backward will reach (see [Note: the last unit stays gathered into
+        backward])."""
+        return (
+            needs_grad
+            and self.phase is TrainingPhase.FORWARD
+            and self.order_final
+            and unit != ROOT
+            and unit == self.forward_order[-1]
+        )
 
     def _keep_secondary(self, unit: int, module: nn.Module, needs_grad: bool) -> None:
         """hpZ: before a training forward frees ``unit``, keep its secondary copy for backward; otherwise drop any
@@ -264,6 +299,7 @@ class UnitRuntime:
         a training forward, whose order is recorded until the first backward ends."""
         step = 1 if pass_ == FORWARD else -1
         self._catch_up()  # the previous unit's check: from here on, it is agreed
+        self._settle_kept(unit, pass_)
         # prefetched from agreed units: its gather issues no collective. A pass's first unit waits for its check and
         # prefetches from itself: the check before it was of another pass, which says nothing of what comes next
         ahead = self.units[unit].gathered and self._last_pass == pass_
@@ -282,6 +318,17 @@ class UnitRuntime:
             self._verify()
         self._gather(unit)
         self._prefetch(unit, step)
+
+    def _settle_kept(self, unit: int, pass_: int) -> None:
+        """At a unit's hook: backward takes the kept unit over (its gradient hook frees it, or the end of backward);
+        a forward that runs another unit first was not followed by backward, so the kept unit is freed as its own
+        forward would have freed it (see [Note: the last unit stays gathered into backward])."""
+        if self.kept is None:
+            return
+        if pass_ != FORWARD:
+            self.kept = None
+        elif unit != self.kept:
+            self.release(self.kept)  # nothing while ``SUMMONED``: every unit stays gathered there
 
     def settle(self) -> None:
         """Between passes and steps: wait for the lockstep check in flight, and drop the prefetch it held back (the

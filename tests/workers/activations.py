@@ -68,6 +68,7 @@ class Probe(L.Callback):
             "unit_numels": [sum(s.unit_numel(u) for s in runtime.storages) for u in range(len(runtime.units))]
             if runtime is not None else [],
             "grad_shards": [e.reducer.grad_shard is not None for e in strategy.storages],
+            "last_unit": runtime.forward_order[-1] if runtime is not None else None,
         }
 
 

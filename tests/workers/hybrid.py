@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 
 from lightning_zero import Traffic, ZeroStrategy
+from tests.compare import last_unit_elements
 from tests.models import TinyLM
 
 warnings.filterwarnings("ignore")
@@ -39,6 +40,8 @@ class Probe(L.Callback):
 
     def __init__(self) -> None:
         self.traffic: list[dict[str, Any]] = []
+        self.last = 0
+        """Elements of the stage 3 unit a forward runs last (0: none)."""
         self.start: dict[str, torch.Tensor] = {}
         self.grad_norms: list[float] = []
 
@@ -53,6 +56,9 @@ class Probe(L.Callback):
         else:
             norms = grad_norm(pl_module, 2)
         self.grad_norms.append(float(norms["grad_2.0_norm_total"]))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last = last_unit_elements(trainer.strategy)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
@@ -86,7 +92,7 @@ def fit(name: str, k: Optional[int], steps: int, ckpt: Path, resume: Optional[Pa
     trainer.save_checkpoint(ckpt)
     storages = trainer.strategy.storages if isinstance(trainer.strategy, ZeroStrategy) else []  # ddp: none
     return {"losses": list(model.losses), "params": _weights(model), "start": probe.start, "traffic": probe.traffic,
-            "grad_norms": probe.grad_norms,
+            "grad_norms": probe.grad_norms, "last": probe.last,
             "padded": sum(s.layout.total for s in storages), "shard": sum(s.layout.shard_size for s in storages),
             "ckpt": str(ckpt)}
 

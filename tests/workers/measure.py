@@ -4,7 +4,8 @@ Usage (through ``lightning_zero.testing.launch``): ``measure.py OUT WIDTH PRECIS
 with MODEL ``lm`` (the MLP language model, default) or ``gpt`` (TinyGPT, tied embeddings, built in
 ``configure_model``), and OPTIONS ``test`` (small buckets, every unit its own: the default) or ``defaults`` (ZeRO's
 own defaults; ``test`` also prefetches a single width x width of stage 3's units). ``units``: stage 3's gathered
-high-water mark, its block pool's bytes and each unit's elements (root first). ``peak_rss_growth`` (``ru_maxrss``) is only meaningful when one strategy runs per launch;
+high-water mark, its block pool's bytes, each unit's elements (root first) and those of the unit a forward runs last
+(``last``). ``peak_rss_growth`` (``ru_maxrss``) is only meaningful when one strategy runs per launch;
 ``fit_peak_growth`` is meaningful for every strategy of a launch: the resident high-water mark is reset to the
 current level right before each ``fit`` (``/proc/self/clear_refs``) and read at the end of training, before
 teardown, so it is the peak of that ``fit`` above the level it started from.
@@ -23,6 +24,7 @@ import lightning as L
 import torch
 
 from lightning_zero import Traffic, ZeroStrategy, measure_model_states
+from tests.compare import last_unit_elements
 from tests.models import TinyGPT, TinyLM
 
 warnings.filterwarnings("ignore")
@@ -51,6 +53,7 @@ class Probe(L.Callback):
             "gathered_peak": runtime.peak_gathered_bytes,
             "pool_bytes": sum(s.sharded.pool.block_bytes for s in runtime.storages),
             "unit_numels": [sum(s.unit_numel(u) for s in runtime.storages) for u in range(len(runtime.units))],
+            "last": last_unit_elements(trainer.strategy),
         }
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -45,6 +45,7 @@ from lightning_zero import (
     measure_model_states,
 )
 from lightning_zero.tensor_parallel import make_device_mesh, tensor_parallel_slice
+from tests.compare import last_unit_elements
 from tests.models import TinyGPT
 
 warnings.filterwarnings("ignore")
@@ -59,6 +60,8 @@ class Probe(L.Callback):
 
     def __init__(self) -> None:
         self.traffic: list[dict[str, Any]] = []
+        self.last = 0
+        """Elements of the stage 3 unit a forward runs last (0: none)."""
         self.start: dict[str, torch.Tensor] = {}
         self.batches: list[list[torch.Tensor]] = []
         self.states: dict[str, int] = {}
@@ -69,6 +72,9 @@ class Probe(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(trainer.strategy, "runtime", None) is None:  # stage 3's parameters are not gathered here
             self.start = _weights(pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last = last_unit_elements(trainer.strategy)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
         self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
@@ -126,6 +132,7 @@ def fit(stage: int, steps: int, ckpt: Optional[Path] = None, resume: Optional[Pa
             "inside_again": probe.inside_again, "held": probe.held,
             "trainable": sum(p.numel() for e in engines for p in e.params),
             "padded": sum(e.layout.total for e in engines), "shard": sum(e.layout.shard_size for e in engines),
+            "last": probe.last,
             "root": sum(b.chunk_size * e.layout.world_size for e in engines for b in e.layout.buckets if b.unit == 0),
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "pa_group_is_tensor": activations is not None and activations.store.group is strategy.shard_groups.tensor,

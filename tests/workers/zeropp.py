@@ -22,6 +22,7 @@ import torch
 from lightning_zero import Traffic, ZeroStrategy
 from lightning_zero.comm import collectives
 from lightning_zero.memory import costs
+from tests.compare import last_unit, last_unit_elements
 from tests.models import TinyLM
 
 warnings.filterwarnings("ignore")
@@ -50,7 +51,17 @@ class Probe(L.Callback):
 
     def __init__(self) -> None:
         self.traffic: list[dict[str, Any]] = []
+        self.last = 0
+        self.last_chunks: list[int] = []
+        """The chunk size of each bucket of that unit."""
+        """Elements of the stage 3 unit a forward runs last (0: none)."""
         self.allocations: list[int] = []
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last = last_unit_elements(trainer.strategy)
+        unit = last_unit(trainer.strategy)
+        storages = trainer.strategy.storages if unit is not None else []
+        self.last_chunks = [b.chunk_size for s in storages for b in s.layout.buckets if b.unit == unit]
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.counters = getattr(trainer.strategy, "traffic", Traffic())  # ddp: counts nothing
@@ -79,8 +90,8 @@ def fit(name: str) -> dict[str, Any]:
     return {"losses": list(model.losses), "traffic": probe.traffic, "allocations": probe.allocations,
             "params": {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()},
             "padded": sum(s.layout.total for s in storages),
-            "root": sum(s.unit_numel(0) for s in storages if hasattr(s, "unit_numel")),
-            "chunks": [b.chunk_size for s in storages for b in s.layout.buckets],
+            "root": sum(s.unit_numel(0) for s in storages if hasattr(s, "unit_numel")), "last": probe.last,
+            "chunks": [b.chunk_size for s in storages for b in s.layout.buckets], "last_chunks": probe.last_chunks,
             "secondary_ranks": collectives.world_size(secondary) if secondary is not None else None,
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))}
 
