@@ -61,10 +61,12 @@ class ZeroConfig:
     """Which model states are partitioned: 1 optimizer states, 2 also gradients, 3 also parameters."""
     reduce_bucket_size: Optional[Elements] = None
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
-    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
+    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements
+    (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
     """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
-    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in ``buckets.py``)."""
+    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in
+    ``buckets.py``)."""
     lockstep_check: Union[bool, Literal["strict"]] = True
     """Stage 3: before each unit's forward and backward, every rank says which unit it is about to run (one small
     CPU message per unit and pass, waited for at the next unit), so ranks whose control flow differs fail together
@@ -214,8 +216,8 @@ class ZeroConfig:
             # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
             # device, which is what the user set it to avoid
             raise ValueError(
-                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} keeps "
-                "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
+                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} "
+                "keeps full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
                 "`offload_optimizer=True` alone to offload the optimizer at this stage."
             )
         self._check_secondary()

@@ -1,8 +1,8 @@
 """Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
 
-The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold the
-measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the constant
-bucket buffers and stage 3's gathered units come on top.
+The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold
+the measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the
+constant bucket buffers and stage 3's gathered units come on top.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def build_on_meta(class_path: str, init_args: Optional[dict[str, Any]] = None) -
     """``class_path(**init_args)`` built on the meta device (no memory, no weights).
 
     ``configure_model`` runs as zero3 runs it: ``load_pretrained`` there checks the names and shapes against the
-    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in ``pretrained/loading.py``).
+    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in
+    ``pretrained/loading.py``).
     """
     cls = _import_class(class_path)
     try:
@@ -256,7 +257,8 @@ def format_estimate(
     (see :func:`auto_lines`)."""
     lines = [
         f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
-        f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; GiB = 2^30 bytes, GB = 10^9 as in the paper):",
+        f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; "
+        "GiB = 2^30 bytes, GB = 10^9 as in the paper):",
         "",
         "| precision | " + " | ".join(STRATEGIES) + " |",
         "|---|" + "---|" * len(STRATEGIES),

@@ -56,7 +56,7 @@ def load_full_checkpoint(
     info = meta.pop(KEY)
     full: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
-    for key, stored in info["model"].items():
+    for stored in info["model"].values():
         if stored not in full:
             shape, saved_dtype = info["tensors"][stored]
             want = getattr(torch, saved_dtype)

@@ -19,9 +19,10 @@ A small planner pair below teaches DCP about our 1-D pieces; the file format, th
 [Note: complete or absent]
 Everything is written into a hidden sibling ``.step=100.ckpt.tmp-<token>``; ``meta.pt`` and its checksum are written
 last (after every rank's files and DCP's index exist, with their sizes and checksums), then rank 0 renames the
-directory into place (see [Note: writers that cannot collide] in ``staging.py`` for two jobs writing one name). A kill at any moment leaves either the previous checkpoint under the name or, between the two renames of an
-overwrite, the previous one under ``.step=100.ckpt.old-<token>`` (the loader says so). A directory without
-``meta.pt`` is never taken for a checkpoint, and a missing, truncated or altered file is caught before loading.
+directory into place (see [Note: writers that cannot collide] in ``staging.py`` for two jobs writing one name). A kill
+at any moment leaves either the previous checkpoint under the name or, between the two renames of an overwrite, the
+previous one under ``.step=100.ckpt.old-<token>`` (the loader says so). A directory without ``meta.pt`` is never taken
+for a checkpoint, and a missing, truncated or altered file is caught before loading.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ class ZeroEngine(OptimizerSteps):
         self.runtime = UnitRuntime(
             self.unit_plan, self.store.storages, self.config.prefetch_size, self.config.lockstep_check
         )
-        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
+        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in
+        # stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
         pretrained.fill_pending(self.module, self.store.storages, self.runtime)  # loads recorded at construction

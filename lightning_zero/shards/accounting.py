@@ -3,8 +3,8 @@
 [Note: what is counted]
 Every tensor is counted once per storage, so views of one flat buffer (the working parameters) or a master shard
 that aliases the working buffer are not counted twice. ``grads`` covers full ``.grad`` tensors, the gradient shard
-and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their high-water
-mark) are kept apart from the model states, as in DESIGN.md's table.
+and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their
+high-water mark) are kept apart from the model states, as in DESIGN.md's table.
 With ``offload_optimizer``, ``host`` says how many of the model-state bytes are in host memory (the master shard,
 the gradient shard, which then exists only there, and the optimizer states), with ``offload_params`` also stage 3's
 working shard; the rest are on the device. The scratch chunks the reduced gradients pass through on their way to

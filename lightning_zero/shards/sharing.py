@@ -35,7 +35,8 @@ from lightning_zero.shards.optimizer_support import check_optimizer, is_elementw
 
 
 class Lender(Protocol):
-    """What borrowing reads of a storage that owns parameters (a :class:`~lightning_zero.shards.store.ShardedStorage`)."""
+    """What borrowing reads of a storage that owns parameters (a
+    :class:`~lightning_zero.shards.store.ShardedStorage`)."""
 
     params: list[Tensor]
     layout: FlatLayout

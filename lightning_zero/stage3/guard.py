@@ -169,6 +169,6 @@ def _message(param: Tensor, operation: str) -> str:
         "`with strategy.gathered_parameters():` (a collective: every rank enters it; Trainer: "
         "`self.trainer.strategy.gathered_parameters()`, Fabric: `fabric.strategy.gathered_parameters()`, plain loop: "
         "`engine.gathered_parameters()`) or with `model.state_dict()`, change them with `model.load_state_dict(...)` "
-        "(both on every rank), or use zero1/zero2, which keep every parameter whole. Inside a forward this means the module using it is "
-        "not a stage 3 unit whose own forward runs (name the blocks' class in `unit_classes`)."
+        "(both on every rank), or use zero1/zero2, which keep every parameter whole. Inside a forward this means the "
+        "module using it is not a stage 3 unit whose own forward runs (name the blocks' class in `unit_classes`)."
     )

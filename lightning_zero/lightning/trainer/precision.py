@@ -1,9 +1,9 @@
 """The Trainer's precision plugin of ZeRO: a thin adapter that hands Lightning's optimizer step to the engine.
 
-Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.engine.amp.PrecisionMode`'s;
-the order of one optimizer step is :meth:`ZeroEngine.step`'s (see [Note: the order of one optimizer step] in
-``stepping.py``). Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping run as the step's
-``before_step``, after the gradients were reduced and unscaled.
+Its numerics (dtypes, autocast, loss scaling, clipping over shards) are
+:class:`~lightning_zero.engine.amp.PrecisionMode`'s; the order of one optimizer step is :meth:`ZeroEngine.step`'s (see
+[Note: the order of one optimizer step] in ``stepping.py``). Lightning's ``on_before_optimizer_step`` hooks and its
+gradient clipping run as the step's ``before_step``, after the gradients were reduced and unscaled.
 """
 
 from __future__ import annotations
