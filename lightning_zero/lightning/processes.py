@@ -14,7 +14,7 @@ import math
 import sys
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -44,8 +44,26 @@ from lightning_zero.stages import all_policies, policy_for
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
 
-class ZeroProcesses:
+    class _ParallelStrategyPart:
+        """What :class:`ZeroProcesses` reads of the ``ParallelStrategy`` it is mixed into (the Trainer's or Fabric's:
+        two classes with the same process API), for the type checker only."""
+
+        parallel_devices: Optional[list[torch.device]]
+        cluster_environment: Optional[ClusterEnvironment]
+        num_nodes: int
+        global_rank: int
+        local_rank: int
+        node_rank: int
+
+    _Mixin = _ParallelStrategyPart
+else:
+    _Mixin = object
+
+
+class ZeroProcesses(_Mixin):
     """Mixin of both strategies; they set ``config`` from their options, then call :meth:`_init_processes`."""
 
     config: ZeroConfig
