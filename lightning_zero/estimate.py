@@ -56,8 +56,9 @@ def build_on_meta(class_path: str, init_args: Optional[dict[str, Any]] = None) -
     try:
         with torch.device("meta"), pretrained.deferring():
             model = cls(**(init_args or {}))
-            if isinstance(model, torch.nn.Module) and callable(getattr(model, "configure_model", None)):
-                model.configure_model()  # Lightning's default does nothing
+            configure = getattr(model, "configure_model", None)
+            if isinstance(model, torch.nn.Module) and callable(configure):
+                configure()  # Lightning's default does nothing
     except Exception as error:
         raise ValueError(
             f"Building {class_path}(**{init_args or {}!r}) on the meta device failed: "
@@ -116,7 +117,9 @@ def _signature_hint(cls: Any, error: Exception) -> str:
         return ""
     hint = f". {getattr(cls, '__name__', cls)} takes {signature}: pass them with `--init-args`"
     unknown = re.search(r"unexpected keyword argument '([^']+)'", str(error))
-    match = difflib.get_close_matches(unknown.group(1), list(signature.parameters), n=1) if unknown else []
+    if unknown is None:
+        return hint + "."
+    match = difflib.get_close_matches(unknown.group(1), list(signature.parameters), n=1)
     return hint + (f" (`{unknown.group(1)}`: did you mean `{match[0]}`?)." if match else ".")
 
 
@@ -307,8 +310,8 @@ def format_estimate(
             "|---|" + "---|" * (len(STRATEGIES) + len(offloaded)),
         ]
         on_host = largest_offloaded_model(memory_bytes, world_size)
-        for precision, row in largest_model(memory_bytes, world_size).items():
-            counts = [*row.values(), *on_host[precision].values()]
+        for precision, fitting in largest_model(memory_bytes, world_size).items():
+            counts = [*fitting.values(), *on_host[precision].values()]
             lines.append(
                 f"| {precision} | " + " | ".join("no bound" if n is None else human_count(n) for n in counts) + " |"
             )

@@ -66,7 +66,7 @@ def load_full_checkpoint(
         for k, saved in enumerate(meta["optimizer_states"]):
             state: dict[int, dict[str, Any]] = {}
             for (index, name), (key, tensor) in optimizer_keys(info, k).items():
-                if is_stored_as_object(tensor):
+                if tensor is None or is_stored_as_object(tensor):
                     objects[key] = None
                 else:
                     full[key] = torch.empty(tensor[0], dtype=getattr(torch, tensor[1]))

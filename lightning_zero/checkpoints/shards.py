@@ -121,8 +121,8 @@ def model_shards(module: torch.nn.Module, storages: Sequence[ShardedStorage], fu
             managed[id(p)], base[id(p)] = Shard.placed(p, storage.masters[0].dtype if storage.masters else p.dtype)
         for slot, master in storage.own_masters():  # a parameter held by several optimizers: its owner's pieces
             flat = master.detach().reshape(-1)
-            for p, p_start, length, offset in slot.pieces:
-                param = storage.params[p]
+            for index, p_start, length, offset in slot.pieces:
+                param = storage.params[index]
                 managed[id(param)].pieces.append((base[id(param)] + p_start, flat[offset : offset + length]))
     out: dict[str, Shard] = {}
     seen: dict[int, Shard] = {}
@@ -210,7 +210,7 @@ class OptimizerDestination:
                 s = slot_index[id(master)]
                 entry: dict[str, Any] = dict(self.slot_states[s])
                 first = sharded.managed[sharded.slots[s].pieces[0][0]] if sharded.slots[s].pieces else None
-                for key, value in whole.get(first, {}).items():
+                for key, value in (whole.get(first, {}) if first is not None else {}).items():
                     entry.setdefault(key, _whole_value(value))
                 if entry:
                     internal["state"][index] = entry

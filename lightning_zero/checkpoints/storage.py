@@ -33,12 +33,17 @@ import os
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -132,7 +137,8 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
             chunks = [
                 ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([p.numel()])) for s, p in shard.pieces
             ]
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+            stored = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[key])  # shards are tensors
+            items += create_read_items_for_chunk_list(key, stored, chunks)
         return dataclasses.replace(plan, items=plan.items + items)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:

@@ -221,11 +221,12 @@ class ZeroProcesses(_Mixin):
         # a fatal signal in a rank (a segfault in a kernel, an abort) prints every thread's Python traceback
         # instead of ending the process silently
         try:
-            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)  # None means sys.stderr
         except (AttributeError, ValueError, OSError):  # no real stderr (a captured or closed stream): nothing to enable
             pass
         if self.root_device.type == "cpu":
-            release_freed_memory(self.config.host_mmap_threshold)
+            threshold = self.config.host_mmap_threshold
+            release_freed_memory(int(threshold) if threshold is not None else None)
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -253,7 +254,8 @@ class ZeroProcesses(_Mixin):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        # Lightning sets this attribute on its function at import and does not declare it
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.config import Offload
 from lightning_zero.shards.optimizer import ShardedOptimizer
 from lightning_zero.stages import STAGES
 
@@ -137,8 +138,8 @@ def expected_offload_bytes(
     world_size: int,
     stage: int,
     precision: str,
-    offload_optimizer: bool = True,
-    offload_params: bool = False,
+    offload_optimizer: Offload = True,
+    offload_params: Offload = False,
 ) -> tuple[float, float]:
     """``(device, host)`` bytes of model states per rank with ``offload_optimizer`` and/or ``offload_params`` (Adam).
 

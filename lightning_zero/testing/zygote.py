@@ -71,7 +71,7 @@ class Child:
         while self.returncode is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)  # timeout is set here
             self.zygote.collect(timeout=1.0 if left is None else min(left, 1.0))
         return self.returncode
 
@@ -141,6 +141,7 @@ class Zygote:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None  # made with stdin=PIPE
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)
@@ -157,6 +158,7 @@ class Zygote:
                 cwd=ROOT,
                 env=dict(os.environ, **ZYGOTE_ENV),
             )
+            assert self.proc.stdout is not None  # made with stdout=PIPE
             self.lines = Lines(self.proc.stdout.fileno())
             self.children.clear()
         return self.proc

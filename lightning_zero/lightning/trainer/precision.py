@@ -8,7 +8,7 @@ gradient clipping run as the step's ``before_step``, after the gradients were re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -91,10 +91,11 @@ def to_zero_precision(plugin: Precision) -> ZeroPrecision:
     """Lightning builds its own plugin from ``Trainer(precision=...)``; translate it to ours, or refuse it."""
     if isinstance(plugin, ZeroPrecision):
         return plugin
+    # Lightning's spellings are wider than ours: PrecisionMode refuses what ZeRO does not support
     if isinstance(plugin, MixedPrecision):
-        return ZeroPrecision(plugin.precision, device_type=plugin.device)
+        return ZeroPrecision(cast(PrecisionInput, plugin.precision), device_type=plugin.device)
     if isinstance(plugin, HalfPrecision):
-        return ZeroPrecision(plugin.precision)
+        return ZeroPrecision(cast(PrecisionInput, plugin.precision))
     if type(plugin) is Precision:
         return ZeroPrecision("32-true")
     raise ValueError(
