@@ -176,8 +176,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     per_rank = ", ".join(human_bytes(b) for b in summary["bytes_per_rank"])
     lines = [
         f"checkpoint   {summary['path']}",
-        f"saved by     zero{summary['stage']} on {summary['world_size']} rank{'s' if summary['world_size'] != 1 else ''}"
-        f"{_mesh(summary)}, precision {summary['precision']}",
+        f"saved by     zero{summary['stage']} on {summary['world_size']} "
+        f"rank{'s' if summary['world_size'] != 1 else ''}{_mesh(summary)}, precision {summary['precision']}",
         f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
         f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
         f"optimizers   {', '.join(summary['optimizers']) or 'none'}"

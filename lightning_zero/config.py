@@ -13,6 +13,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
+from types import FrameType
 from typing import Any, Callable, Literal, Optional, Union
 
 from lightning_zero.stages import STAGES, all_policies
@@ -49,6 +50,8 @@ STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 
 
 #: A number of elements: an int, or a float with a whole value as YAML gives ``1e6`` (taken as the int 1000000).
 Elements = Union[int, float]
+#: Where ``offload_optimizer`` and ``offload_params`` move their shards: ``True`` host memory, ``"disk"`` files.
+Offload = Union[bool, Literal["disk"]]
 #: The options that are numbers of elements (see :data:`Elements`).
 ELEMENT_OPTIONS = ("reduce_bucket_size", "persistence_threshold", "prefetch_size", "host_mmap_threshold")
 
@@ -61,10 +64,12 @@ class ZeroConfig:
     """Which model states are partitioned: 1 optimizer states, 2 also gradients, 3 also parameters."""
     reduce_bucket_size: Optional[Elements] = None
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
-    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (:func:`auto_bucket_elements`)."""
+    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements
+    (:func:`auto_bucket_elements`)."""
     overlap_comm: bool = True
     """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
-    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in ``buckets.py``)."""
+    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in
+    ``buckets.py``)."""
     lockstep_check: Union[bool, Literal["strict"]] = True
     """Stage 3: before each unit's forward and backward, every rank says which unit it is about to run (one small
     CPU message per unit and pass, waited for at the next unit), so ranks whose control flow differs fail together
@@ -214,8 +219,8 @@ class ZeroConfig:
             # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
             # device, which is what the user set it to avoid
             raise ValueError(
-                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} keeps "
-                "full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
+                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} "
+                "keeps full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
                 "`offload_optimizer=True` alone to offload the optimizer at this stage."
             )
         self._check_secondary()
@@ -322,7 +327,7 @@ class ZeroConfig:
 
     def bucket_elements(self, numel: int) -> int:
         """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""
-        return self.reduce_bucket_size if self.reduce_bucket_size is not None else auto_bucket_elements(numel)
+        return int(self.reduce_bucket_size) if self.reduce_bucket_size is not None else auto_bucket_elements(numel)
 
     def _check_activations(self) -> None:
         blocks = self.activation_checkpointing
@@ -383,7 +388,8 @@ def _caller_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside :data:`_NOT_THE_CALLER` and Python's own (``<frozen runpy>``):
     the user's ``ZeroStrategy(...)`` or the script line that starts the CLI. Counted from the caller of this
     function's caller; when every frame is ours (``python -m lightning_zero fit``), the outermost of ours."""
-    frame, level, outermost = sys._getframe(2), 2, 2
+    frame: Optional[FrameType] = sys._getframe(2)
+    level = outermost = 2
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith("<frozen"):
@@ -458,10 +464,9 @@ def _check_group(spec: object) -> Any:
         raise error
     items = list(spec)
     flat = all(isinstance(r, int) and not isinstance(r, bool) for r in items)
-    lists = [items] if flat else [list(r) if hasattr(r, "__iter__") and not isinstance(r, str) else None for r in items]
+    lists = [items] if flat else [list(r) if hasattr(r, "__iter__") and not isinstance(r, str) else [] for r in items]
     if not lists or any(
-        r is None or not r or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
-        for r in lists
+        not r or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r) for r in lists
     ):
         raise error
     ranks = [x for r in lists for x in r]

@@ -1,8 +1,8 @@
 """Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
 
-The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold the
-measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the constant
-bucket buffers and stage 3's gathered units come on top.
+The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold
+the measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the
+constant bucket buffers and stage 3's gathered units come on top.
 """
 
 from __future__ import annotations
@@ -49,14 +49,16 @@ def build_on_meta(class_path: str, init_args: Optional[dict[str, Any]] = None) -
     """``class_path(**init_args)`` built on the meta device (no memory, no weights).
 
     ``configure_model`` runs as zero3 runs it: ``load_pretrained`` there checks the names and shapes against the
-    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in ``pretrained/loading.py``).
+    files' headers and reads no weights (see [Note: three moments to load pretrained weights] in
+    ``pretrained/loading.py``).
     """
     cls = _import_class(class_path)
     try:
         with torch.device("meta"), pretrained.deferring():
             model = cls(**(init_args or {}))
-            if isinstance(model, torch.nn.Module) and callable(getattr(model, "configure_model", None)):
-                model.configure_model()  # Lightning's default does nothing
+            configure = getattr(model, "configure_model", None)
+            if isinstance(model, torch.nn.Module) and callable(configure):
+                configure()  # Lightning's default does nothing
     except Exception as error:
         raise ValueError(
             f"Building {class_path}(**{init_args or {}!r}) on the meta device failed: "
@@ -115,7 +117,9 @@ def _signature_hint(cls: Any, error: Exception) -> str:
         return ""
     hint = f". {getattr(cls, '__name__', cls)} takes {signature}: pass them with `--init-args`"
     unknown = re.search(r"unexpected keyword argument '([^']+)'", str(error))
-    match = difflib.get_close_matches(unknown.group(1), list(signature.parameters), n=1) if unknown else []
+    if unknown is None:
+        return hint + "."
+    match = difflib.get_close_matches(unknown.group(1), list(signature.parameters), n=1)
     return hint + (f" (`{unknown.group(1)}`: did you mean `{match[0]}`?)." if match else ".")
 
 
@@ -256,7 +260,8 @@ def format_estimate(
     (see :func:`auto_lines`)."""
     lines = [
         f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
-        f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; GiB = 2^30 bytes, GB = 10^9 as in the paper):",
+        f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; "
+        "GiB = 2^30 bytes, GB = 10^9 as in the paper):",
         "",
         "| precision | " + " | ".join(STRATEGIES) + " |",
         "|---|" + "---|" * len(STRATEGIES),
@@ -305,8 +310,8 @@ def format_estimate(
             "|---|" + "---|" * (len(STRATEGIES) + len(offloaded)),
         ]
         on_host = largest_offloaded_model(memory_bytes, world_size)
-        for precision, row in largest_model(memory_bytes, world_size).items():
-            counts = [*row.values(), *on_host[precision].values()]
+        for precision, fitting in largest_model(memory_bytes, world_size).items():
+            counts = [*fitting.values(), *on_host[precision].values()]
             lines.append(
                 f"| {precision} | " + " | ".join("no bound" if n is None else human_count(n) for n in counts) + " |"
             )

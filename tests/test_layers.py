@@ -17,6 +17,9 @@ between modules leaves out imports made for annotations alone, which never run.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,3 +166,40 @@ def test_only_comm_calls_torch_distributed() -> None:
              if not any(line.split()[-1].startswith(library) for library in DISTRIBUTED_LIBRARIES)]
     assert not wrong, ("torch.distributed used outside lightning_zero/comm/ (call comm.collectives instead):\n"
                        + "\n".join(wrong))
+
+
+# [Note: comments speak of the code]
+# A comment or docstring says what the code does and why; where it came from is the CHANGELOG's and git's. A reader
+# of the package has neither the issue tracker nor the sessions that wrote it, so citations of them are refused.
+_HISTORY = [
+    re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE),
+    re.compile(r"\bPRs?\s*#?\d+"),
+    re.compile(r"\bpull request\s*#?\d+", re.IGNORECASE),
+    re.compile(r"\bsession\s+#?\d+", re.IGNORECASE),
+    re.compile(r"\bcommit\s+[0-9a-f]{7,40}\b", re.IGNORECASE),
+]
+_COMMENT_ONLY = [re.compile(r"#\d{2,}\b")]  # "#42"; in docstrings a '#' is too often something else
+
+
+def _prose(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, text, is_comment) for every comment and every docstring (a string alone as a statement) in ``path``."""
+    text = path.read_text()
+    found = [
+        (tok.start[0], tok.string[1:], True)
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.append((node.lineno, node.value.value, False))
+    return found
+
+
+def test_comments_do_not_cite_history() -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for line, text, is_comment in _prose(path):
+            for pattern in _HISTORY + (_COMMENT_ONLY if is_comment else []):
+                for match in pattern.finditer(text):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
+    assert not wrong, "Comments citing history (see [Note: comments speak of the code]):\n" + "\n".join(wrong)

@@ -359,6 +359,7 @@ def resolve_partition_group(spec: PartitionGroup) -> Optional[Any]:
     if callable(spec):
         return spec()
     key = tuple(tuple(r) if not isinstance(r, int) else r for r in spec)
-    lists = [list(spec)] if all(isinstance(r, int) for r in spec) else [list(ranks) for ranks in spec]
+    flat = [r for r in spec if isinstance(r, int)]
+    lists = [flat] if len(flat) == len(spec) else [list(r) for r in spec if not isinstance(r, int)]
     # made once per job: a second fit reuses the groups of the first (see [Note: process groups are made once per job])
     return collectives.job_group(("partition", key), lambda: collectives.new_group(lists))

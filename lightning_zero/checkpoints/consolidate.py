@@ -56,7 +56,7 @@ def load_full_checkpoint(
     info = meta.pop(KEY)
     full: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
-    for key, stored in info["model"].items():
+    for stored in info["model"].values():
         if stored not in full:
             shape, saved_dtype = info["tensors"][stored]
             want = getattr(torch, saved_dtype)
@@ -66,7 +66,7 @@ def load_full_checkpoint(
         for k, saved in enumerate(meta["optimizer_states"]):
             state: dict[int, dict[str, Any]] = {}
             for (index, name), (key, tensor) in optimizer_keys(info, k).items():
-                if is_stored_as_object(tensor):
+                if tensor is None or is_stored_as_object(tensor):
                     objects[key] = None
                 else:
                     full[key] = torch.empty(tensor[0], dtype=getattr(torch, tensor[1]))

@@ -8,8 +8,9 @@ of at most ``max_shard_size`` bytes with ``model.safetensors.index.json``. The s
 checkpoint's metadata alone (names, whole shapes, dtypes), by the rule of ``huggingface_hub``'s splitter: tensors in
 checkpoint order fill a shard until the next would pass the limit, and a tensor larger than the limit is a shard of
 its own. Then each shard's tensors, and only those, are read (a directory: ``torch.distributed.checkpoint`` straight
-into whole tensors, tensor-parallel slices joined; a file: views of a memory-mapped load that admits data alone, ``trust.torch_load``),
-converted, written and dropped before the next shard is read: the process holds one shard, never the whole model.
+into whole tensors, tensor-parallel slices joined; a file: views of a memory-mapped load that admits data alone,
+``trust.torch_load``), converted, written and dropped before the next shard is read: the process holds one shard, never
+the whole model.
 
 [Note: which names an export writes]
 The keys are the ``state_dict`` keys under one attribute of the LightningModule (``lm.transformer.wte.weight`` is
@@ -22,8 +23,8 @@ tied tensor (``meta.pt``'s ``model`` map), a file keeps the aliasing (one storag
 When the module being saved holds ``transformers.PreTrainedModel`` submodules, the sharded save records, under
 ``meta.pt``'s ``lightning_zero.pretrained``, for each outermost one by its attribute path (``""`` for the module
 itself): the class name and ``config`` / ``generation_config`` as JSON strings (data, never pickled objects).
-A file written with ``state_dict_type="full"``, and ``consolidate``'s, carry it under ``lightning_zero.pretrained``. Nothing is recorded, and transformers is not imported, for a
-module without one.
+A file written with ``state_dict_type="full"``, and ``consolidate``'s, carry it under ``lightning_zero.pretrained``.
+Nothing is recorded, and transformers is not imported, for a module without one.
 """
 
 from __future__ import annotations

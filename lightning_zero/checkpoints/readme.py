@@ -34,7 +34,8 @@ directory, not a file: `torch.load(path)` cannot read it (IsADirectoryError), an
       lightning-zero inspect {name} --verify
 
 Files: __<rank>_0.distcp (each process's pieces), .metadata (their index), meta.pt (Lightning's state and the
-sizes and checksums of the other files; written last), meta.crc32 (the size and checksum of meta.pt). Move or copy the directory as a whole; do not edit it.
+sizes and checksums of the other files; written last), meta.crc32 (the size and checksum of meta.pt). Move or copy the
+directory as a whole; do not edit it.
 """
 
 

@@ -9,16 +9,16 @@ place here by arithmetic alone (:func:`stacked_to_whole`, :func:`whole_to_stacke
 around the cut dimension, f in block ``q`` at offset ``w``, is on tensor rank ``w // (F / (parts t))``. A destination
 piece (this rank's range ``[start, start + n)`` of the stacked tensor at t') is therefore a sequence of runs that are
 contiguous in both layouts, each a whole number of granules (:func:`_granule`; for a cut along the first dimension
-without blocks, one run: the layouts agree), and the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader loads a whole saved chunk for every item it
-reads, so a row-parallel weight's thousands of short runs are not read one by one: consecutive runs are read as one
-window of the saved tensor (the runs in saved order, at most ``WINDOW`` elements from the first run's start to the
-last one's end) into a staging buffer, then copied into place (:func:`finish`); a window of a single run is read
-straight into the destination. The staging a rank holds during a load spans the saved ranges over what it owns: about
-its own share where the new cut is coarser, at most the saved slices it draws from where it is finer (twice its
-share from t to 2t); no rank holds a whole tensor unless it owns it, and the data-parallel resharding works as
-before. A tensor written at t = 1 (no slice marker in the checkpoint) is the whole tensor, a cut with one slice; a
-run at t' = 1 reads the whole tensor the same way, with the dimension and blocks taken from the checkpoint's
-metadata. Column- and row-parallel
+without blocks, one run: the layouts agree), and the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader
+loads a whole saved chunk for every item it reads, so a row-parallel weight's thousands of short runs are not read one
+by one: consecutive runs are read as one window of the saved tensor (the runs in saved order, at most ``WINDOW``
+elements from the first run's start to the last one's end) into a staging buffer, then copied into place
+(:func:`finish`); a window of a single run is read straight into the destination. The staging a rank holds during a load
+spans the saved ranges over what it owns: about its own share where the new cut is coarser, at most the saved slices it
+draws from where it is finer (twice its share from t to 2t); no rank holds a whole tensor unless it owns it, and the
+data-parallel resharding works as before. A tensor written at t = 1 (no slice marker in the checkpoint) is the whole
+tensor, a cut with one slice; a run at t' = 1 reads the whole tensor the same way, with the dimension and blocks taken
+from the checkpoint's metadata. Column- and row-parallel
 layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
 which comes from the slice marker (``shards/slices.py``) here and from the metadata of the checkpoint.
 
@@ -90,8 +90,8 @@ def stacked_to_whole(index: Tensor, cut: Cut) -> Tensor:
     local = f_n // cut.size
     per_slice = a_n * local * b_n
     j, rest = index // per_slice, index % per_slice
-    a, l, b = rest // (local * b_n), (rest // b_n) % local, rest % b_n
-    f = (l // share) * (f_n // cut.parts) + j * share + l % share
+    a, i, b = rest // (local * b_n), (rest // b_n) % local, rest % b_n
+    f = (i // share) * (f_n // cut.parts) + j * share + i % share
     return (a * f_n + f) * b_n + b
 
 
@@ -102,8 +102,8 @@ def whole_to_stacked(index: Tensor, cut: Cut) -> Tensor:
     block = f_n // cut.parts
     a, f, b = index // (f_n * b_n), (index // b_n) % f_n, index % b_n
     q, w = f // block, f % block
-    j, l = w // share, q * share + w % share
-    return j * (a_n * local * b_n) + (a * local + l) * b_n + b
+    j, i = w // share, q * share + w % share
+    return j * (a_n * local * b_n) + (a * local + i) * b_n + b
 
 
 def saved_cut(info: dict[str, Any], key: str) -> Optional[Cut]:

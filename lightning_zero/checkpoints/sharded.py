@@ -8,7 +8,7 @@ checkpoint (other model, other optimizers, shapes) runs before anything is writt
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -191,7 +191,7 @@ def load_model_from_dir(
             finish(copies)
 
 
-def copy_full_state(state_dict: dict[str, Any], dest: dict[str, Shard], strict: bool, source: str) -> None:
+def copy_full_state(state_dict: Mapping[str, Any], dest: dict[str, Shard], strict: bool, source: str) -> None:
     """Load a full ``state_dict`` (one file, DDP's form) into ``dest``: each rank copies the pieces it owns."""
     saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, Tensor)}
     check_model_keys(saved, dest, strict, source, full=True)
@@ -275,7 +275,7 @@ def load_optimizers_from_dir(
             {
                 i: (_shape_here(info, key, sharded.canonical[i[0]], tuple(t[0])), getattr(torch, t[1]))
                 for i, (key, t) in saved.items()
-                if not is_stored_as_object(t)
+                if t is not None and not is_stored_as_object(t)
             },
         )
         for i, shard in dest.shards.items():

@@ -26,8 +26,9 @@ factored statistics) is stacked the same way but does not join (its dimension is
 tensors are stored as usual; the t ranks of a tensor group write the same pieces of them, which DCP writes once.
 
 Optimizer states follow the canonical numbering of ``full.py``: the index of each parameter in the user's
-param groups, per optimizer (a parameter held by two optimizers has a state in each, under each one's index). A state with one value per element (``exp_avg``) is cut like the parameter; any other value
-(``step``, Adafactor's factored statistics) is written whole, by the rank that owns the parameter's first element.
+param groups, per optimizer (a parameter held by two optimizers has a state in each, under each one's index). A state
+with one value per element (``exp_avg``) is cut like the parameter; any other value (``step``, Adafactor's factored
+statistics) is written whole, by the rank that owns the parameter's first element.
 """
 
 from __future__ import annotations
@@ -116,12 +117,12 @@ def model_shards(module: torch.nn.Module, storages: Sequence[ShardedStorage], fu
     managed: dict[int, Shard] = {}
     base: dict[int, int] = {}
     for storage in storages:
-        for j, p in enumerate(storage.params):
+        for p in storage.params:
             managed[id(p)], base[id(p)] = Shard.placed(p, storage.masters[0].dtype if storage.masters else p.dtype)
         for slot, master in storage.own_masters():  # a parameter held by several optimizers: its owner's pieces
             flat = master.detach().reshape(-1)
-            for p, p_start, length, offset in slot.pieces:
-                param = storage.params[p]
+            for index, p_start, length, offset in slot.pieces:
+                param = storage.params[index]
                 managed[id(param)].pieces.append((base[id(param)] + p_start, flat[offset : offset + length]))
     out: dict[str, Shard] = {}
     seen: dict[int, Shard] = {}
@@ -209,7 +210,7 @@ class OptimizerDestination:
                 s = slot_index[id(master)]
                 entry: dict[str, Any] = dict(self.slot_states[s])
                 first = sharded.managed[sharded.slots[s].pieces[0][0]] if sharded.slots[s].pieces else None
-                for key, value in whole.get(first, {}).items():
+                for key, value in (whole.get(first, {}) if first is not None else {}).items():
                     entry.setdefault(key, _whole_value(value))
                 if entry:
                     internal["state"][index] = entry

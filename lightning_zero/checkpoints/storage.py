@@ -19,9 +19,10 @@ A small planner pair below teaches DCP about our 1-D pieces; the file format, th
 [Note: complete or absent]
 Everything is written into a hidden sibling ``.step=100.ckpt.tmp-<token>``; ``meta.pt`` and its checksum are written
 last (after every rank's files and DCP's index exist, with their sizes and checksums), then rank 0 renames the
-directory into place (see [Note: writers that cannot collide] in ``staging.py`` for two jobs writing one name). A kill at any moment leaves either the previous checkpoint under the name or, between the two renames of an
-overwrite, the previous one under ``.step=100.ckpt.old-<token>`` (the loader says so). A directory without
-``meta.pt`` is never taken for a checkpoint, and a missing, truncated or altered file is caught before loading.
+directory into place (see [Note: writers that cannot collide] in ``staging.py`` for two jobs writing one name). A kill
+at any moment leaves either the previous checkpoint under the name or, between the two renames of an overwrite, the
+previous one under ``.step=100.ckpt.old-<token>`` (the loader says so). A directory without ``meta.pt`` is never taken
+for a checkpoint, and a missing, truncated or altered file is caught before loading.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ import os
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -131,7 +137,8 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
             chunks = [
                 ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([p.numel()])) for s, p in shard.pieces
             ]
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+            stored = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[key])  # shards are tensors
+            items += create_read_items_for_chunk_list(key, stored, chunks)
         return dataclasses.replace(plan, items=plan.items + items)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:

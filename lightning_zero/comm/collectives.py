@@ -179,7 +179,7 @@ def all_gather(
 class _Exchange:
     """The sends and receives of one pairwise exchange; ``wait`` waits for all of them, then runs ``then``."""
 
-    def __init__(self, works: list[Any], then: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, works: list[Any], then: Optional[Callable[[], object]] = None) -> None:
         self.works: Optional[list[Any]] = works
         self.then = then
 
@@ -319,8 +319,9 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
 
 
 def global_rank(group: Any, group_rank: int) -> int:
-    """The global rank of ``group``'s rank ``group_rank``."""
-    return dist.get_global_rank(_pg(group), group_rank)
+    """The global rank of ``group``'s rank ``group_rank`` (itself in the default group)."""
+    pg = _pg(group)
+    return group_rank if pg is None else dist.get_global_rank(pg, group_rank)
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:

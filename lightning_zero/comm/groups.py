@@ -24,7 +24,7 @@ everything counts under ``"world"``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_zero.comm import collectives
 from lightning_zero.comm.traffic import Group, Traffic
@@ -46,7 +46,7 @@ class ShardGroups:
     shards (``shard`` counts under ``"world"``), nothing replicates.
     """
 
-    shard: Optional[Any] = None
+    shard: Any = None
     """The group model states are sharded over (reduce-scatter, all-gather, clipping norm); made with ``None``: the
     world."""
     replicate: Optional[Any] = None
@@ -198,7 +198,7 @@ def _tensor_parallel_groups(
 
 
 def resolve_shard_group_size(
-    configured: Optional[Union[int, str]],
+    configured: Optional[Union[int, Literal["node"]]],
     world_size: int,
     devices_per_node: int,
     num_nodes: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -32,14 +32,14 @@ _WORKING_DTYPE = {
 }
 
 
-def normalize_precision(precision: Union[str, int]) -> str:
+def normalize_precision(precision: Union[str, int]) -> PrecisionInput:
     """Map Lightning's precision spellings to ours; raise for what ZeRO does not support."""
     value = _ALIASES.get(precision, precision)
     if value not in SUPPORTED_PRECISION:
         raise ValueError(
             f"ZeRO does not support precision={precision!r}. Choose one of {', '.join(SUPPORTED_PRECISION)}."
         )
-    return str(value)
+    return cast(PrecisionInput, str(value))  # one of SUPPORTED_PRECISION
 
 
 class LossScaler:

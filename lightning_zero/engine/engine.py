@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -165,17 +165,18 @@ class ZeroEngine(OptimizerSteps):
         elif any(p.requires_grad for p in self.module.parameters()):
             # evaluation: the store alone holds the weights, as one group of flat slices (see [Note: the store and
             # the optimizers] in store.py)
-            trainable = [p for p in self.module.parameters() if p.requires_grad]
+            trainable: list[Tensor] = [p for p in self.module.parameters() if p.requires_grad]
             whole = bool(self.config.partition_whole_params)
             self.store.add(self._make_storage(trainable, [0] * len(trainable), whole))
-        shard_by_units(self.module, self.unit_plan, self.store.storages, self.device, recording)
+        shard_by_units(self.module, self.unit_plan, self._partitioned_storages, self.device, recording)
         guard.name_parameters(
             self.module, {key: self.unit_plan.names[unit] for key, unit in self.store.param_units().items()}
         )
         self.runtime = UnitRuntime(
-            self.unit_plan, self.store.storages, self.config.prefetch_size, self.config.lockstep_check
+            self.unit_plan, self._partitioned_storages, int(self.config.prefetch_size), self.config.lockstep_check
         )
-        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in stage3/plan.py)
+        # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in
+        # stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
         warn_if_units_compiled_inside(self.module, self.unit_plan)
         pretrained.fill_pending(self.module, self.store.storages, self.runtime)  # loads recorded at construction
@@ -209,7 +210,7 @@ class ZeroEngine(OptimizerSteps):
         for storage in self.store.storages:
             storage.install_grad_hooks()
         self.runtime = UnitRuntime(
-            self.unit_plan, self.store.storages, self.config.prefetch_size, self.config.lockstep_check
+            self.unit_plan, self._partitioned_storages, int(self.config.prefetch_size), self.config.lockstep_check
         )
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
@@ -235,6 +236,12 @@ class ZeroEngine(OptimizerSteps):
             module=self.module,
             whole_params=whole_params,
         )
+
+    @property
+    def _partitioned_storages(self) -> list[PartitionedStorage]:
+        """The store's storages under stage 3, where :meth:`_make_storage` makes every one partitioned (the list
+        itself, not a copy: the unit runtime reads the store's list)."""
+        return cast(list[PartitionedStorage], self.store.storages)
 
     def _make_storage(self, params: list[Tensor], param_groups: list[int], whole_params: bool) -> ShardedStorage:
         """The storage of ``params`` for this stage (stages 1 and 2: a flat buffer; stage 3: shards and units)."""

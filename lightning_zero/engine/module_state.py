@@ -8,9 +8,10 @@ weights the optimizer steps on are the master shards, so both are redirected the
 
 - ``load_state_dict``: a pre-hook takes the managed parameters' entries out of the dict, checks their shapes
   (a mismatch joins torch's own "Error(s) in loading state_dict"), writes each rank's pieces into its master shards
-  (``engine_state.load_model``, as a full checkpoint file loads), and refreshes the working parameters (a collective: every rank calls it, as every rank
-  calls it under ``ddp``). Buffers and parameters no optimizer holds load as torch loads them. A post-hook takes
-  the handled names out of ``missing_keys``, so ``strict`` means what it means under ``ddp``.
+  (``engine_state.load_model``, as a full checkpoint file loads), and refreshes the working parameters (a collective:
+  every rank calls it, as every rank calls it under ``ddp``). Buffers and parameters no optimizer holds load as torch
+  loads them. A post-hook takes the handled names out of ``missing_keys``, so ``strict`` means what it means under
+  ``ddp``.
 - ``state_dict`` (stage 3 only; stages 1 and 2 hold every parameter whole): the parameters' entries are filled
   after torch's walk, one unit at a time: gathered (a collective), copied to host memory, released. A device never
   holds more than one unit; the values are the working parameters (fp32 in ``32-true``; the fp32 masters of mixed

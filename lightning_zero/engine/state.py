@@ -106,7 +106,7 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
                 failed = error
         agree_on_failure(Path(path), "writing", failed)
         return
-    info = {
+    info: dict[str, Any] = {
         "stage": engine.config.stage,
         "world_size": collectives.world_size(),
         "tensor_parallel_size": engine.shard_groups.tensor_size,

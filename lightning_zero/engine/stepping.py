@@ -191,7 +191,7 @@ class OptimizerSteps:
                     loss = closure() if closure is not None else None
                     overflow = self._before_step(sharded, *clip)
                     skip = overflow or self._nonfinite(sharded)
-                    output = None if skip else sharded.step(lambda: sharded.optimizer.step(**step_kwargs))
+                    output = None if skip else sharded.step(lambda: sharded.optimizer.step(**step_kwargs))  # noqa: B023 - called in this iteration
                     output = loss if output is None else output
                     overflow = skip
                 closure = None

@@ -5,11 +5,14 @@ Lightning base class asks differently."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from lightning_zero.engine.amp import LossScaler, PrecisionInput, PrecisionMode
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 
 __all__ = ["LossScaler", "PrecisionInput", "PrecisionMode", "UsesPrecisionMode"]
 
@@ -19,6 +22,7 @@ class UsesPrecisionMode:
     :class:`PrecisionMode`); each plugin adds only what its Lightning base class asks differently."""
 
     mode: PrecisionMode
+    precision: _PRECISION_INPUT_STR  # Lightning's attribute (one of ours, in its wider type)
 
     def __init__(
         self, precision: PrecisionInput = "32-true", device_type: str = "cpu", loss_scaler: Optional[LossScaler] = None

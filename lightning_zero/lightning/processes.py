@@ -14,7 +14,7 @@ import math
 import sys
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -44,8 +44,26 @@ from lightning_zero.stages import all_policies, policy_for
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
 
-class ZeroProcesses:
+    class _ParallelStrategyPart:
+        """What :class:`ZeroProcesses` reads of the ``ParallelStrategy`` it is mixed into (the Trainer's or Fabric's:
+        two classes with the same process API), for the type checker only."""
+
+        parallel_devices: Optional[list[torch.device]]
+        cluster_environment: Optional[ClusterEnvironment]
+        num_nodes: int
+        global_rank: int
+        local_rank: int
+        node_rank: int
+
+    _Mixin = _ParallelStrategyPart
+else:
+    _Mixin = object
+
+
+class ZeroProcesses(_Mixin):
     """Mixin of both strategies; they set ``config`` from their options, then call :meth:`_init_processes`."""
 
     config: ZeroConfig
@@ -203,11 +221,12 @@ class ZeroProcesses:
         # a fatal signal in a rank (a segfault in a kernel, an abort) prints every thread's Python traceback
         # instead of ending the process silently
         try:
-            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)  # None means sys.stderr
         except (AttributeError, ValueError, OSError):  # no real stderr (a captured or closed stream): nothing to enable
             pass
         if self.root_device.type == "cpu":
-            release_freed_memory(self.config.host_mmap_threshold)
+            threshold = self.config.host_mmap_threshold
+            release_freed_memory(int(threshold) if threshold is not None else None)
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -235,7 +254,8 @@ class ZeroProcesses:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        # Lightning sets this attribute on its function at import and does not declare it
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -82,8 +82,9 @@ def _libc() -> Optional[Any]:
         return None
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only (musl has no dynamic threshold to fix)
-    except (OSError, AttributeError):
+    except OSError:
+        return None
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only (musl has no dynamic threshold to fix)
         return None
     libc.mallopt.argtypes, libc.malloc_trim.argtypes = [ctypes.c_int, ctypes.c_int], [ctypes.c_size_t]
     return libc

@@ -87,7 +87,7 @@ class Watchdog:
         started: Optional[tuple[int, float]] = None  # (signal, monotonic time of its arrival)
         while True:
             left = None if started is None else started[1] + self.timeout - time.monotonic()
-            if left is not None and left <= 0:
+            if started is not None and left is not None and left <= 0:
                 self._expired.set()
                 _end(started[0], self.timeout, self.generation)
             ready = select.select([self._reader], [], [], left)[0]
@@ -109,7 +109,10 @@ def position(frame: Optional[FrameType]) -> dict[str, Any]:
     while frame is not None:
         if frame.f_code.co_filename.endswith(_COLLECTIVES) and collective is None:
             what = frame.f_locals.get("what")
-            collective = frame.f_code.co_qualname + (f" ({what})" if isinstance(what, str) else "")
+            # co_qualname is Python 3.11's; 3.10 names the function alone
+            collective = getattr(frame.f_code, "co_qualname", frame.f_code.co_name) + (
+                f" ({what})" if isinstance(what, str) else ""
+            )
         frames.append(frame)
         frame = frame.f_back
     at = _where(frames[0]) if frames else "unknown"

@@ -3,8 +3,8 @@
 [Note: what is counted]
 Every tensor is counted once per storage, so views of one flat buffer (the working parameters) or a master shard
 that aliases the working buffer are not counted twice. ``grads`` covers full ``.grad`` tensors, the gradient shard
-and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their high-water
-mark) are kept apart from the model states, as in DESIGN.md's table.
+and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their
+high-water mark) are kept apart from the model states, as in DESIGN.md's table.
 With ``offload_optimizer``, ``host`` says how many of the model-state bytes are in host memory (the master shard,
 the gradient shard, which then exists only there, and the optimizer states), with ``offload_params`` also stage 3's
 working shard; the rest are on the device. The scratch chunks the reduced gradients pass through on their way to
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.config import Offload
 from lightning_zero.shards.optimizer import ShardedOptimizer
 from lightning_zero.stages import STAGES
 
@@ -137,8 +138,8 @@ def expected_offload_bytes(
     world_size: int,
     stage: int,
     precision: str,
-    offload_optimizer: bool = True,
-    offload_params: bool = False,
+    offload_optimizer: Offload = True,
+    offload_params: Offload = False,
 ) -> tuple[float, float]:
     """``(device, host)`` bytes of model states per rank with ``offload_optimizer`` and/or ``offload_params`` (Adam).
 

@@ -11,9 +11,10 @@ the gradient shard are made on first use and kept from step to step (see [Note: 
 [Note: lockstep]
 Collectives are matched across ranks by the order in which they are issued, so every rank must launch the same
 buckets in the same order. Buckets are launched strictly in the layout's launch order (a bucket that fills early
-waits for its predecessors, as in DDP's reducer; see [Note: launch order] in ``layout.py``), and a round ends with a flush that launches every remaining bucket, zeros where
-this rank received no gradient. Rounds end at call sites every rank passes together: the end of each backward
-and, for what a backward left (stage 1 after ``no_backward_sync``), the start of the optimizer step.
+waits for its predecessors, as in DDP's reducer; see [Note: launch order] in ``layout.py``), and a round ends with a
+flush that launches every remaining bucket, zeros where this rank received no gradient. Rounds end at call sites every
+rank passes together: the end of each backward and, for what a backward left (stage 1 after ``no_backward_sync``), the
+start of the optimizer step.
 
 [Note: filling without extra passes]
 A bucket buffer is not cleared when it is taken from the pool: each gradient is divided by the world size on its
@@ -90,7 +91,8 @@ class GradientReducer:
         """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
         reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
         self.heap_pin = heap_pin
-        """Taken at the first gradient of each backward (see [Note: the heap pin] in ``heap_pin.py``); ``None``: none."""
+        """Taken at the first gradient of each backward (see [Note: the heap pin] in ``heap_pin.py``); ``None``:
+        none."""
         self.grad_shard: Optional[torch.Tensor] = None
         """This rank's reduced gradients (``None`` until the first reduction, after :meth:`clear`, and always with a
         ``sink``)."""

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import Offload, ZeroConfig
 from lightning_zero.shards import offload
 from lightning_zero.shards.layout import Bucket, MasterSlot
 from lightning_zero.shards.store import ShardedStorage
@@ -28,7 +28,7 @@ class FlatStorage(ShardedStorage):
     """Stages 1 and 2: a full flat working buffer, the master shard, an all-gather after each step."""
 
     def _make_storage(
-        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool, config: ZeroConfig
+        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: Offload, config: ZeroConfig
     ) -> None:
         self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=self.device)
         """The full working parameters; every managed parameter is a view of it."""

@@ -24,7 +24,7 @@ own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Generic, Protocol, Sequence, TypeVar
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -35,13 +35,17 @@ from lightning_zero.shards.optimizer_support import check_optimizer, is_elementw
 
 
 class Lender(Protocol):
-    """What borrowing reads of a storage that owns parameters (a :class:`~lightning_zero.shards.store.ShardedStorage`)."""
+    """What borrowing reads of a storage that owns parameters (a
+    :class:`~lightning_zero.shards.store.ShardedStorage`)."""
 
     params: list[Tensor]
     layout: FlatLayout
 
     def own_masters(self) -> list[tuple[MasterSlot, Tensor]]:
         """The slots in the storage's own shard with their master tensors."""
+
+
+L = TypeVar("L", bound=Lender)
 
 
 def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConfig) -> list[bool]:
@@ -69,20 +73,20 @@ def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConf
 
 
 @dataclass
-class Members:
+class Members(Generic[L]):
     """How an optimizer's trainable parameters split between those of its own storage and borrowed ones."""
 
     managed: list[int]
     """Canonical index (in the optimizer's param groups) of each member: the owned ones first, then the borrowed."""
     owned: int
     """How many members its own storage holds."""
-    owners: list["Lender"]
+    owners: list[L]
     """The storages it borrows from, in order of first use (the same on every rank)."""
     borrowed: dict[int, list[int]]
     """``id(owner)`` to the indices in ``owner.params`` of the parameters borrowed from it."""
 
 
-def split_members(canonical: Sequence[Tensor], owners: Sequence["Lender"]) -> Members:
+def split_members(canonical: Sequence[Tensor], owners: Sequence[L]) -> Members[L]:
     """Split the trainable parameters of ``canonical`` into those no storage in ``owners`` holds yet and the rest."""
     owned_by = {id(p): (owner, j) for owner in owners for j, p in enumerate(owner.params)}
     trainable = [i for i, p in enumerate(canonical) if p.requires_grad]
@@ -94,8 +98,8 @@ def split_members(canonical: Sequence[Tensor], owners: Sequence["Lender"]) -> Me
 
 
 def borrowed_slots(
-    members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int], owners: Sequence["Lender"]
-) -> list[tuple["Lender", MasterSlot]]:
+    members: Sequence[Tensor], first_borrowed: int, group_of: dict[int, int], owners: Sequence[L]
+) -> list[tuple[L, MasterSlot]]:
     """The master tensors a borrowing optimizer steps on for ``members[first_borrowed:]``, with the storage owning each.
 
     Each is a :class:`MasterSlot` whose ``start`` is an offset in the *owner's* shard and whose pieces index
@@ -103,7 +107,7 @@ def borrowed_slots(
     borrower are merged into one tensor; a whole-parameter slot is borrowed whole, in the parameter's shape.
     """
     member_of = {id(p): m for m, p in enumerate(members) if m >= first_borrowed}
-    out: list[tuple[Lender, MasterSlot]] = []
+    out: list[tuple[L, MasterSlot]] = []
     for owner in owners:
         for slot, _ in owner.own_masters():
             runs: list[list[tuple[int, int, int, int]]] = []  # (member, param start, length, offset in the slot)
@@ -113,8 +117,11 @@ def borrowed_slots(
                     runs.append([])
                     continue
                 last = runs[-1][-1] if runs and runs[-1] else None
-                adjacent = last is not None and last[3] + last[2] == offset
-                if not adjacent or group_of[id(members[last[0]])] != group_of[id(members[m])]:
+                if (
+                    last is None
+                    or last[3] + last[2] != offset
+                    or group_of[id(members[last[0]])] != group_of[id(members[m])]
+                ):
                     runs.append([])
                 runs[-1].append((m, p_start, length, offset))
             out.extend(

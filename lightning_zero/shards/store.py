@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import ShardGroups
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import Offload, ZeroConfig
 from lightning_zero.memory.heap_pin import HeapPin
 from lightning_zero.shards import disk, offload
 from lightning_zero.shards.buckets import GradientReducer
@@ -139,7 +139,7 @@ class ShardedStorage:
         return device.type == "cpu"
 
     def _make_storage(
-        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool, config: ZeroConfig
+        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: Offload, config: ZeroConfig
     ) -> None:
         """Make the working storage and ``master_storage`` (see [Note: two storages, one step])."""
         raise NotImplementedError
@@ -215,7 +215,7 @@ class ShardedStorage:
             handle.remove()
         self._hooks = []
 
-    def _copy_pieces(self, buckets: list[Bucket], shard: Tensor) -> None:
+    def _copy_pieces(self, buckets: Sequence[Bucket], shard: Tensor) -> None:
         """Write this rank's pieces of the (full) parameters in ``buckets`` into a shard-shaped tensor."""
         with torch.no_grad():
             for bucket in buckets:

@@ -22,7 +22,7 @@ views (which share the buffer's storage) untouched.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -108,7 +108,8 @@ class _Released:
                 return func(*args, **kwargs)
         if name == _DETACH:  # torch's `state_dict()` detaches every parameter: the result stays guarded
             return _detached(args[0])
-        param = next(a for a in (*args, *kwargs.values()) if isinstance(a, _Released))
+        # a _Released is always a tensor: the mixin is only put into tensor classes (guarded_class)
+        param = cast(Tensor, next(a for a in (*args, *kwargs.values()) if isinstance(a, _Released)))
         raise ParameterNotGatheredError(_message(param, name))
 
 
@@ -121,7 +122,7 @@ def _detached(param: Tensor) -> Tensor:
     """``param.detach()`` of a released parameter: a tensor that refuses reads in the same way (a placeholder that
     ``module.state_dict()`` replaces with the gathered values, see ``engine/module_state.py``)."""
     with torch._C.DisableTorchFunctionSubclass():
-        out = param.detach().as_subclass(guarded_class(torch.Tensor))
+        out: Tensor = param.detach().as_subclass(guarded_class(torch.Tensor))
     out.__dict__[_INFO] = param.__dict__.get(_INFO, ("a parameter", "?"))
     return out
 
@@ -169,6 +170,6 @@ def _message(param: Tensor, operation: str) -> str:
         "`with strategy.gathered_parameters():` (a collective: every rank enters it; Trainer: "
         "`self.trainer.strategy.gathered_parameters()`, Fabric: `fabric.strategy.gathered_parameters()`, plain loop: "
         "`engine.gathered_parameters()`) or with `model.state_dict()`, change them with `model.load_state_dict(...)` "
-        "(both on every rank), or use zero1/zero2, which keep every parameter whole. Inside a forward this means the module using it is "
-        "not a stage 3 unit whose own forward runs (name the blocks' class in `unit_classes`)."
+        "(both on every rank), or use zero1/zero2, which keep every parameter whole. Inside a forward this means the "
+        "module using it is not a stage 3 unit whose own forward runs (name the blocks' class in `unit_classes`)."
     )

@@ -227,7 +227,7 @@ def _shard_by_units(
     _fill(storages, ROOT)
 
 
-def _broadcast(tensors: list[torch.Tensor], shard_groups: ShardGroups) -> None:
+def _broadcast(tensors: Sequence[torch.Tensor], shard_groups: ShardGroups) -> None:
     with torch.no_grad():
         for tensor in tensors:
             collectives.broadcast(tensor.data, src=shard_groups.data_source, group=shard_groups.data_group)

@@ -15,8 +15,8 @@ device keeps no persistent copy of it: only the gathered units in flight. Gather
 chunk of each of its buckets from the host shard straight into that chunk's place in the unit's (device) buffer, then
 all-gathers in place, so no device staging buffer exists. The uploads are issued on the current stream before the
 all-gather (asynchronous from pinned memory, ordered before the collective that reads them) and run in the prefetch
-order of :mod:`lightning_zero.stage3.units`, so a prefetched unit's upload overlaps the current unit's compute. Before the
-host shard is written (the optimizer step on an aliased host master, the copy of an updated master, a load),
+order of :mod:`lightning_zero.stage3.units`, so a prefetched unit's upload overlaps the current unit's compute. Before
+the host shard is written (the optimizer step on an aliased host master, the copy of an updated master, a load),
 :meth:`ShardedParams.settle` waits for uploads still reading it. On a CPU-only machine the host shard is still a
 storage of its own and every upload still happens, so CPU tests exercise this path.
 """

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import Offload, ZeroConfig
 from lightning_zero.shards import offload
 from lightning_zero.shards.layout import MasterSlot
 from lightning_zero.shards.store import ShardedStorage
@@ -25,7 +25,7 @@ class PartitionedStorage(ShardedStorage):
     by_units: ClassVar[bool] = True
 
     def _make_storage(
-        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: bool, config: ZeroConfig
+        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: Offload, config: ZeroConfig
     ) -> None:
         params_moved = config.offload_params  # see [Note: offloaded parameter shards] in params.py
         size = self.layout.shard_size
@@ -40,7 +40,7 @@ class PartitionedStorage(ShardedStorage):
             else offload.allocate_master(size, working_dtype, self.device, params_moved, config.offload_path)
         )
         self.sharded = ShardedParams(
-            self.layout, self.params, self.rank, working, self.group, self.device, params_moved
+            self.layout, self.params, self.rank, working, self.group, self.device, bool(params_moved)
         )
         """The working shard and the per-unit gather buffers; setup fills them unit by unit."""
         self.secondary = (
@@ -77,6 +77,7 @@ class PartitionedStorage(ShardedStorage):
     def refresh_working(self) -> None:
         """Cast the updated master shard into the working shard (the runtime gathers again what is gathered)."""
         self.sharded.settle()
+        assert self.master_storage is not None
         if self.sharded.working_shard is not self.master_storage:  # an upload under offload_optimizer
             offload.copy_to_device(self.sharded.working_shard, self.master_storage)
 

@@ -68,7 +68,7 @@ def resolve_persistence_threshold(config: "ZeroConfig") -> int:
     """``config.persistence_threshold``, or :data:`DEFAULT_PERSISTENCE_THRESHOLD` for ``None``: the same for every
     model (see [Note: one algorithm at every size])."""
     if config.persistence_threshold is not None:
-        return config.persistence_threshold
+        return int(config.persistence_threshold)
     return DEFAULT_PERSISTENCE_THRESHOLD
 
 

@@ -61,7 +61,7 @@ class BlockPool:
             return
         idle = self._idle.get(nbytes)
         block = idle.pop() if idle else self._make(nbytes, buffer.dtype)
-        storage._swap_data_ptr_(block)  # the buffer holds the block's memory, ``block`` none
+        storage._swap_data_ptr_(block)  # type: ignore[attr-defined]  # private, not in torch's stubs; the buffer holds the block's memory, ``block`` none
         self._lent[id(storage)] = block
 
     def take_back(self, buffer: Tensor) -> None:
@@ -71,7 +71,7 @@ class BlockPool:
         if block is None:  # the ``resize_`` fallback, or memory of its own (setup's first allocation)
             storage.resize_(0)
             return
-        storage._swap_data_ptr_(block)
+        storage._swap_data_ptr_(block)  # type: ignore[attr-defined]  # private, not in torch's stubs
         self._idle.setdefault(block.nbytes(), []).append(block)
 
     def _make(self, nbytes: int, dtype: torch.dtype) -> torch.UntypedStorage:

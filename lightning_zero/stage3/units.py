@@ -9,8 +9,9 @@ saved in forward (the weights, and views of them such as ``W.t()``) read the re-
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
 parameters have their gradient. Inside backward (activation checkpointing recomputes a forward) the post-forward
 hook does not free: the backward that follows needs the parameters, and the pre-forward hook prefetches in backward
-order. A block checkpointed by the strategy (:mod:`lightning_zero.activations.checkpointing`) recomputes its original ``forward``
-without its hooks; the unit is gathered once in backward, by the hook on its output, before the recomputation.
+order. A block checkpointed by the strategy (:mod:`lightning_zero.activations.checkpointing`) recomputes its original
+``forward`` without its hooks; the unit is gathered once in backward, by the hook on its output, before the
+recomputation.
 
 [Note: lockstep and prefetch]
 Every rank must issue the same all-gathers in the same order. The order of units in the first forward is recorded;

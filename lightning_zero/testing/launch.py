@@ -2,8 +2,8 @@
 
 Each rank is a separate process with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` set, so Lightning sees an
 externally launched job and does not start processes itself. The ranks are forked from a zygote that imported torch
-and Lightning once (lightning_zero/testing/zygote.py), which saves the ~6 s those imports cost each process. A hung collective fails
-the test after ``timeout`` seconds instead of eating CI's time.
+and Lightning once (lightning_zero/testing/zygote.py), which saves the ~6 s those imports cost each process. A hung
+collective fails the test after ``timeout`` seconds instead of eating CI's time.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def launch(script: str, world_size: int, out_dir: Path, args: tuple[str, ...] = 
         for p in procs:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{script} on {world_size} ranks did not finish in {timeout}s:\n{_tail(out_dir)}")
+        raise AssertionError(
+            f"{script} on {world_size} ranks did not finish in {timeout}s:\n{_tail(out_dir)}"
+        ) from None
     finally:
         for p in procs:
             p.kill()
@@ -106,7 +108,9 @@ def launch_nodes(script: str, nodes: int, out_dir: Path, timeout: float = 300) -
     try:
         codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{script} on {nodes} nodes did not finish in {timeout}s:\n{_tail(out_dir, 'node')}")
+        raise AssertionError(
+            f"{script} on {nodes} nodes did not finish in {timeout}s:\n{_tail(out_dir, 'node')}"
+        ) from None
     finally:
         for p in procs:  # each launcher leads its session: the node's ranks Lightning started go with it
             with contextlib.suppress(ProcessLookupError):
@@ -134,9 +138,9 @@ def wait_all(procs: list[Any], timeout: float) -> list[int]:
 def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> int:
     """Run ``cmd`` (``[sys.executable, ...]``: a user's launch, where Lightning starts the other ranks as its
     children) in a session and process group of its own, so that a signal to the group reaches this run only, as
-    Ctrl-C reaches a terminal's foreground job. The first process is forked from the zygote (lightning_zero/testing/zygote.py);
-    Lightning's ranks are fresh ``python`` processes. Returns the exit code; on a hang every process prints where it
-    is stuck (SIGABRT with ``PYTHONFAULTHANDLER``) and it fails.
+    Ctrl-C reaches a terminal's foreground job. The first process is forked from the zygote
+    (lightning_zero/testing/zygote.py); Lightning's ranks are fresh ``python`` processes. Returns the exit code; on a
+    hang every process prints where it is stuck (SIGABRT with ``PYTHONFAULTHANDLER``) and it fails.
     """
     assert cmd[0] == sys.executable, cmd
     # SIGINT as in a terminal's foreground job: the zygote's children start with Python's own handler for it
@@ -146,7 +150,7 @@ def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: Path, log: Path
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGABRT)
         time.sleep(5)
-        raise AssertionError(f"{' '.join(cmd)} did not end in {timeout}s:\n{log.read_text()[-8000:]}")
+        raise AssertionError(f"{' '.join(cmd)} did not end in {timeout}s:\n{log.read_text()[-8000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

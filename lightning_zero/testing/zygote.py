@@ -10,11 +10,12 @@ as the interpreter would (threads joined, ``atexit`` run, an uncaught Ctrl-C re-
 ``-signal``) comes back like a ``subprocess`` return code. Processes it starts itself (Lightning's launcher starting
 the other ranks) are ordinary ``python`` processes. Variables read only once at process start (glibc's
 ``MALLOC_MMAP_THRESHOLD_``, ``PYTHONPATH``, ``OMP_NUM_THREADS``) are the ones the zygote itself starts with
-(:data:`ZYGOTE_ENV`), equal to what :mod:`lightning_zero.testing.launch` gives every rank; anything else lightning_zero reads from the
-environment, it reads when used, not at import.
+(:data:`ZYGOTE_ENV`), equal to what :mod:`lightning_zero.testing.launch` gives every rank; anything else lightning_zero
+reads from the environment, it reads when used, not at import.
 
 Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"argv", "env", "cwd", "stdout", "stderr",
-"session", "group"}`` in, ``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children, the test cannot).
+"session", "group"}`` in, ``{"pid"}`` out; then ``{"pid", "code"}`` when that child ends (the zygote reaps its children,
+the test cannot).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Child:
         while self.returncode is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)  # timeout is set here
             self.zygote.collect(timeout=1.0 if left is None else min(left, 1.0))
         return self.returncode
 
@@ -140,6 +141,7 @@ class Zygote:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None  # made with stdin=PIPE
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)
@@ -156,6 +158,7 @@ class Zygote:
                 cwd=ROOT,
                 env=dict(os.environ, **ZYGOTE_ENV),
             )
+            assert self.proc.stdout is not None  # made with stdout=PIPE
             self.lines = Lines(self.proc.stdout.fileno())
             self.children.clear()
         return self.proc

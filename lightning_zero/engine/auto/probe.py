@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -89,7 +89,8 @@ def probe_activations(
         try:
             with _reparametrize_module(module, leaves, tie_weights=True), _quiet(module), counter:
                 with forward_context():
-                    loss = module.training_step(fake_batch, 0)
+                    # a LightningModule's (the engine does not import Lightning)
+                    loss = cast(Callable[..., Any], module.training_step)(fake_batch, 0)
                 loss = loss.get("loss") if isinstance(loss, dict) else loss
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()

@@ -11,8 +11,8 @@ Trainer's checkpoint format (see [Note: one checkpoint format for every way in] 
 ``fabric.save(path, {"model": model, "optimizer": opt, "step": 7})`` writes the module under ``state_dict`` and the
 optimizers under ``optimizer_states`` in the engine's order; every other entry is stored as itself (objects with a
 ``state_dict`` as their state dict). ``fabric.load`` restores the module and the optimizers it is given from those two
-keys (the engine knows their order) and the other entries by name. A Trainer checkpoint loads the same way (its ``epoch``,
-``global_step``, ``loops``... come back as the remainder), and a Fabric checkpoint resumes under the Trainer.
+keys (the engine knows their order) and the other entries by name. A Trainer checkpoint loads the same way (its
+``epoch``, ``global_step``, ``loops``... come back as the remainder), and a Fabric checkpoint resumes under the Trainer.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from lightning_zero.checkpoints.storage import KEY
 from lightning_zero.engine import state as engine_state
 from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.lightning.trainer import early_checks
+from lightning_zero.lightning.trainer.hooks_base import StrategyHooks
 
 
-class CheckpointHooks:
+class CheckpointHooks(StrategyHooks):
     """Sharded (a directory, every rank writes its pieces) or full (one file on rank 0) checkpoints for ZeroStrategy.
 
     Uses the strategy's ``engine`` and Lightning's strategy attributes.

@@ -39,7 +39,7 @@ def _grad_norm(
     held = pretrained._owner_of(module)
     if held is None or not hasattr(held[2], "grad_norms"):
         return original(module, norm_type, group_separator)
-    engine = held[2]
+    engine: Any = held[2]  # an engine: it has grad_norms
     norm_type = float(norm_type)
     if norm_type <= 0:  # as Lightning's own check
         return original(module, norm_type, group_separator)

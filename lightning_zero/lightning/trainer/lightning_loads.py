@@ -53,6 +53,7 @@ def _reads_directories(load: Callable[..., Any]) -> Callable[..., Any]:
 
 def install() -> None:
     """Wrap ``pl_load`` where Lightning's ``load_from_checkpoint`` and ``TorchCheckpointIO`` call it (once)."""
-    for module in (saving, torch_io):
+    modules: tuple[Any, ...] = (saving, torch_io)  # module attributes replaced: typed as Any
+    for module in modules:
         if not getattr(module.pl_load, _MARK, False):
             module.pl_load = _reads_directories(module.pl_load)

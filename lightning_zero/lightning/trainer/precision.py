@@ -1,14 +1,14 @@
 """The Trainer's precision plugin of ZeRO: a thin adapter that hands Lightning's optimizer step to the engine.
 
-Its numerics (dtypes, autocast, loss scaling, clipping over shards) are :class:`~lightning_zero.engine.amp.PrecisionMode`'s;
-the order of one optimizer step is :meth:`ZeroEngine.step`'s (see [Note: the order of one optimizer step] in
-``stepping.py``). Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping run as the step's
-``before_step``, after the gradients were reduced and unscaled.
+Its numerics (dtypes, autocast, loss scaling, clipping over shards) are
+:class:`~lightning_zero.engine.amp.PrecisionMode`'s; the order of one optimizer step is :meth:`ZeroEngine.step`'s (see
+[Note: the order of one optimizer step] in ``stepping.py``). Lightning's ``on_before_optimizer_step`` hooks and its
+gradient clipping run as the step's ``before_step``, after the gradients were reduced and unscaled.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -91,10 +91,11 @@ def to_zero_precision(plugin: Precision) -> ZeroPrecision:
     """Lightning builds its own plugin from ``Trainer(precision=...)``; translate it to ours, or refuse it."""
     if isinstance(plugin, ZeroPrecision):
         return plugin
+    # Lightning's spellings are wider than ours: PrecisionMode refuses what ZeRO does not support
     if isinstance(plugin, MixedPrecision):
-        return ZeroPrecision(plugin.precision, device_type=plugin.device)
+        return ZeroPrecision(cast(PrecisionInput, plugin.precision), device_type=plugin.device)
     if isinstance(plugin, HalfPrecision):
-        return ZeroPrecision(plugin.precision)
+        return ZeroPrecision(cast(PrecisionInput, plugin.precision))
     if type(plugin) is Precision:
         return ZeroPrecision("32-true")
     raise ValueError(

@@ -15,8 +15,10 @@ from typing import Any, Callable
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zero.lightning.trainer.hooks_base import StrategyHooks
 
-class StepHooks:
+
+class StepHooks(StrategyHooks):
     """Uses the strategy's ``engine``, ``lightning_module`` and ``_step_boundary`` (``lightning/processes.py``)."""
 
     @override

@@ -65,8 +65,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             ``host_mmap_threshold``, ``state_dict_type``, ``activation_checkpointing``, ``activation_offload``,
             ``activation_partition_group``, ``contiguous_checkpoints``, ``offload_optimizer``, ``offload_params``,
             ``offload_path``, ``shard_group_size``, ``tensor_parallel_size``, ``secondary_shard_group_size``,
-            ``quantized_weights``, ``quantized_gradients``, ``quantization_block_size``, ``nonfinite``. LightningCLI reads their
-            types and help from there too.
+            ``quantized_weights``, ``quantized_gradients``, ``quantization_block_size``, ``nonfinite``. LightningCLI
+            reads their types and help from there too.
     """
 
     strategy_name = "zero"
