@@ -20,8 +20,8 @@ the exchange only where stage 3's lockstep check has verified the unit on every 
 (``verified=True``; see [Note: a check is waited for one unit late] in ``stage3/lockstep.py``); otherwise it keeps
 gloo's own all-gather, which fails with an error. gloo's own all-gather allocates a second, full-size output inside
 gloo and copies it out (benchmarks/RESULTS.md, "Where the overhead went"), so stage 3 gathers a unit bucket by
-bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the
-unit's. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
+bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in ``shards/policy.py``),
+not the unit's. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
 Counting lives in ``traffic.py`` ([Note: what the counters count], [Note: counted groups]).
 """
