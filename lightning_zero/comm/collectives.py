@@ -193,6 +193,11 @@ class _Exchange:
         return True
 
 
+# [Note: exchange tags are counted per process group]
+# The point-to-point exchanges of one process group must carry the same tag on every rank, so every rank counts its
+# exchanges per process group; the process groups are the job's (see [Note: process groups are made once per job]),
+# shared by every engine of the process, so their counts are too. Keyed by the group's id, never reset: a tag
+# only has to differ from the tags still in flight.
 _TAGS: dict[int, int] = {}
 
 

@@ -22,6 +22,8 @@ AUTO_UNTIL_SETUP = 3
 #: Options ``zero_auto`` sets itself.
 CHOSEN_OPTIONS = ("offload_optimizer", "offload_params")
 #: One entry per ``zero_auto`` setup this process made (the first grows the process once: see ``FIRST_RUN_BYTES``).
+#: [Note: the first zero_auto run is the process's] What grows once is the process (its imports, the allocator's
+#: arenas), whichever strategy object runs first, so the count is per process, not per strategy.
 _RUNS: list[bool] = []
 #: The measured peak is compared with the prediction once this many training steps have run.
 STEPS_MEASURED = 3
