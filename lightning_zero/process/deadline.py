@@ -45,7 +45,7 @@ GRACE = 10.0
 DEADLINE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _STOP = b"\0"  # written by `Watchdog.stop` to wake the thread; no signal has number 0
-_COLLECTIVES = os.path.join("lightning_zero", "core", "collectives.py")
+_COLLECTIVES = os.path.join("lightning_zero", "comm", "collectives.py")
 
 
 class Progress:
