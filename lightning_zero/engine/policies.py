@@ -14,6 +14,7 @@ The options are validated by ``ZeroConfig`` alone, before any policy is made.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Union
 
 from lightning_zero.activations.checkpointing import ActivationPolicy
 from lightning_zero.comm.groups import GroupSizes
@@ -46,7 +47,7 @@ def policies_of(config: ZeroConfig) -> Policies:
     return Policies(
         stage=policy_for(config.stage),
         store=StorePolicy(
-            reduce_bucket_size=config.reduce_bucket_size,
+            reduce_bucket_size=_elements(config.reduce_bucket_size),
             bucket_buffers=config.bucket_buffers,
             overlap_comm=config.overlap_comm,
             gradient_block=block if config.quantized_gradients else None,
@@ -69,8 +70,8 @@ def unit_policy(config: ZeroConfig) -> UnitPolicy:
     """Stage 3's unit policy under ``config`` (also what the memory estimate plans its units with)."""
     return UnitPolicy(
         unit_classes=config.unit_classes,
-        persistence_threshold=resolve_persistence_threshold(config.persistence_threshold),
-        prefetch_size=config.prefetch_size,
+        persistence_threshold=resolve_persistence_threshold(_elements(config.persistence_threshold)),
+        prefetch_size=int(config.prefetch_size),
         lockstep_check=config.lockstep_check,
     )
 
@@ -86,3 +87,8 @@ def group_sizes(config: ZeroConfig, world_size: int, devices_per_node: int, num_
         devices_per_node,
         num_nodes,
     )
+
+
+def _elements(value: Optional[Union[int, float]]) -> Optional[int]:
+    """A number of elements as the int :class:`ZeroConfig` already made it (``1e6`` from YAML is ``1000000``)."""
+    return None if value is None else int(value)
