@@ -7,7 +7,7 @@ all-gather on gloo]).
 
 ``--bucket-sweep`` instead times the all-reduce of the whole buffer cut into buckets of 25M, 4M, 1M, 500K, 250K and
 100K elements (all launched asynchronously, then waited for, as the gradient reducer does): the per-call cost that
-sets the lower end of the default bucket size (see [Note: the default bucket size] in ``lightning_zero/config.py``).
+sets the lower end of the default bucket size (see [Note: the default bucket size] in ``lightning_zero/shards/policy.py``).
 
 Prints the median and the lowest time of each operation on rank 0, interleaved over the repeats: the all-reduce,
 reduce-scatter and all-gather of gloo, the same two done as all-reduces, and the memory passes a bucket costs.

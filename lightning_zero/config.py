@@ -16,32 +16,17 @@ from difflib import get_close_matches
 from types import FrameType
 from typing import Any, Callable, Literal, Optional, Union
 
+from lightning_zero.shards.policy import (  # noqa: F401 - the default bucket size, also public here
+    AUTO_BUCKET_FRACTION,
+    MAX_AUTO_BUCKET_ELEMENTS,
+    MIN_AUTO_BUCKET_ELEMENTS,
+    Tier,
+    auto_bucket_elements,
+)
 from lightning_zero.stages import STAGES, all_policies
 
 #: Stages this version implements.
 SUPPORTED_STAGES = STAGES
-
-#: ``reduce_bucket_size=None`` (the default) picks ``clamp(Ψ / AUTO_BUCKET_FRACTION, MIN, MAX)`` elements per bucket
-#: for an optimizer of Ψ parameters: see :func:`auto_bucket_elements`.
-MIN_AUTO_BUCKET_ELEMENTS = 1_000_000
-MAX_AUTO_BUCKET_ELEMENTS = 4_000_000
-AUTO_BUCKET_FRACTION = 32
-
-
-def auto_bucket_elements(numel: int) -> int:
-    """The default bucket size for ``numel`` trainable parameters.
-
-    [Note: the default bucket size]
-    Bucket buffers are memory that does not fall with N, so their default must be small next to the model states
-    of every model, and still large enough that collectives are not dominated by their per-call cost. On gloo, a
-    model's gradients all-reduced in pieces of fewer than about 1M elements take measurably longer than in larger
-    pieces (the sweep over piece sizes: benchmarks/RESULTS.md, "Memory at 1/N", "What changed"). Above that,
-    ``Ψ / 32`` keeps the number of buckets near 32 for mid-size models, and the 4M-element cap (16 MiB in fp32, 32
-    MiB for the two pooled buffers) bounds the buffers of any larger model. The former default, 25M elements, made
-    each buffer as large as a whole 25M-parameter model.
-    """
-    return max(MIN_AUTO_BUCKET_ELEMENTS, min(MAX_AUTO_BUCKET_ELEMENTS, -(-numel // AUTO_BUCKET_FRACTION)))
-
 
 #: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
 #: ``activation_checkpointing=True`` at every stage).
@@ -51,7 +36,7 @@ STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 
 #: A number of elements: an int, or a float with a whole value as YAML gives ``1e6`` (taken as the int 1000000).
 Elements = Union[int, float]
 #: Where ``offload_optimizer`` and ``offload_params`` move their shards: ``True`` host memory, ``"disk"`` files.
-Offload = Union[bool, Literal["disk"]]
+Offload = Tier
 #: The options that are numbers of elements (see :data:`Elements`).
 ELEMENT_OPTIONS = ("reduce_bucket_size", "persistence_threshold", "prefetch_size", "host_mmap_threshold")
 
@@ -64,8 +49,8 @@ class ZeroConfig:
     """Which model states are partitioned: 1 optimizer states, 2 also gradients, 3 also parameters."""
     reduce_bucket_size: Optional[Elements] = None
     """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
-    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements
-    (:func:`auto_bucket_elements`)."""
+    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (see [Note: the default bucket
+    size] in ``shards/policy.py``)."""
     overlap_comm: bool = True
     """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
     reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in

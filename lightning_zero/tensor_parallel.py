@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives
-from lightning_zero.comm.groups import make_shard_groups
+from lightning_zero.comm.groups import GroupSizes
 from lightning_zero.comm.traffic import Group
 from lightning_zero.shards.slices import mark_tensor_parallel, tensor_parallel_slice
 
@@ -329,4 +329,4 @@ def make_device_mesh(tensor_parallel_size: int, device_type: str = "cpu") -> Any
     ``ZeroEngine(tensor_parallel_size=...)`` shards over (made once; for plain loops that build their model
     before the engine)."""
     world = collectives.world_size()
-    return make_shard_groups(world // tensor_parallel_size, tensor_parallel_size, device_type).mesh
+    return GroupSizes.resolve(None, tensor_parallel_size, None, world, world, 1).make(device_type).mesh

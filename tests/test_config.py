@@ -213,3 +213,32 @@ def test_sizes_may_be_whole_floats_and_shutdown_timeout_is_checked():
     for bad in (0, -1, float("inf"), "2"):
         with pytest.raises(ValueError, match="`shutdown_timeout` must be a positive number of seconds or None"):
             ZeroConfig(shutdown_timeout=bad)
+
+
+def test_each_component_policy_holds_the_options_it_reads():
+    # see [Note: one policy per component] in engine/policies.py: the engine derives every policy from the options
+    # once; a field mapped from the wrong option (or left at a default) would run with another setting than asked
+    from lightning_zero.engine.policies import policies_of
+
+    config = ZeroConfig(
+        stage=3, reduce_bucket_size=1000, bucket_buffers=3, overlap_comm=False, quantized_weights=True,
+        quantized_gradients=True, quantization_block_size=64, offload_optimizer=True, offload_params=True,
+        partition_whole_params=True, elementwise_optimizers=["MyAdam"], unit_classes=("Block",),
+        persistence_threshold=7, prefetch_size=11, lockstep_check="strict", activation_checkpointing=True,
+        activation_offload=True, activation_partition_group=[0, 1], contiguous_checkpoints=True,
+    )
+    policies = policies_of(config)
+    store, optimizer, units, activations = policies.store, policies.optimizer, policies.units, policies.activations
+    assert (store.reduce_bucket_size, store.bucket_buffers, store.overlap_comm) == (1000, 3, False)
+    assert (store.gradient_block, store.weight_block, store.bucket_elements(10**9)) == (64, 64, 1000)
+    assert (store.offload.offload_optimizer, store.offload.offload_params, store.offload.offload_path) == (True,) * 2 + (None,)
+    assert optimizer.offload is store.offload  # see [Note: one offload policy for the store and the optimizers]
+    assert (optimizer.partition_whole_params, optimizer.elementwise_optimizers) == (True, ("MyAdam",))
+    assert (units.unit_classes, units.persistence_threshold, units.prefetch_size, units.lockstep_check) == (
+        ("Block",), 7, 11, "strict")
+    assert (activations.activation_checkpointing, activations.activation_offload) == (True, True)
+    assert (activations.activation_partition_group, activations.contiguous_checkpoints) == ((0, 1), True)
+    assert activations.unit_classes == ("Block",) and policies.stage.stage == 3
+    plain = policies_of(ZeroConfig(stage=2, quantized_gradients=True, offload_optimizer="disk"))
+    assert (plain.store.gradient_block, plain.store.weight_block, plain.offload.on_disk) == (256, None, True)
+    assert plain.store.bucket_elements(10**9) == ZeroConfig().bucket_elements(10**9)  # the same default size

@@ -68,6 +68,25 @@ def test_node_with_tensor_parallelism_is_a_node_of_data_parallel_rows():
         resolve_shard_group_size("node", 12, 3, 4, tensor_parallel_size=2)
 
 
+def test_group_sizes_are_resolved_once_for_the_engine_and_the_strategies():
+    # see [Note: the group sizes are resolved in one place] in comm/groups.py: the engine (one node of every rank)
+    # and the strategies (their nodes and devices) get their sizes from the same function
+    from lightning_zero.comm.groups import GroupSizes
+    from lightning_zero.engine.policies import group_sizes
+
+    assert group_sizes(ZeroConfig(), 8, 4, 2) == GroupSizes(world=8, shard=8, tensor=1, secondary=None)
+    assert group_sizes(ZeroConfig(shard_group_size="node"), 8, 4, 2).shard == 4
+    assert group_sizes(ZeroConfig(shard_group_size="node"), 8, 8, 1).shard == 8  # the engine's view of a job
+    assert group_sizes(ZeroConfig(shard_group_size="node", tensor_parallel_size=2), 16, 8, 2).shard == 4
+    assert group_sizes(ZeroConfig(stage=3, secondary_shard_group_size=2), 4, 4, 1).secondary == 2
+    with pytest.raises(ValueError, match="does not divide the world size 6"):
+        group_sizes(ZeroConfig(stage=3, secondary_shard_group_size=4), 6, 6, 1)
+    strategy = ZeroStrategy(stage=3, secondary_shard_group_size=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    assert strategy.group_sizes == group_sizes(strategy.config, 4, 4, 1)
+    assert (strategy.shard_group_size, strategy.secondary_shard_group_size) == (4, 2)
+
+
 def test_a_group_size_that_does_not_divide_the_world_fails_before_launch():
     with pytest.raises(ValueError, match=r"`shard_group_size=3` does not divide the world size 4.*\[1, 2, 4\]"):
         resolve_shard_group_size(3, 4, 4, 1)

@@ -1,12 +1,13 @@
 """The package's import graph: folders in layers, no import from a lower layer to a higher one, no circle.
 
 [Note: the layers of the package]
-Read bottom-up, the folders follow one training step's data path: ``stages``/``config`` (the options) -> ``memory``
+Read bottom-up, the folders follow one training step's data path: ``stages`` (one policy per stage) -> ``memory``
 (the host heap and the step's cost counters) -> ``comm`` (collectives, process groups, quantized exchanges: the only
 caller of ``torch.distributed``'s process-group API) -> ``process`` (signals, shutdown, fault points, calls every
 rank must make) -> ``shards`` (flat layout, parameter store, buckets, the sharded optimizer, host and disk tiers) ->
 ``activations`` (ZeRO-R) -> ``tensor_parallel`` and ``stage3`` (what is sliced and what is gathered around its use)
--> ``checkpoints`` (the state of all of it on disk) -> ``pretrained`` (weights from Hugging Face files) -> ``engine``
+-> ``checkpoints`` (the state of all of it on disk) -> ``pretrained`` (weights from Hugging Face files) -> ``config``
+(the options, read by the engine alone: it hands each component its own small policy) -> ``engine``
 (``ZeroEngine``: one step composed from the above, without Lightning) -> ``lightning`` (the Trainer's and Fabric's
 adapters: the only code that imports Lightning) -> ``estimate``, ``cli``, ``testing``. A module imports only from
 its own folder or a lower layer; folders in one layer do not import each other. Every import counts, also one inside a function or under
@@ -26,7 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_zero"
 LAYERS: list[tuple[str, ...]] = [
     ("stages",),
-    ("config",),
     ("memory",),
     ("comm",),
     ("process",),
@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tensor_parallel", "stage3"),
     ("checkpoints",),
     ("pretrained",),
+    ("config",),
     ("engine",),
     ("lightning",),
     ("estimate",),
@@ -122,6 +123,19 @@ def test_no_circle_between_modules() -> None:
         if module not in done:
             visit(module, [module])
     assert not circles, "Import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+#: Where ``lightning_zero.config`` may be imported: the engine derives each component's policy from it
+#: (see [Note: one policy per component] in ``engine/policies.py``); the adapters, the estimate and the command
+#: line take options.
+READS_THE_CONFIG = ("config", "engine", "lightning", "estimate", "cli", "__init__")
+
+
+def test_only_the_engine_and_above_read_the_config() -> None:
+    wrong = [f"{module}:{line}" for module, imports in _graph().items() for line, target in imports
+             if target == "lightning_zero.config" and _folder(module) not in READS_THE_CONFIG]
+    assert not wrong, ("lightning_zero.config imported below the engine (give the component a policy of the fields "
+                       "it reads, made in engine/policies.py):\n" + "\n".join(wrong))
 
 
 def test_benchmarks_and_examples_do_not_import_tests() -> None:

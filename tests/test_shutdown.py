@@ -227,6 +227,29 @@ def test_the_guard_records_acts_once_and_gives_the_signals_back():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def test_each_guard_counts_its_step_boundaries_for_its_deadline():
+    """The step boundaries the deadline's report names are the installed guard's own count (see [Note: who did not
+    arrive] in ``process/deadline.py``): counted at each safe point, from 0 at each install, read by its watchdog."""
+    from lightning_zero.comm.groups import ShardGroups
+    from lightning_zero.process import deadline
+    from lightning_zero.process.shutdown import SignalGuard
+
+    guard, other, groups = SignalGuard(), SignalGuard(), ShardGroups()
+    guard.install(shutdown_timeout=60.0)
+    try:
+        guard.safe_point(groups)
+        guard.safe_point(groups)
+        assert guard._watchdog is not None and guard._watchdog.progress is guard.progress
+        assert deadline.position(None, guard._watchdog.progress.boundaries)["boundaries"] == 2
+        assert other.progress.boundaries == 0
+        guard.install(shutdown_timeout=60.0)  # a second fit in the same process counts from 0 again
+        guard.safe_point(groups)
+        assert guard._watchdog.progress.boundaries == 1
+    finally:
+        guard.remove()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 CLEAN_EXIT_RUNS = 12  # an abort in 1 run of 4 goes unseen by all 12 with probability (3/4)**12, about 3 %
 
 

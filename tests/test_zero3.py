@@ -103,14 +103,15 @@ def test_persistence_threshold_none_is_the_same_number_at_every_size():
     from torch import nn
 
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.stage3.plan import DEFAULT_PERSISTENCE_THRESHOLD, plan_units, resolve_persistence_threshold
+    from lightning_zero.engine.policies import unit_policy
+    from lightning_zero.stage3.plan import DEFAULT_PERSISTENCE_THRESHOLD, plan_units
     from tests.models import TinyGPT
 
     small = TinyGPT(width=128, depth=3)  # blocks of about 200k elements, 0.6M parameters in all
     large = nn.Sequential(*(nn.Linear(4096, 4096, bias=False, device="meta") for _ in range(2)))  # 33.6M
     for option in ({}, {"offload_params": True}, {"quantized_weights": True}, {"secondary_shard_group_size": 1}):
-        assert resolve_persistence_threshold(ZeroConfig(stage=3, **option)) == DEFAULT_PERSISTENCE_THRESHOLD
-    assert resolve_persistence_threshold(ZeroConfig(stage=3, persistence_threshold=0)) == 0
+        assert unit_policy(ZeroConfig(stage=3, **option)).persistence_threshold == DEFAULT_PERSISTENCE_THRESHOLD
+    assert unit_policy(ZeroConfig(stage=3, persistence_threshold=0)).persistence_threshold == 0
     assert len(plan_units(small, persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD).names) > 1
     assert plan_units(large, persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD).names == ["<root>", "0", "1"]
     numel = sum(p.numel() for p in small.parameters())

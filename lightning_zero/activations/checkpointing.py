@@ -328,26 +328,42 @@ def checkpoint_blocks(
     return ActivationCheckpointing(found, ActivationStore(offload, partition_group, contiguous))
 
 
-def activations_from_config(
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """What ZeRO-R's activation checkpointing reads of the options, derived once by the engine
+    (``engine/policies.py``); the fields are the options of the same names."""
+
+    activation_checkpointing: Union[bool, tuple[Union[type, str], ...]]
+    """``True`` for the repeated blocks, the block classes (or names) to checkpoint, or ``False``: off."""
+    activation_offload: bool
+    """Pa+cpu: the checkpointed block inputs wait in host memory."""
+    activation_partition_group: PartitionGroup
+    """Pa: the ranks holding identical block inputs (see :func:`resolve_partition_group`)."""
+    contiguous_checkpoints: bool
+    """MD: the checkpointed block inputs live in one preallocated buffer."""
+    unit_classes: tuple[Union[type, str], ...]
+    """The blocks ``activation_checkpointing=True`` picks when given (stage 3's units)."""
+
+
+def activations_from_policy(
     module: nn.Module,
-    config: Any,
+    policy: ActivationPolicy,
     tensor_group: Optional[Any] = None,
 ) -> Optional[ActivationCheckpointing]:
-    """What :class:`~lightning_zero.config.ZeroConfig` asks for (``None`` without ``activation_checkpointing``);
-    collective when a partition group is named (every rank must call it). Under tensor parallelism Pa partitions
-    over ``tensor_group`` unless ``activation_partition_group`` names another group: the paper's Pa, whose ranks
-    hold the same block inputs."""
-    if not config.activation_checkpointing:
+    """What ``policy`` asks for (``None`` without ``activation_checkpointing``); collective when a partition group is
+    named (every rank must call it). Under tensor parallelism Pa partitions over ``tensor_group`` unless
+    ``activation_partition_group`` names another group: the paper's Pa, whose ranks hold the same block inputs."""
+    if not policy.activation_checkpointing:
         return None
-    spec = config.activation_partition_group
+    spec = policy.activation_partition_group
     group = resolve_partition_group(spec) if spec is not None else tensor_group
     return checkpoint_blocks(
         module,
-        config.activation_checkpointing,
-        config.activation_offload,
+        policy.activation_checkpointing,
+        policy.activation_offload,
         group,
-        config.contiguous_checkpoints,
-        config.unit_classes,
+        policy.contiguous_checkpoints,
+        policy.unit_classes,
     )
 
 

@@ -51,7 +51,7 @@ TRUST_HINT = (
 
 #: Types beyond torch's ``weights_only`` defaults that a checkpoint of ours may hold: paths, which Lightning keeps
 #: in hyperparameters (``data_dir: Path``) and callback states. Building one touches no file.
-DATA_TYPES: list[type] = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+DATA_TYPES: tuple[type, ...] = (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 
 #: ``(module, name)`` of the classes DCP pickles into ``.metadata``, resolved by :class:`_MetadataUnpickler`.
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(

@@ -20,8 +20,8 @@ the exchange only where stage 3's lockstep check has verified the unit on every 
 (``verified=True``; see [Note: a check is waited for one unit late] in ``stage3/lockstep.py``); otherwise it keeps
 gloo's own all-gather, which fails with an error. gloo's own all-gather allocates a second, full-size output inside
 gloo and copies it out (benchmarks/RESULTS.md, "Where the overhead went"), so stage 3 gathers a unit bucket by
-bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in ``config.py``), not the
-unit's. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
+bucket: the temporary is bounded by the bucket size (see [Note: the default bucket size] in ``shards/policy.py``),
+not the unit's. NCCL keeps its native collectives, and ``LIGHTNING_ZERO_GLOO_NATIVE=1`` keeps gloo's (for comparisons).
 
 Counting lives in ``traffic.py`` ([Note: what the counters count], [Note: counted groups]).
 """
@@ -193,6 +193,11 @@ class _Exchange:
         return True
 
 
+# [Note: exchange tags are counted per process group]
+# The point-to-point exchanges of one process group must carry the same tag on every rank, so every rank counts its
+# exchanges per process group; the process groups are the job's (see [Note: process groups are made once per job]),
+# shared by every engine of the process, so their counts are too. Keyed by the group's id, never reset: a tag
+# only has to differ from the tags still in flight.
 _TAGS: dict[int, int] = {}
 
 

@@ -264,6 +264,50 @@ def resolve_secondary_group_size(configured: Optional[int], world_size: int, sha
     return configured
 
 
+@dataclass(frozen=True)
+class GroupSizes:
+    """The sizes of a job's groups, resolved once from the options and the world, then handed down (as torchtitan's
+    ``ParallelDims``): the engine without Lightning resolves them over the world it finds, the strategies over their
+    nodes and devices before any process starts; :meth:`make` turns them into one engine's :class:`ShardGroups`.
+
+    [Note: the group sizes are resolved in one place]
+    ``shard_group_size="node"``, tensor parallelism and hpZ all change what the shard group is; every caller gets
+    its sizes from :meth:`resolve` (the strategies to refuse a bad size before launching, the engine when it is
+    given no groups), so the rules and their errors are written once.
+    """
+
+    world: int
+    """N, every rank of the job."""
+    shard: int
+    """k, the ranks each model state is sharded over (N, or the data-parallel size, without hybrid sharding)."""
+    tensor: int
+    """t, the tensor-parallel degree (1: none)."""
+    secondary: Optional[int]
+    """hpZ's secondary group size (``None``: off)."""
+
+    @classmethod
+    def resolve(
+        cls,
+        shard_group_size: Optional[Union[int, Literal["node"]]],
+        tensor_parallel_size: int,
+        secondary_shard_group_size: Optional[int],
+        world_size: int,
+        devices_per_node: int,
+        num_nodes: int,
+    ) -> GroupSizes:
+        """The sizes of the options over ``num_nodes`` nodes of ``devices_per_node`` ranks (``world_size`` in all);
+        raises a ``ValueError`` naming the sizes that would fit for a size that does not divide."""
+        shard = resolve_shard_group_size(
+            shard_group_size, world_size, devices_per_node, num_nodes, tensor_parallel_size
+        )
+        secondary = resolve_secondary_group_size(secondary_shard_group_size, world_size, shard)
+        return cls(world_size, shard, tensor_parallel_size, secondary)
+
+    def make(self, device_type: str) -> ShardGroups:
+        """Collective: this rank's :class:`ShardGroups` (see :func:`make_shard_groups`)."""
+        return make_shard_groups(self.shard, self.tensor, device_type, self.secondary)
+
+
 def _divisors(n: int) -> list[int]:
     """The group sizes ``n`` ranks split into evenly (what an error about a size that does not divide offers)."""
     return [d for d in range(1, n + 1) if n % d == 0]

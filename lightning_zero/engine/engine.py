@@ -25,17 +25,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.activations.checkpointing import ActivationCheckpointing, activations_from_config
+from lightning_zero.activations.checkpointing import ActivationCheckpointing, activations_from_policy
 from lightning_zero.comm import collectives
-from lightning_zero.comm.groups import (
-    ShardGroups,
-    make_shard_groups,
-    resolve_secondary_group_size,
-    resolve_shard_group_size,
-)
+from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.engine import module_state
 from lightning_zero.engine.amp import PrecisionMode
+from lightning_zero.engine.policies import group_sizes, policies_of
 from lightning_zero.engine.stepping import OptimizerSteps
 from lightning_zero.engine.summary import model_state_summary
 from lightning_zero.memory import costs
@@ -57,9 +53,8 @@ from lightning_zero.stage3.materialize import (
     warn_if_built_in_full,
 )
 from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
-from lightning_zero.stage3.plan import ROOT, UnitPlan, plan_units, resolve_persistence_threshold
+from lightning_zero.stage3.plan import ROOT, UnitPlan
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
-from lightning_zero.stages import policy_for
 from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
 
 
@@ -102,17 +97,17 @@ class ZeroEngine(OptimizerSteps):
             )
         check_option_names(options)
         self.config = config if config is not None else ZeroConfig(**options)
-        self.policy = policy_for(self.config.stage)
+        self.policies = policies_of(self.config)
+        """What each component reads of the options (see [Note: one policy per component] in ``policies.py``)."""
+        self.policy = self.policies.stage
         self.precision = precision if isinstance(precision, PrecisionMode) else PrecisionMode(precision)
         self.device = device if device is not None else _default_device()
         if recording is not None:
             recording.keep(module)  # before the precision converts the module (see [Note: record and replay])
         self.module = self.precision.convert_module(module)
         if shard_groups is None:
-            world, t = collectives.world_size(), self.config.tensor_parallel_size
-            size = resolve_shard_group_size(self.config.shard_group_size, world, world, 1, t)
-            secondary = resolve_secondary_group_size(self.config.secondary_shard_group_size, world, size)
-            shard_groups = make_shard_groups(size, t, self.device.type, secondary)
+            world = collectives.world_size()  # one node of every rank: "node" is then the world
+            shard_groups = group_sizes(self.config, world, world, 1).make(self.device.type)
         self.shard_groups = shard_groups
         self.store = ParameterStore()
         """Where the managed parameters live, with or without optimizers (see [Note: the store and the optimizers])."""
@@ -132,7 +127,7 @@ class ZeroEngine(OptimizerSteps):
         self._step_norms: dict[int, torch.Tensor] = {}  # clipping's global norm, per optimizer, until its step
         self._heap_given_back = 0  # trims of the host heap done: after setup, after the first step
         # a disk fault at setup is raised by every rank at the end of it (see [Note: faults are agreed on every rank])
-        with disk.agreed_faults(self.shard_groups.world, self.config.on_disk):
+        with disk.agreed_faults(self.shard_groups.world, self.policies.offload.on_disk):
             self._setup(list(optimizers), recording)
         self._give_back_heap_once()
         self.step_costs()  # counts from the end of setup on
@@ -144,7 +139,7 @@ class ZeroEngine(OptimizerSteps):
         if self.shard_groups.tensor is not None:
             warn_if_nothing_is_sliced(self.module, self.shard_groups.tensor_size)
             count_tensor_parallel(self.module, self.shard_groups.tensor)
-        self.activations = activations_from_config(self.module, self.config, self.shard_groups.tensor)
+        self.activations = activations_from_policy(self.module, self.policies.activations, self.shard_groups.tensor)
         if self.policy.shards_params:
             self._setup_sharded_params(optimizers, recording)
         else:
@@ -159,22 +154,20 @@ class ZeroEngine(OptimizerSteps):
         then shard the model unit by unit."""
         warn_if_built_in_full(self.module)
         move_materialized(self.module, self.device)
-        self.unit_plan = plan_units(self.module, self.config.unit_classes, resolve_persistence_threshold(self.config))
+        self.unit_plan = self.policies.units.plan(self.module)
         if optimizers:
             self._add_optimizers(optimizers)
         elif any(p.requires_grad for p in self.module.parameters()):
             # evaluation: the store alone holds the weights, as one group of flat slices (see [Note: the store and
             # the optimizers] in store.py)
             trainable: list[Tensor] = [p for p in self.module.parameters() if p.requires_grad]
-            whole = bool(self.config.partition_whole_params)
+            whole = bool(self.policies.optimizer.partition_whole_params)
             self.store.add(self._make_storage(trainable, [0] * len(trainable), whole))
         shard_by_units(self.module, self.unit_plan, self._partitioned_storages, self.device, recording)
         guard.name_parameters(
             self.module, {key: self.unit_plan.names[unit] for key, unit in self.store.param_units().items()}
         )
-        self.runtime = UnitRuntime(
-            self.unit_plan, self._partitioned_storages, int(self.config.prefetch_size), self.config.lockstep_check
-        )
+        self.runtime = self._unit_runtime()
         # never traced: a compiled module's root gather runs eagerly (see [Note: units and torch.compile] in
         # stage3/plan.py)
         self._root_hook = self.module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self.begin_step()))
@@ -209,15 +202,18 @@ class ZeroEngine(OptimizerSteps):
         source.remove_hooks()
         for storage in self.store.storages:
             storage.install_grad_hooks()
-        self.runtime = UnitRuntime(
-            self.unit_plan, self._partitioned_storages, int(self.config.prefetch_size), self.config.lockstep_check
-        )
+        self.runtime = self._unit_runtime()
+
+    def _unit_runtime(self) -> UnitRuntime:
+        """Stage 3's runtime over the store's storages as they are now."""
+        units = self.policies.units
+        return UnitRuntime(self.unit_plan, self._partitioned_storages, units.prefetch_size, units.lockstep_check)
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
-        for optimizer, whole_params in zip(optimizers, whole_params_per_optimizer(optimizers, self.config)):
+        for optimizer, whole_params in zip(optimizers, whole_params_per_optimizer(optimizers, self.policies.optimizer)):
             self.optimizers.append(self._make_sharded(optimizer, whole_params))
-            hint = fused_hint(optimizer) if self.config.offload_optimizer else None
+            hint = fused_hint(optimizer) if self.policies.offload.offload_optimizer else None
             if hint and collectives.rank() == 0:
                 warnings.warn(hint, UserWarning, stacklevel=4)
 
@@ -230,7 +226,7 @@ class ZeroEngine(OptimizerSteps):
 
         return ShardedOptimizer(
             optimizer,
-            self.config,
+            self.policies.optimizer,
             make_storage,
             lenders=list(self.store.storages),
             module=self.module,
@@ -252,7 +248,7 @@ class ZeroEngine(OptimizerSteps):
             param_groups,
             whole_params,
             self.policy,
-            self.config,
+            self.policies.store,
             self.precision.working_dtype,
             self.precision.master_dtype,
             self.device,

@@ -24,15 +24,11 @@ from lightning.fabric.utilities.seed import reset_seed
 
 from lightning_zero.activations.checkpointing import ActivationCheckpointing
 from lightning_zero.comm import collectives
-from lightning_zero.comm.groups import (
-    ShardGroups,
-    make_shard_groups,
-    resolve_secondary_group_size,
-    resolve_shard_group_size,
-)
+from lightning_zero.comm.groups import GroupSizes, ShardGroups
 from lightning_zero.comm.traffic import Traffic
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.engine.policies import group_sizes
 from lightning_zero.memory.host_memory import release_freed_memory
 from lightning_zero.process.faults import fault_point
 from lightning_zero.process.shutdown import GUARD
@@ -111,24 +107,21 @@ class ZeroProcesses(_Mixin):
         return self._process_group_backend
 
     @property
+    def group_sizes(self) -> GroupSizes:
+        """The sizes of the job's groups over its nodes and devices; refuses sizes that do not divide (see [Note: the
+        group sizes are resolved in one place] in ``comm/groups.py``)."""
+        per_node = max(1, self.num_processes)
+        return group_sizes(self.config, self.num_nodes * per_node, per_node, self.num_nodes)
+
+    @property
     def shard_group_size(self) -> int:
         """k, the ranks each model state is sharded over (the world size unless hybrid sharding)."""
-        per_node = max(1, self.num_processes)
-        return resolve_shard_group_size(
-            self.config.shard_group_size,
-            self.num_nodes * per_node,
-            per_node,
-            self.num_nodes,
-            self.config.tensor_parallel_size,
-        )
+        return self.group_sizes.shard
 
     @property
     def secondary_shard_group_size(self) -> Optional[int]:
-        """hpZ's secondary group size (``None``: off); refuses one that does not divide the world size."""
-        per_node = max(1, self.num_processes)
-        return resolve_secondary_group_size(
-            self.config.secondary_shard_group_size, self.num_nodes * per_node, self.shard_group_size
-        )
+        """hpZ's secondary group size (``None``: off)."""
+        return self.group_sizes.secondary
 
     def gathered_parameters(self) -> AbstractContextManager:
         """Every parameter whole inside, on every rank (a collective: every rank enters), for code that reads the
@@ -210,7 +203,7 @@ class ZeroProcesses(_Mixin):
         """Lightning's script launcher (``popen``) or its multiprocessing launcher; a bad ``shard_group_size``
         fails here, before any process starts."""
         assert self.cluster_environment is not None
-        self.secondary_shard_group_size  # noqa: B018 - validates (the shard group size too)
+        self.group_sizes  # noqa: B018 - validates the sizes
         if self._start_method == "popen":
             return script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         return multiprocessing_launcher(self, start_method=self._start_method)
@@ -242,12 +235,7 @@ class ZeroProcesses(_Mixin):
             atexit.unregister(collectives.release_process_groups)
             atexit.register(collectives.release_process_groups)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.shard_groups = make_shard_groups(
-            self.shard_group_size,
-            self.config.tensor_parallel_size,
-            self.root_device.type,
-            self.secondary_shard_group_size,
-        )
+        self.shard_groups = self.group_sizes.make(self.root_device.type)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's ranks."""

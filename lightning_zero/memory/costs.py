@@ -42,8 +42,13 @@ class Costs:
         return {**asdict(self), "minor_faults": minor_faults()}
 
 
+# [Note: the cost counters are the process's]
+# `COSTS` is one object per process, not the engine's: the allocator and the page tables it counts are the
+# process's, and `empty` is called from every layer that makes a buffer (buckets, the unit pool, staging, quantized
+# scratch), most of which hold no engine. Each engine reads differences from its own mark (`step_costs`), so several
+# engines in one process (Fabric with two models) each see what the process spent since their last call.
 COSTS = Costs()
-"""The process's counters (one allocator and one set of page tables per process)."""
+"""The process's counters (see [Note: the cost counters are the process's])."""
 
 
 def empty(numel: int, dtype: torch.dtype, device: Any, pin_memory: bool = False) -> Tensor:

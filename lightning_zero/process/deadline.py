@@ -45,26 +45,25 @@ GRACE = 10.0
 DEADLINE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _STOP = b"\0"  # written by `Watchdog.stop` to wake the thread; no signal has number 0
-_COLLECTIVES = os.path.join("lightning_zero", "core", "collectives.py")
+_COLLECTIVES = os.path.join("lightning_zero", "comm", "collectives.py")
 
 
 class Progress:
-    """What the main thread has passed, read by the watchdog thread (plain attributes: written by one thread)."""
+    """What the main thread has passed, read by the watchdog thread (plain attributes: written by one thread); the
+    guard's, handed to each of its watchdogs."""
 
     def __init__(self) -> None:
         self.boundaries = 0
         """Step boundaries (safe points) this rank has passed since the guard was installed."""
 
 
-PROGRESS = Progress()
-
-
 class Watchdog:
     """The thread of [Note: the deadline does not need the main thread]; one per guard installation."""
 
-    def __init__(self, timeout: float, generation: int) -> None:
+    def __init__(self, timeout: float, generation: int, progress: Progress) -> None:
         self.timeout = timeout
         self.generation = generation
+        self.progress = progress
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)  # `set_wakeup_fd` requires it; the C handler never blocks on a full buffer
         self._previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
@@ -89,7 +88,7 @@ class Watchdog:
             left = None if started is None else started[1] + self.timeout - time.monotonic()
             if started is not None and left is not None and left <= 0:
                 self._expired.set()
-                _end(started[0], self.timeout, self.generation)
+                _end(started[0], self.timeout, self.generation, self.progress.boundaries)
             ready = select.select([self._reader], [], [], left)[0]
             if not ready:
                 continue
@@ -101,10 +100,10 @@ class Watchdog:
                     started = (signum, time.monotonic())
 
 
-def position(frame: Optional[FrameType]) -> dict[str, Any]:
-    """This rank's place (see [Note: who did not arrive]): ``boundaries``, ``collective`` (the package's collective
-    the main thread waits in, or ``None``) and ``at`` (its innermost frame, and the innermost outside torch and
-    Lightning when that one is inside them)."""
+def position(frame: Optional[FrameType], boundaries: int) -> dict[str, Any]:
+    """This rank's place (see [Note: who did not arrive]): ``boundaries`` (as given), ``collective`` (the package's
+    collective the main thread waits in, or ``None``) and ``at`` (its innermost frame, and the innermost outside torch
+    and Lightning when that one is inside them)."""
     collective, frames = None, []
     while frame is not None:
         if frame.f_code.co_filename.endswith(_COLLECTIVES) and collective is None:
@@ -119,7 +118,7 @@ def position(frame: Optional[FrameType]) -> dict[str, Any]:
     if frames and _library(frames[0]):
         caller = next((f for f in frames if not _library(f)), None)
         at += f", from {_where(caller)}" if caller is not None else ""
-    return {"boundaries": PROGRESS.boundaries, "collective": collective, "at": at}
+    return {"boundaries": boundaries, "collective": collective, "at": at}
 
 
 def _where(frame: FrameType) -> str:
@@ -163,10 +162,10 @@ def describe(positions: dict[int, dict[str, Any]], world: int, signame: str, tim
     )
 
 
-def _end(signum: int, timeout: float, generation: int) -> None:
+def _end(signum: int, timeout: float, generation: int, boundaries: int) -> None:
     """The deadline passed: post, gather, print the line, end the process (on the watchdog thread)."""
     me, world = collectives.rank(), collectives.world_size()
-    mine = position(sys._current_frames().get(threading.main_thread().ident or -1))
+    mine = position(sys._current_frames().get(threading.main_thread().ident or -1), boundaries)
     try:
         positions = _exchange(mine, me, world, generation)
     except Exception:  # no store, or it is gone (rank 0 ended): report what this rank knows

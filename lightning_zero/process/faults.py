@@ -83,7 +83,11 @@ class _Armed:
         return self.fields if self.reached == int(self.fields.get("occurrence", "1")) else None
 
 
-_ARMED = _Armed()  # the seam's only state: what the variable said at the last point, and the count since
+# [Note: the armed fault is the process's]
+# The seam is driven by an environment variable, which is the process's, and its points sit in code that holds no
+# engine (the disk tier, the guard, checkpoint writes); so what the variable said at the last point and how often
+# the point was reached since are one object per process too. A new value of the variable starts the count again.
+_ARMED = _Armed()
 
 
 def fault_point(name: str) -> None:

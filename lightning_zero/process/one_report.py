@@ -31,6 +31,10 @@ from lightning_zero.comm import collectives
 REPORT_WAIT = 5.0
 
 _PREFIX = "lightning_zero/error"
+# [Note: one report per process]
+# `sys.excepthook` is one per process, and so are the exception it is about to print and the hook it replaced; the
+# key counter numbers this process's reports in the job's store (one store per job), so that a second report of the
+# same process never reads the first one's posts.
 _count = itertools.count()
 # the last exception reported and what replaces its traceback ("" for nothing); the exception itself, not its id (an
 # id is reused once the object is freed), and only the last one

@@ -97,6 +97,8 @@ class SignalGuard:
         """Seconds a recorded SIGTERM may go unacted on (see [Note: a SIGTERM is acted on within a bound])."""
         self._watchdog: Optional[deadline.Watchdog] = None
         self._generation = 0
+        self.progress = deadline.Progress()
+        """The step boundaries passed since :meth:`install`, which the watchdog reports at the deadline."""
         self._handler = self._record  # one bound method object, so that `signal.getsignal(...) is` compares
 
     # ------------------------------------------------------------------ installing
@@ -111,10 +113,10 @@ class SignalGuard:
         for signum in GUARDED:
             if _worth_taking(signum):
                 self._take(signum)
-        deadline.PROGRESS.boundaries = 0
+        self.progress.boundaries = 0
         if self._watchdog is None and shutdown_timeout is not None:
             self._generation += 1
-            self._watchdog = deadline.Watchdog(shutdown_timeout, self._generation)
+            self._watchdog = deadline.Watchdog(shutdown_timeout, self._generation, self.progress)
 
     def retake(self) -> None:
         """Take back signals whose handler was replaced since :meth:`install` (Lightning registers its own after
@@ -176,7 +178,7 @@ class SignalGuard:
         if not self.active:
             return
         self.retake()
-        deadline.PROGRESS.boundaries += 1
+        self.progress.boundaries += 1
         mine = [min(self.pending.get(s, 0), 1) for s in GUARDED]
         agreed = collectives.agree_max(mine, groups.world)
         if not any(agreed):

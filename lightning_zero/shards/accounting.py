@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.config import Offload
 from lightning_zero.shards.optimizer import ShardedOptimizer
+from lightning_zero.shards.policy import Tier as Offload
 from lightning_zero.stages import STAGES
 
 #: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.

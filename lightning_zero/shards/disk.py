@@ -101,6 +101,15 @@ class IOCounters:
         self.read = self.written = 0
 
 
+# [Note: the disk tier's process state]
+# Four objects of this module are the process's, not an engine's. `_MAPPINGS` finds the file behind a bare tensor
+# before a window of it is touched (see [Note: a truncated file is an error, not a bus error]): the callers (reads,
+# windowed copies, stage 3's gathers) hold the tensor, not the engine, and a bus error would be the process's. `_POOL`
+# is the one reader thread of the process (windows of every engine are read one at a time anyway: one disk).
+# `_DEFERRED` is the fault recorded inside the innermost `agreed_faults` block, a dynamic scope on the main thread,
+# like `torch.no_grad`: the code that records a fault (a file made, read or written) holds no engine. `COUNTERS`
+# counts what that code reads and writes, for the same reason; callers reset and read it around the steps they
+# measure, as they do `memory.costs.COSTS`.
 COUNTERS = IOCounters()
 """This process's window traffic (see [Note: the step one window at a time])."""
 

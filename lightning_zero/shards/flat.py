@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
-from lightning_zero.config import Offload, ZeroConfig
 from lightning_zero.shards import offload
 from lightning_zero.shards.layout import Bucket, MasterSlot
 from lightning_zero.shards.store import ShardedStorage
@@ -27,16 +26,15 @@ from lightning_zero.shards.store import ShardedStorage
 class FlatStorage(ShardedStorage):
     """Stages 1 and 2: a full flat working buffer, the master shard, an all-gather after each step."""
 
-    def _make_storage(
-        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: Offload, config: ZeroConfig
-    ) -> None:
+    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype) -> None:
+        tiers = self.store_policy.offload
         self.flat = torch.zeros(self.layout.total, dtype=working_dtype, device=self.device)
         """The full working parameters; every managed parameter is a view of it."""
         self._refreshing: dict[int, Any] = {}  # bucket index -> its all-gather, started by a step in pieces
-        aliased = working_dtype == master_dtype and not offload_optimizer
+        aliased = working_dtype == master_dtype and not tiers.offload_optimizer
         if not aliased:
             self.master_storage = offload.allocate_master(
-                self.layout.shard_size, master_dtype, self.device, offload_optimizer, config.offload_path
+                self.layout.shard_size, master_dtype, self.device, tiers.offload_optimizer, tiers.offload_path
             )
         self._fill_from_params()
 

@@ -4,6 +4,10 @@ does without changing what ``type(obj).__name__`` and ``isinstance`` say (the us
 
 from __future__ import annotations
 
+# [Note: one class per mixin and class]
+# The classes made here replace the class of user objects (optimizers, parameters), so they must be made once per
+# process and pair: two engines that each made their own would give two objects of one user class different types
+# (`type(a) is type(b)` fails, pickled references disagree). Classes live as long as the process anyway.
 _CACHE: dict[tuple[type, type], type] = {}
 
 

@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.shards import disk, offload
 from lightning_zero.shards.layout import FlatLayout, MasterSlot
 from lightning_zero.shards.optimizer_support import (
@@ -44,6 +43,7 @@ from lightning_zero.shards.optimizer_support import (
     steps_in_pieces,
     zero_subclass,
 )
+from lightning_zero.shards.policy import OptimizerPolicy
 from lightning_zero.shards.sharing import borrowed_slots, split_members
 from lightning_zero.shards.slices import tensor_parallel_slice
 from lightning_zero.shards.store import ShardedStorage
@@ -80,14 +80,14 @@ class ShardedOptimizer:
     def __init__(
         self,
         optimizer: Optimizer,
-        config: ZeroConfig,
+        policy: OptimizerPolicy,
         make_storage: MakeStorage,
         lenders: Sequence[ShardedStorage] = (),
         module: Optional[torch.nn.Module] = None,
         whole_params: Optional[bool] = None,
     ) -> None:
         check_optimizer(optimizer)
-        if config.offload_optimizer:
+        if policy.offload.offload_optimizer:
             offload.check_steps_on_host(optimizer)
         self.optimizer = optimizer
         self.canonical: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
@@ -100,7 +100,7 @@ class ShardedOptimizer:
         """The trainable parameters of the optimizer: those of its own storage, then the borrowed ones."""
         group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
         owned = self.members[: members.owned]
-        whole = not is_elementwise(optimizer, config) if whole_params is None else whole_params
+        whole = not is_elementwise(optimizer, policy) if whole_params is None else whole_params
         self.storage: ShardedStorage = make_storage(owned, [group_of[id(p)] for p in owned], whole)
         """The storage of the parameters this optimizer owns (laid out for it)."""
         self.sources: list[ShardedStorage] = [self.storage, *members.owners]
@@ -115,7 +115,9 @@ class ShardedOptimizer:
             self.slot_sources.append(source)
             self.masters.append(source.master_view(slot))
         self.windowed: Optional[disk.WindowedStep] = (
-            disk.WindowedStep(optimizer, config.offload_path) if config.offload_optimizer == disk.DISK else None
+            disk.WindowedStep(optimizer, policy.offload.offload_path)
+            if policy.offload.offload_optimizer == disk.DISK
+            else None
         )
         """With ``offload_optimizer="disk"``: the step window by window (see [Note: the step one window at a time])."""
         self.phase = StepPhase.ACCUMULATING

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.shards.mixins import with_mixin
+from lightning_zero.shards.policy import OptimizerPolicy
 
 #: torch optimizers whose update of an element depends on that element's gradient and state only.
 ELEMENTWISE_OPTIMIZERS = frozenset(
@@ -38,13 +38,13 @@ def optimizer_name(optimizer: Optimizer) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
-def is_elementwise(optimizer: Optimizer, config: ZeroConfig) -> bool:
+def is_elementwise(optimizer: Optimizer, policy: OptimizerPolicy) -> bool:
     """Whether ``optimizer`` may be stepped on flat slices (see ``ZeroConfig.partition_whole_params``)."""
-    if config.partition_whole_params is not None:
-        return not config.partition_whole_params
+    if policy.partition_whole_params is not None:
+        return not policy.partition_whole_params
     name = optimizer_name(optimizer)
     return name in ELEMENTWISE_OPTIMIZERS or any(
-        name == n or name.rsplit(".", 1)[-1] == n for n in config.elementwise_optimizers
+        name == n or name.rsplit(".", 1)[-1] == n for n in policy.elementwise_optimizers
     )
 
 

@@ -29,9 +29,9 @@ from typing import Generic, Protocol, Sequence, TypeVar
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.config import ZeroConfig
 from lightning_zero.shards.layout import FlatLayout, MasterSlot
 from lightning_zero.shards.optimizer_support import check_optimizer, is_elementwise
+from lightning_zero.shards.policy import OptimizerPolicy
 
 
 class Lender(Protocol):
@@ -48,7 +48,7 @@ class Lender(Protocol):
 L = TypeVar("L", bound=Lender)
 
 
-def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConfig) -> list[bool]:
+def whole_params_per_optimizer(optimizers: Sequence[Optimizer], policy: OptimizerPolicy) -> list[bool]:
     """Check every optimizer; return, per optimizer, whether ZeRO gives it whole tensors rather than flat slices.
 
     Optimizers linked by a shared trainable parameter (directly or through others) get whole tensors together when
@@ -67,7 +67,7 @@ def whole_params_per_optimizer(optimizers: Sequence[Optimizer], config: ZeroConf
     for k, optimizer in enumerate(optimizers):
         for p in (p for group in optimizer.param_groups for p in group["params"] if p.requires_grad):
             parent[root(k)] = root(first_holder.setdefault(id(p), k))
-    whole = [not is_elementwise(optimizer, config) for optimizer in optimizers]
+    whole = [not is_elementwise(optimizer, policy) for optimizer in optimizers]
     needs_whole = {root(k) for k, w in enumerate(whole) if w}
     return [root(k) in needs_whole for k in range(len(optimizers))]
 

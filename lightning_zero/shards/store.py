@@ -28,13 +28,13 @@ from torch import Tensor
 
 from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import ShardGroups
-from lightning_zero.config import Offload, ZeroConfig
 from lightning_zero.memory.heap_pin import HeapPin
 from lightning_zero.shards import disk, offload
 from lightning_zero.shards.buckets import GradientReducer
 from lightning_zero.shards.compiled import eager_hook
 from lightning_zero.shards.layout import Bucket, FlatLayout, MasterSlot, plan_layout, plan_master_slots
 from lightning_zero.shards.optimizer_support import backward_order
+from lightning_zero.shards.policy import StorePolicy
 from lightning_zero.stages import StagePolicy
 
 
@@ -63,7 +63,7 @@ class ShardedStorage:
         param_groups: Sequence[int],
         whole_params: bool,
         policy: StagePolicy,
-        config: ZeroConfig,
+        store_policy: StorePolicy,
         working_dtype: torch.dtype,
         master_dtype: torch.dtype,
         device: torch.device,
@@ -73,13 +73,14 @@ class ShardedStorage:
         unit_names: Sequence[str] = (),
     ) -> None:
         self.policy = policy
+        self.store_policy = store_policy
         self.groups = groups if groups is not None else ShardGroups()
         self.group = self.groups.shard
         self.rank, self.world_size = collectives.rank(self.group), collectives.world_size(self.group)
         self.params = params
         """The parameters laid out, stored and reduced here (each in one storage only)."""
         self.param_units = [unit_of(p) if unit_of is not None else 0 for p in params]
-        self.bucket_elements = config.bucket_elements(sum(p.numel() for p in params))
+        self.bucket_elements = store_policy.bucket_elements(sum(p.numel() for p in params))
         self.layout: FlatLayout = plan_layout(
             [p.numel() for p in params],
             list(param_groups),
@@ -93,14 +94,16 @@ class ShardedStorage:
         self.slots = plan_master_slots(self.layout, self.rank, [tuple(p.shape) for p in params])
         """This rank's master slots of ``params`` (an optimizer steps on them, see ``optimizer.py``)."""
         self.device = device
-        moved = config.offload_optimizer  # see [Note: what lives where with offload_optimizer=True] in offload.py
+        moved = (
+            store_policy.offload.offload_optimizer
+        )  # see [Note: what lives where with offload_optimizer=True] in offload.py
         self.host_grads: Optional[offload.HostGrads] = (
             offload.HostGrads(
                 self.layout.shard_size,
                 master_dtype,
                 device,
                 max((b.chunk_size for b in self.layout.buckets), default=0),
-                config.bucket_buffers,
+                store_policy.bucket_buffers,
             )
             if moved
             else None
@@ -108,7 +111,7 @@ class ShardedStorage:
         """With ``offload_optimizer``, the gradient shard itself (the reducer keeps none on the device)."""
         self.master_storage: Optional[Tensor] = None
         """The master shard (``None`` where the working storage doubles as the master: stages 1 and 2, one dtype)."""
-        self._make_storage(working_dtype, master_dtype, moved, config)
+        self._make_storage(working_dtype, master_dtype)
         self.masters = [self.master_view(s) for s in self.slots]
         """The master tensor of each slot (the owning optimizer steps on these very tensors)."""
         self.reducer = GradientReducer(
@@ -116,12 +119,12 @@ class ShardedStorage:
             self.rank,
             working_dtype,
             device,
-            config.bucket_buffers,
-            config.overlap_comm,
+            store_policy.bucket_buffers,
+            store_policy.overlap_comm,
             self.groups,
             unit_names if self.by_units else (),
             sink=self.host_grads,
-            quantize_block=config.quantization_block_size if config.quantized_gradients else None,
+            quantize_block=store_policy.gradient_block,
             heap_pin=HeapPin() if self._pins_heap(device) else None,
         )
         self._hooks: list[Any] = []
@@ -138,10 +141,9 @@ class ShardedStorage:
         every stage on a CPU (stage 3's gathered units come from its pool, but the activations are the heap's)."""
         return device.type == "cpu"
 
-    def _make_storage(
-        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: Offload, config: ZeroConfig
-    ) -> None:
-        """Make the working storage and ``master_storage`` (see [Note: two storages, one step])."""
+    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype) -> None:
+        """Make the working storage and ``master_storage`` in the tiers of ``store_policy.offload`` (see [Note: two
+        storages, one step])."""
         raise NotImplementedError
 
     def master_view(self, slot: MasterSlot) -> Tensor:

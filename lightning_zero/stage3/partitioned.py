@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
-from lightning_zero.config import Offload, ZeroConfig
 from lightning_zero.shards import offload
 from lightning_zero.shards.layout import MasterSlot
 from lightning_zero.shards.store import ShardedStorage
@@ -24,20 +23,20 @@ class PartitionedStorage(ShardedStorage):
 
     by_units: ClassVar[bool] = True
 
-    def _make_storage(
-        self, working_dtype: torch.dtype, master_dtype: torch.dtype, offload_optimizer: Offload, config: ZeroConfig
-    ) -> None:
-        params_moved = config.offload_params  # see [Note: offloaded parameter shards] in params.py
+    def _make_storage(self, working_dtype: torch.dtype, master_dtype: torch.dtype) -> None:
+        tiers = self.store_policy.offload
+        offload_optimizer = tiers.offload_optimizer
+        params_moved = tiers.offload_params  # see [Note: offloaded parameter shards] in params.py
         size = self.layout.shard_size
         self.master_storage = offload.allocate_master(
-            size, master_dtype, self.device, offload_optimizer, config.offload_path
+            size, master_dtype, self.device, offload_optimizer, tiers.offload_path
         )
         # the working shard doubles as the master where both have one dtype and live on the same side
         aliased = working_dtype == master_dtype and offload_optimizer == params_moved
         working = (
             self.master_storage
             if aliased
-            else offload.allocate_master(size, working_dtype, self.device, params_moved, config.offload_path)
+            else offload.allocate_master(size, working_dtype, self.device, params_moved, tiers.offload_path)
         )
         self.sharded = ShardedParams(
             self.layout, self.params, self.rank, working, self.group, self.device, bool(params_moved)
@@ -47,7 +46,7 @@ class PartitionedStorage(ShardedStorage):
             SecondaryShards(self.layout, self.groups, self.sharded.units) if self.groups.secondary is not None else None
         )
         """hpZ's secondary copies of the units (see [Note: hpZ, the secondary partition] in ``secondary.py``)."""
-        self.weight_block = config.quantization_block_size if config.quantized_weights else None
+        self.weight_block = self.store_policy.weight_block
         """qwZ: the block size of the int8 all-gathers for compute (``None``: exact gathers)."""
         self.gathers_verified = False
         """Whether every unit gather follows from lockstep checks that all ranks have seen agree, or from a call that

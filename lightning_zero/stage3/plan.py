@@ -36,15 +36,12 @@ too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from lightning_zero.activations.blocks import compiled_inner, find_blocks, has_params
-
-if TYPE_CHECKING:
-    from lightning_zero.config import ZeroConfig
 
 ROOT = 0
 #: ``persistence_threshold=None``: units of at most this many elements join the root, at every model size.
@@ -64,12 +61,30 @@ class UnitPlan:
         return self.unit_of.get(id(param), ROOT)
 
 
-def resolve_persistence_threshold(config: "ZeroConfig") -> int:
-    """``config.persistence_threshold``, or :data:`DEFAULT_PERSISTENCE_THRESHOLD` for ``None``: the same for every
+def resolve_persistence_threshold(configured: Optional[int]) -> int:
+    """The ``persistence_threshold`` option, or :data:`DEFAULT_PERSISTENCE_THRESHOLD` for ``None``: the same for every
     model (see [Note: one algorithm at every size])."""
-    if config.persistence_threshold is not None:
-        return int(config.persistence_threshold)
-    return DEFAULT_PERSISTENCE_THRESHOLD
+    return configured if configured is not None else DEFAULT_PERSISTENCE_THRESHOLD
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """What stage 3's unit plan and its runtime (:class:`~lightning_zero.stage3.units.UnitRuntime`) read of the
+    options, derived once by the engine (``engine/policies.py``)."""
+
+    unit_classes: tuple[Union[type, str], ...]
+    """The block classes (or class names) gathered as one unit; empty: the default units (see [Note: units])."""
+    persistence_threshold: int
+    """Units of at most this many elements join the root (already resolved: see [Note: one algorithm at every
+    size])."""
+    prefetch_size: int
+    """Elements of the next units that may be all-gathered ahead of their use."""
+    lockstep_check: Union[bool, Literal["strict"]]
+    """Whether (and how strictly) the ranks check that they run the same unit (see ``lockstep.py``)."""
+
+    def plan(self, module: nn.Module) -> UnitPlan:
+        """The units of ``module`` under this policy (see :func:`plan_units`)."""
+        return plan_units(module, self.unit_classes, self.persistence_threshold)
 
 
 def plan_units(

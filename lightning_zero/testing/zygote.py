@@ -178,6 +178,9 @@ class Zygote:
             child.returncode = message["code"]
 
 
+# [Note: one zygote per test process]
+# The zygote exists to pay torch's and Lightning's imports once per test session, so it is one per process by
+# purpose; it is started lazily by the first launch and closed at exit.
 ZYGOTE = Zygote()
 if __name__ != "__main__":
     atexit.register(ZYGOTE.close)

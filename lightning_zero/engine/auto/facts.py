@@ -13,9 +13,10 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.amp import PrecisionMode
 from lightning_zero.engine.auto.choice import ModelFacts
 from lightning_zero.engine.auto.probe import probe_activations
+from lightning_zero.engine.policies import unit_policy
 from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.materialize import materialize
-from lightning_zero.stage3.plan import ROOT, plan_units, resolve_persistence_threshold
+from lightning_zero.stage3.plan import ROOT
 
 
 def model_facts(
@@ -41,7 +42,7 @@ def model_facts(
 def model_sizes(module: nn.Module, config: ZeroConfig) -> ModelFacts:
     """Sizes of ``module`` (real or on the meta device) and of stage 3's units, without activations."""
     params = [p for p in module.parameters() if p.requires_grad]
-    plan = plan_units(module, config.unit_classes, resolve_persistence_threshold(config))
+    plan = unit_policy(config).plan(module)
     per_unit = [0] * len(plan.names)
     for p in params:
         per_unit[plan.unit(p)] += p.numel()

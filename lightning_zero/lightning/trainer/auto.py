@@ -21,6 +21,11 @@ from lightning_zero.lightning.trainer.precision import ZeroPrecision
 AUTO_UNTIL_SETUP = 3
 #: Options ``zero_auto`` sets itself.
 CHOSEN_OPTIONS = ("offload_optimizer", "offload_params")
+
+# [Note: the first zero_auto run is the process's]
+# What grows once is the process (its imports, the allocator's arenas), whichever strategy object runs first, so the
+# count of zero_auto setups is per process, not per strategy.
+
 #: One entry per ``zero_auto`` setup this process made (the first grows the process once: see ``FIRST_RUN_BYTES``).
 _RUNS: list[bool] = []
 #: The measured peak is compared with the prediction once this many training steps have run.

@@ -24,7 +24,11 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.trainer.connectors import accelerator_connector
 
 _MARK = "__lightning_zero_one_line__"
-_argv: list[str] = []  # the command line of the last parse (the config files a wrong option may come from)
+# [Note: the last command line is the process's]
+# The command line of the last parse (the config files a wrong option may come from). `parse_args` is patched on
+# LightningArgumentParser's class, and the error it leads to is raised by whichever parser jsonargparse is in (a
+# subcommand's, a nested one): not the instance that was called, so the argv cannot live on the instance.
+_argv: list[str] = []
 
 
 def zero_option_error(message: str, argv: Sequence[str]) -> Optional[str]:

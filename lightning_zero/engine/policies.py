@@ -1,0 +1,94 @@
+"""The one place where :class:`~lightning_zero.ZeroConfig` becomes what the components read.
+
+[Note: one policy per component]
+Each component below the engine reads a few options, through a small frozen policy of exactly those fields defined
+in its own module: the store's :class:`~lightning_zero.shards.policy.StorePolicy`, the sharded optimizer's
+:class:`~lightning_zero.shards.policy.OptimizerPolicy` (both holding the same
+:class:`~lightning_zero.shards.policy.OffloadPolicy`), stage 3's :class:`~lightning_zero.stage3.plan.UnitPolicy`,
+ZeRO-R's :class:`~lightning_zero.activations.checkpointing.ActivationPolicy`, and the stage's
+:class:`~lightning_zero.stages.StagePolicy`. :func:`policies_of` derives them all once, and :func:`group_sizes`
+resolves the process groups' sizes; nothing below ``engine/`` imports the configuration (``tests/test_layers.py``).
+The options are validated by ``ZeroConfig`` alone, before any policy is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from lightning_zero.activations.checkpointing import ActivationPolicy
+from lightning_zero.comm.groups import GroupSizes
+from lightning_zero.config import ZeroConfig
+from lightning_zero.shards.policy import OffloadPolicy, OptimizerPolicy, StorePolicy
+from lightning_zero.stage3.plan import UnitPolicy, resolve_persistence_threshold
+from lightning_zero.stages import StagePolicy, policy_for
+
+
+@dataclass(frozen=True)
+class Policies:
+    """Every component's policy of one engine (see [Note: one policy per component])."""
+
+    stage: StagePolicy
+    store: StorePolicy
+    optimizer: OptimizerPolicy
+    units: UnitPolicy
+    activations: ActivationPolicy
+
+    @property
+    def offload(self) -> OffloadPolicy:
+        """Where the tiers live (the store's and the optimizers' one object)."""
+        return self.store.offload
+
+
+def policies_of(config: ZeroConfig) -> Policies:
+    """The policies of the components under ``config`` (already validated)."""
+    offload = OffloadPolicy(config.offload_optimizer, config.offload_params, config.offload_path)
+    block = config.quantization_block_size
+    return Policies(
+        stage=policy_for(config.stage),
+        store=StorePolicy(
+            reduce_bucket_size=_elements(config.reduce_bucket_size),
+            bucket_buffers=config.bucket_buffers,
+            overlap_comm=config.overlap_comm,
+            gradient_block=block if config.quantized_gradients else None,
+            weight_block=block if config.quantized_weights else None,
+            offload=offload,
+        ),
+        optimizer=OptimizerPolicy(config.partition_whole_params, config.elementwise_optimizers, offload),
+        units=unit_policy(config),
+        activations=ActivationPolicy(
+            activation_checkpointing=config.activation_checkpointing,
+            activation_offload=config.activation_offload,
+            activation_partition_group=config.activation_partition_group,
+            contiguous_checkpoints=config.contiguous_checkpoints,
+            unit_classes=config.unit_classes,
+        ),
+    )
+
+
+def unit_policy(config: ZeroConfig) -> UnitPolicy:
+    """Stage 3's unit policy under ``config`` (also what the memory estimate plans its units with)."""
+    return UnitPolicy(
+        unit_classes=config.unit_classes,
+        persistence_threshold=resolve_persistence_threshold(_elements(config.persistence_threshold)),
+        prefetch_size=int(config.prefetch_size),
+        lockstep_check=config.lockstep_check,
+    )
+
+
+def group_sizes(config: ZeroConfig, world_size: int, devices_per_node: int, num_nodes: int) -> GroupSizes:
+    """The group sizes of ``config``'s options over the job (see [Note: the group sizes are resolved in one place]
+    in ``comm/groups.py``)."""
+    return GroupSizes.resolve(
+        config.shard_group_size,
+        config.tensor_parallel_size,
+        config.secondary_shard_group_size,
+        world_size,
+        devices_per_node,
+        num_nodes,
+    )
+
+
+def _elements(value: Optional[Union[int, float]]) -> Optional[int]:
+    """A number of elements as the int :class:`ZeroConfig` already made it (``1e6`` from YAML is ``1000000``)."""
+    return None if value is None else int(value)
