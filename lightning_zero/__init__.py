@@ -19,7 +19,8 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.construction import sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.lightning import install
-from lightning_zero.lightning.fabric.strategy import ZeroFabricPrecision, ZeroFabricStrategy
+from lightning_zero.lightning.fabric.precision import ZeroFabricPrecision
+from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
 from lightning_zero.lightning.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.lightning.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy

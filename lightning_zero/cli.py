@@ -15,7 +15,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_zero.checkpoints.consolidate import DTYPES, FILE_FORMAT, consolidate, inspect_checkpoint
-from lightning_zero.checkpoints.export import add_export_arguments, run_export
+from lightning_zero.checkpoints.export import export_pretrained
 from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.estimate import (
     build_on_meta,
@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a checkpoint as a Hugging Face save_pretrained directory "
         "(safetensors shards, config.json), a shard at a time",
     )
-    add_export_arguments(export, DTYPES)
-    export.set_defaults(run=lambda args: print(run_export(args, DTYPES)))
+    _add_export_arguments(export)
+    export.set_defaults(run=_export)
     return parser
 
 
@@ -222,6 +222,50 @@ def _consolidate(args: argparse.Namespace) -> None:
         trust_code=args.trust_code,
     )
     print(f"wrote {out} ({human_bytes(out.stat().st_size)})")
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightning-zero export``."""
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory, or a file from `consolidate`")
+    parser.add_argument("output", help="the directory to write (from_pretrained(OUTPUT) loads it)")
+    parser.add_argument(
+        "--submodule",
+        help="the LightningModule's attribute to export when it holds several "
+        "pretrained models (e.g. `lm` for self.lm)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="the most bytes per weight file: 5GB (10^9), 5GiB (2^30), 500MB (default: 5GB)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)",
+    )
+    parser.add_argument(
+        "--config",
+        help="a save_pretrained directory or Hub name whose config.json to write, for a checkpoint that records none",
+    )
+
+
+def _export(args: argparse.Namespace) -> None:
+    """``lightning-zero export``: write the directory, print what was written."""
+    result = export_pretrained(
+        args.checkpoint,
+        args.output,
+        submodule=args.submodule,
+        max_shard_size=args.max_shard_size,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        config=args.config,
+        require_config=True,
+    )
+    what = f"the attribute {result.submodule!r}" if result.submodule else "the model"
+    print(
+        f"wrote {what} to {result.directory}: {result.num_tensors} tensors, {result.total_size:,} bytes in "
+        f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}, config.json"
+    )
 
 
 if __name__ == "__main__":

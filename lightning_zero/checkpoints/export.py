@@ -29,7 +29,6 @@ Nothing is recorded, and transformers is not imported, for a module without one.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -387,48 +386,3 @@ def _remove_stale(out: Path, files: list[str]) -> None:
         stale = old.name == INDEX_NAME or old.name == WEIGHTS_NAME or _SHARD_NAME.fullmatch(old.name) is not None
         if stale and old.name not in files and old.is_file():
             old.unlink()
-
-
-# ---------------------------------------------------------------------- the command
-def add_export_arguments(parser: argparse.ArgumentParser, dtypes: dict[str, torch.dtype]) -> None:
-    """The arguments of ``lightning-zero export``."""
-    parser.add_argument("checkpoint", help="a sharded checkpoint directory, or a file from `consolidate`")
-    parser.add_argument("output", help="the directory to write (from_pretrained(OUTPUT) loads it)")
-    parser.add_argument(
-        "--submodule",
-        help="the LightningModule's attribute to export when it holds several "
-        "pretrained models (e.g. `lm` for self.lm)",
-    )
-    parser.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        help="the most bytes per weight file: 5GB (10^9), 5GiB (2^30), 500MB (default: 5GB)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(dtypes),
-        default=None,
-        help="convert floating-point weights (default: as saved, fp32 masters under mixed precision)",
-    )
-    parser.add_argument(
-        "--config",
-        help="a save_pretrained directory or Hub name whose config.json to write, for a checkpoint that records none",
-    )
-
-
-def run_export(args: argparse.Namespace, dtypes: dict[str, torch.dtype]) -> str:
-    """Run ``lightning-zero export`` with parsed ``args``; the line to print."""
-    result = export_pretrained(
-        args.checkpoint,
-        args.output,
-        submodule=args.submodule,
-        max_shard_size=args.max_shard_size,
-        dtype=dtypes[args.dtype] if args.dtype else None,
-        config=args.config,
-        require_config=True,
-    )
-    what = f"the attribute {result.submodule!r}" if result.submodule else "the model"
-    return (
-        f"wrote {what} to {result.directory}: {result.num_tensors} tensors, {result.total_size:,} bytes in "
-        f"{len(result.files)} file{'s' if len(result.files) != 1 else ''}, config.json"
-    )

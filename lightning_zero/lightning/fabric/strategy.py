@@ -17,7 +17,7 @@ keys (the engine knows their order) and the other entries by name. A Trainer che
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -26,14 +26,12 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, _Stateful
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -46,57 +44,12 @@ from lightning_zero.engine.construction import InitModuleRecording, place_module
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.lightning.fabric import plain, resetup, several
+from lightning_zero.lightning.fabric.precision import ZeroFabricPrecision, to_fabric_precision
 from lightning_zero.lightning.fabric.several import MODELS_KEY, EngineGroup
-from lightning_zero.lightning.precision import LossScaler, PrecisionInput, UsesPrecisionMode
 from lightning_zero.lightning.processes import StartMethod, ZeroProcesses
 
 #: The loss scaler's state, under the key the Trainer gives its precision plugin's state (``ZeroPrecision``).
 PRECISION_KEY = "ZeroPrecision"
-
-
-class ZeroFabricPrecision(UsesPrecisionMode, Precision):
-    """Fabric's precision plugin for :class:`ZeroFabricStrategy` (the numerics are :class:`PrecisionMode`'s).
-
-    Inputs and outputs are cast as Fabric's own ``MixedPrecision`` / ``HalfPrecision`` cast them.
-    """
-
-    def __init__(
-        self, precision: PrecisionInput = "32-true", device_type: str = "cpu", loss_scaler: Optional[LossScaler] = None
-    ) -> None:
-        super().__init__(precision, device_type, loss_scaler)
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return _DtypeContextManager(self.mode.working_dtype) if self.precision == "bf16-true" else nullcontext()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self.tensor_init_context()
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        if self.precision == "32-true":
-            return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.mode.working_dtype)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        if self.precision == "32-true":
-            return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
-
-
-def to_fabric_precision(plugin: Precision, device_type: str) -> ZeroFabricPrecision:
-    """Fabric builds its own plugin from ``Fabric(precision=...)``; translate it to ours, or refuse it."""
-    if isinstance(plugin, ZeroFabricPrecision):
-        return plugin
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)) or type(plugin) is Precision:
-        return ZeroFabricPrecision(getattr(plugin, "precision", "32-true"), device_type=device_type)
-    raise ValueError(
-        f"ZeroFabricStrategy does not support the precision plugin {type(plugin).__name__} "
-        f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision='32-true', 'bf16-mixed', '16-mixed' or "
-        "'bf16-true'."
-    )
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
