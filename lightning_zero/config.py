@@ -6,16 +6,14 @@ Every option is checked when the strategy is constructed, so a bad value fails b
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
-from types import FrameType
 from typing import Any, Callable, Literal, Optional, Union
 
+from lightning_zero.process.caller import caller_stacklevel, launch_rank
 from lightning_zero.shards.policy import (  # noqa: F401 - the default bucket size, also public here
     AUTO_BUCKET_FRACTION,
     MAX_AUTO_BUCKET_ELEMENTS,
@@ -347,53 +345,14 @@ class ZeroConfig:
             for name, default in STAGE3_DEFAULTS.items()
             if getattr(self, name) != default and not (name == "unit_classes" and self.activation_checkpointing is True)
         ]
-        if ignored and _launch_rank() == 0:  # every rank builds the strategy: one warning, not one per rank
+        if ignored and launch_rank() == 0:  # every rank builds the strategy: one warning, not one per rank
             warnings.warn(
                 f"{', '.join(f'`{n}`' for n in ignored)} only act{'s' if len(ignored) == 1 else ''} at "
                 f"stage 3 and {'is' if len(ignored) == 1 else 'are'} ignored at stage {self.stage}. Use "
                 "`stage=3` (`strategy='zero3'`) for them, or leave them out.",
                 UserWarning,
-                stacklevel=_caller_stacklevel(),
+                stacklevel=caller_stacklevel(),
             )
-
-
-#: Code whose frames a warning about the options skips: ours, the dataclass's generated ``__init__`` (``<string>``),
-#: and the libraries that build the strategy from a YAML file or a name (jsonargparse, Lightning).
-_NOT_THE_CALLER = (
-    os.path.dirname(os.path.abspath(__file__)),
-    *(
-        location
-        for name in ("jsonargparse", "lightning")
-        for location in getattr(importlib.util.find_spec(name), "submodule_search_locations", None) or ()
-    ),
-)
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside :data:`_NOT_THE_CALLER` and Python's own (``<frozen runpy>``):
-    the user's ``ZeroStrategy(...)`` or the script line that starts the CLI. Counted from the caller of this
-    function's caller; when every frame is ours (``python -m lightning_zero fit``), the outermost of ours."""
-    frame: Optional[FrameType] = sys._getframe(2)
-    level = outermost = 2
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<frozen"):
-            outermost = level
-            if not name.startswith("<") and not os.path.abspath(name).startswith(_NOT_THE_CALLER):
-                return level
-            if name == "<string>" and frame.f_code.co_name != "__init__":
-                return level  # code run by `python -c` or exec, not a dataclass's generated __init__
-        frame, level = frame.f_back, level + 1
-    return outermost
-
-
-def _launch_rank() -> int:
-    """This process's rank as the launcher set it in the environment (as Lightning's ``rank_zero_only`` reads it):
-    the strategy is built before any process group exists."""
-    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
 
 
 def check_option_names(options: dict[str, Any]) -> None:
