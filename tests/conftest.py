@@ -11,8 +11,8 @@ A test is ``slow`` when it starts processes or takes more than about two seconds
    zygote that forks ranks (or either of their modules), ``subprocess`` or ``multiprocessing``. The references are
    the names a function's code loads, resolved in its module's globals and compared by identity, so an alias or a
    helper in between does not hide a launch;
-2. or it is named in ``SLOW_BY_NAME`` below, which no reference says: real ``Trainer`` fits measured at over ~2 s,
-   and Trainers that start their ranks through Lightning's own launcher.
+2. or it is named in ``SLOW_BY_NAME`` below, which no reference says: ``Trainer`` fits and engine steps measured
+   at over ~2 s, and Trainers that start their ranks through Lightning's own launcher.
 
 A test the rule misses cannot pass quietly: in every test not marked ``slow``, starting a process (``subprocess``,
 ``multiprocessing``, the zygote) raises. ``tests/test_tiers.py`` checks the rule and that guard.
@@ -66,6 +66,8 @@ def launcher_modules() -> frozenset[str]:
 
 
 SLOW_BY_NAME: tuple[str, ...] = (
+    "tests/test_costs.py::test_a_step_allocates_nothing_large_after_warm_up_and_copies_the_gradients_once",
+    "tests/test_costs.py::test_the_host_heap_is_given_back_after_setup_and_the_first_step_only",
     "tests/test_lightning.py::test_checkpoint_resume_is_exact",
     "tests/test_lightning.py::test_checkpoint_resumes_across_stages_and_under_ddp_format",
     "tests/test_lightning.py::test_fit_validate_test_predict",
