@@ -131,7 +131,7 @@ def _fixture_functions(item: pytest.Item) -> Iterator[Callable[..., Any]]:
 
 
 def is_slow(item: pytest.Item) -> bool:
-    """The rule of this module's [Note]: the item launches processes, or is a listed slow single-process test."""
+    """The rule of this module's [Note]: the item refers to a launcher, or is listed in ``SLOW_BY_NAME``."""
     base = item.nodeid.split("[")[0]
     if any(base == name or base.startswith(name + "::") for name in SLOW_BY_NAME):
         return True
