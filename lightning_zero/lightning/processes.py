@@ -1,7 +1,7 @@
 """What the Trainer's and Fabric's strategies share: this process's place in the job, its launcher, the process
 group and its shard groups, and the registered names.
 
-It lives with the Fabric adapter because Lightning's Trainer builds on Fabric the same way: ``ZeroStrategy`` and
+It lives beside both adapters because Lightning's Trainer builds on Fabric the same way: ``ZeroStrategy`` and
 ``ZeroFabricStrategy`` both list :class:`ZeroProcesses` before Lightning's ``ParallelStrategy`` (the Trainer's and
 Fabric's are different classes with the same process API).
 """
