@@ -4,6 +4,10 @@ with ratios against ``ddp``, a JSON file for machines, and a PNG plot (matplotli
 [Note: what one row says]
 - step (ms): the median over every measured step of every repeat (after warm-up), where a step's time is the
   slowest rank's; the range is the lowest and highest of the repeats' own medians, so machine noise shows.
+- best step: the fastest measured step of any repeat. A shared machine only ever adds time to a step, so the
+  fastest step is the estimate of a strategy's own cost least moved by the machine.
+- step vs ddp per repeat: each repeat's median against DDP's median in the same repeat (the two ran minutes apart,
+  so a slow phase of the machine moves both); the range of those ratios says how far one run can be trusted.
 - peak / rank: the highest rank's peak (resident high-water mark on CPU, ``max_memory_allocated`` on GPU), and its
   growth above the level before ``fit`` (imports, interpreter), the part the training adds.
 - model states / rank: measured from live tensors after a backward (rank 0).
@@ -43,6 +47,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         steps = [t for r in ok for t in r["step_times"]]
         medians = [statistics.median(r["step_times"]) for r in ok]
         row.update(step_median=statistics.median(steps), step_min=min(medians), step_max=max(medians),
+                   step_best=min(steps),
+                   repeat_medians={r.get("repeat", i): m for i, (r, m) in enumerate(zip(ok, medians))},
                    peak_memory=max(r["peak_memory"] for r in ok),
                    peak_growth=max(r["peak_growth"] for r in ok),
                    model_states=ok[-1].get("model_states"), comm_bytes=ok[-1]["comm_bytes"],
@@ -69,9 +75,13 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         ddp = base.get((row["world_size"], row["size"]))
         if ddp is None or "error" in row:
             continue
-        for key in ("step_median", "peak_memory", "peak_growth", "model_states", "comm_total", "faults"):
+        for key in ("step_median", "step_best", "peak_memory", "peak_growth", "model_states", "comm_total", "faults"):
             if row.get(key) is not None and ddp.get(key):
                 row[f"{key}_vs_ddp"] = row[key] / ddp[key]
+        paired = [m / ddp["repeat_medians"][k] for k, m in row.get("repeat_medians", {}).items()
+                  if ddp.get("repeat_medians", {}).get(k)]
+        if paired:
+            row["repeat_ratio_min"], row["repeat_ratio_max"] = min(paired), max(paired)
 
 
 def _fmt(value: Optional[float], scale: float = 1.0, digits: int = 1) -> str:

@@ -73,6 +73,23 @@ def test_report_ratios_and_table_come_from_the_records():
     assert cells[1:4] == ["300.0", "100.0–300.0", "1.50"] and cells[8] == "0.25"
 
 
+def test_speed_table_shows_the_best_step_and_each_repeats_ratio():
+    """The speed table's "per repeat" pairs each repeat's median with DDP's of the same repeat, and "best step" divides
+    the fastest steps: a slow repeat of the machine moves neither."""
+    from benchmarks.speed_table import table
+    records = [{**_record("ddp", [0.2, 0.3, 0.2], 8, 4, 1), "repeat": 0},
+               {**_record("zero1", [0.18, 0.2, 0.19], 6, 1, 1), "repeat": 0},
+               {**_record("ddp", [0.4, 0.4, 0.5], 8, 4, 1), "repeat": 1},  # a slow phase of the machine
+               {**_record("zero1", [0.44, 0.42, 0.5], 6, 1, 1), "repeat": 1}]
+    rows = {r["strategy"]: r for r in summarize(records)}
+    zero1 = rows["zero1"]
+    assert zero1["step_best_vs_ddp"] == pytest.approx(0.18 / 0.2)
+    assert (zero1["repeat_ratio_min"], zero1["repeat_ratio_max"]) == (pytest.approx(0.95), pytest.approx(1.1))
+    line = next(x for x in table(list(rows.values())).splitlines() if "| zero1 |" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5:7] == ["0.95–1.10", "0.90"]
+
+
 def test_check_speed_pairs_each_repeat_with_ddps():
     """The ratio repeat by repeat divides by DDP's median of the same repeat, not by DDP's pooled median."""
     from benchmarks.check_speed import medians, paired_ratios
