@@ -6,7 +6,7 @@
     python -m benchmarks.compare --world-sizes 2 --sizes medium --strategies ddp zero1 --profile
     python -m benchmarks.compare --world-sizes 2 --sizes medium --repeats 3 --steps 6 --warmup 2 \\
         --strategies ddp zero3 zero3:prefetch_size=0 zero3:overlap_comm=False zero3+OMP_NUM_THREADS=2   # A/B
-    python -m benchmarks.speed_table          # the speed and memory table at 5M-85M against DDP and FSDP2 (~20 min)
+    python -m benchmarks.speed_table          # the speed and memory table at 5M-85M against DDP and FSDP2 (~32 min)
 
 Every (repeat, world size, size, strategy) is its own launch of N gloo ranks (``benchmarks._worker``, one process
 per rank with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, ``OMP_NUM_THREADS`` = cores // N), so each peak memory is

@@ -1,4 +1,4 @@
-"""The speed and memory table of the stages against DDP and FSDP2, in one command (about 20 minutes on 2 idle cores):
+"""The speed and memory table of the stages against DDP and FSDP2, in one command (about 32 minutes on 2 idle cores):
 
     python -m benchmarks.speed_table --out /tmp/speed_table       # the whole table
     python -m benchmarks.speed_table --sizes gpt19m --steps 4 --repeats 1 --no-memory   # one piece, to check it runs
@@ -6,7 +6,7 @@
 Step time at N = 2 on GPTs of 5.3M, 18.2M, 44.7M and 84.3M parameters (``small``, ``gpt19m``, ``gpt45m``,
 ``gpt85m`` of ``benchmarks/_model.py``), fp32 AdamW, clipping 1.0; peak resident memory at N = 4 on the 25.5M GPT
 whose activations are negligible (``states``, built in ``configure_model``). Every (size, strategy) is its own
-launch of N gloo ranks (``benchmarks.compare``); the strategies of a repeat run back to back and two repeats rotate
+launch of N gloo ranks (``benchmarks.compare``); the strategies of a repeat run back to back and three repeats rotate
 their order, so a slow phase of the machine spreads over all of them. Every strategy runs as a user runs it: no
 allocator variable or setting of ours in any process (DDP and FSDP2 are Lightning's own strategies). Printed per
 row: the median step against DDP's in the same run (and the range of that ratio over the repeats, each repeat's
