@@ -11,11 +11,11 @@ their order, so a slow phase of the machine spreads over all of them. Every stra
 allocator variable or setting of ours in any process (DDP and FSDP2 are Lightning's own strategies). Printed per
 row: the median step against DDP's in the same run (and the range of that ratio over the repeats, each repeat's
 median against DDP's in the same repeat; and the fastest step against DDP's fastest, the figure a busy machine
-moves least: see [Note: what one row says] in ``_report.py``), peak resident memory per rank against DDP's (the high-water
-mark, and its growth in ``fit`` above the process's level before it), minor page faults per step (and against
-DDP's), and, for the ZeRO stages, the engine's large allocations per step and the bytes it copied per step in units
-of 4Ψ (``ZeroEngine.step_costs``, see ``lightning_zero/memory/costs.py``). Wall times are only worth comparing on an
-idle machine; the counts hold on a busy one too.
+moves least: see [Note: what one row says] in ``_report.py``), peak resident memory per rank against DDP's (the
+high-water mark, and its growth in ``fit`` above the process's level before it), minor page faults per step (and
+against DDP's), and, for the ZeRO stages, the engine's large allocations per step and the bytes it copied per step
+in units of 4Ψ (``ZeroEngine.step_costs``, see ``lightning_zero/memory/costs.py``). Wall times are only worth
+comparing on an idle machine; the counts hold on a busy one too.
 """
 
 from __future__ import annotations
