@@ -11,14 +11,13 @@ import os
 import warnings
 from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, overload
 
 from lightning_zero.process.caller import caller_stacklevel, launch_rank
 from lightning_zero.shards.policy import (  # noqa: F401 - the default bucket size, also public here
     AUTO_BUCKET_FRACTION,
     MAX_AUTO_BUCKET_ELEMENTS,
     MIN_AUTO_BUCKET_ELEMENTS,
-    Tier,
     auto_bucket_elements,
 )
 from lightning_zero.stages import STAGES, all_policies
@@ -33,8 +32,6 @@ STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": 
 
 #: A number of elements: an int, or a float with a whole value as YAML gives ``1e6`` (taken as the int 1000000).
 Elements = Union[int, float]
-#: Where ``offload_optimizer`` and ``offload_params`` move their shards: ``True`` host memory, ``"disk"`` files.
-Offload = Tier
 #: The options that are numbers of elements (see :data:`Elements`).
 ELEMENT_OPTIONS = ("reduce_bucket_size", "persistence_threshold", "prefetch_size", "host_mmap_threshold")
 
@@ -310,7 +307,8 @@ class ZeroConfig:
 
     def bucket_elements(self, numel: int) -> int:
         """Elements per bucket for an optimizer of ``numel`` parameters (``reduce_bucket_size`` or the default)."""
-        return int(self.reduce_bucket_size) if self.reduce_bucket_size is not None else auto_bucket_elements(numel)
+        size = elements(self.reduce_bucket_size)
+        return size if size is not None else auto_bucket_elements(numel)
 
     def _check_activations(self) -> None:
         blocks = self.activation_checkpointing
@@ -378,6 +376,16 @@ def _check_stage(stage: object) -> None:
             + ", ".join(f"{p.stage}: {p.partitions}" for p in all_policies())
             + "), e.g. `ZeroStrategy(stage=2)` or `strategy='zero2'`."
         )
+
+
+@overload
+def elements(value: Elements) -> int: ...
+@overload
+def elements(value: Optional[Elements]) -> Optional[int]: ...
+def elements(value: Optional[Elements]) -> Optional[int]:
+    """An option of :data:`ELEMENT_OPTIONS` read from a :class:`ZeroConfig`, typed as the int ``__post_init__`` made
+    it (``1e6`` from YAML is ``1000000``; see :func:`_whole_number`)."""
+    return None if value is None else int(value)
 
 
 def _whole_number(name: str, value: Any) -> Any:

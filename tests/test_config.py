@@ -207,6 +207,11 @@ def test_sizes_may_be_whole_floats_and_shutdown_timeout_is_checked():
     config = ZeroConfig(stage=3, reduce_bucket_size=1e6, persistence_threshold=0.0)
     assert (config.reduce_bucket_size, config.persistence_threshold) == (1_000_000, 0)
     assert type(config.reduce_bucket_size) is int
+    from lightning_zero.engine.policies import policies_of
+
+    policies = policies_of(ZeroConfig(stage=3, reduce_bucket_size=1e6, prefetch_size=2e6))  # the policies get ints
+    assert (policies.store.reduce_bucket_size, policies.units.prefetch_size) == (1_000_000, 2_000_000)
+    assert type(policies.store.reduce_bucket_size) is int and type(policies.units.prefetch_size) is int
     with pytest.raises(ValueError, match="whole number of elements, got 2.5"):
         ZeroConfig(prefetch_size=2.5)
     assert ZeroConfig().shutdown_timeout == 120 and ZeroConfig(shutdown_timeout=None).shutdown_timeout is None

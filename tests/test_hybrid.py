@@ -161,9 +161,10 @@ def test_traffic_inside_and_across_groups(ranks, stage):
     """Per optimizer step and rank (see [Note: hybrid sharding and its traffic] in comm/groups.py), T the padded
     flat size (Ψ rounded up per bucket to a multiple of k): inside the shard group, reduce-scatters of T per
     reduction (stage 1 reduces once per step, stages 2-3 once per micro-batch) and all-gathers of T (stage 3: T for
-    forward and T for backward per micro-batch, less the unit forward ran last, which backward finds gathered); across groups one all-reduce of the T/k shard per reduction, i.e.
-    2(T/k)(R-1)/R elements on a ring's wire. The gradient norms the worker logs (one element per parameter) stay
-    inside; only the signal agreement (3 int32 flags) spans the world."""
+    forward and T for backward per micro-batch, less the unit forward ran last, which backward finds gathered);
+    across groups one all-reduce of the T/k shard per reduction, i.e. 2(T/k)(R-1)/R elements on a ring's wire. The
+    gradient norms the worker logs (one element per parameter) stay inside; only the signal agreement (3 int32 flags)
+    spans the world."""
     reductions = 1 if stage == "zero1" else MICRO
     gathers = 2 * MICRO if stage == "zero3" else 1
     for rank in ranks:

@@ -14,11 +14,10 @@ The options are validated by ``ZeroConfig`` alone, before any policy is made.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from lightning_zero.activations.checkpointing import ActivationPolicy
 from lightning_zero.comm.groups import GroupSizes
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, elements
 from lightning_zero.shards.policy import OffloadPolicy, OptimizerPolicy, StorePolicy
 from lightning_zero.stage3.plan import UnitPolicy, resolve_persistence_threshold
 from lightning_zero.stages import StagePolicy, policy_for
@@ -47,7 +46,7 @@ def policies_of(config: ZeroConfig) -> Policies:
     return Policies(
         stage=policy_for(config.stage),
         store=StorePolicy(
-            reduce_bucket_size=_elements(config.reduce_bucket_size),
+            reduce_bucket_size=elements(config.reduce_bucket_size),
             bucket_buffers=config.bucket_buffers,
             overlap_comm=config.overlap_comm,
             gradient_block=block if config.quantized_gradients else None,
@@ -70,8 +69,8 @@ def unit_policy(config: ZeroConfig) -> UnitPolicy:
     """Stage 3's unit policy under ``config`` (also what the memory estimate plans its units with)."""
     return UnitPolicy(
         unit_classes=config.unit_classes,
-        persistence_threshold=resolve_persistence_threshold(_elements(config.persistence_threshold)),
-        prefetch_size=int(config.prefetch_size),
+        persistence_threshold=resolve_persistence_threshold(elements(config.persistence_threshold)),
+        prefetch_size=elements(config.prefetch_size),
         lockstep_check=config.lockstep_check,
     )
 
@@ -87,8 +86,3 @@ def group_sizes(config: ZeroConfig, world_size: int, devices_per_node: int, num_
         devices_per_node,
         num_nodes,
     )
-
-
-def _elements(value: Optional[Union[int, float]]) -> Optional[int]:
-    """A number of elements as the int :class:`ZeroConfig` already made it (``1e6`` from YAML is ``1000000``)."""
-    return None if value is None else int(value)

@@ -26,7 +26,7 @@ from lightning_zero.activations.checkpointing import ActivationCheckpointing
 from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import GroupSizes, ShardGroups
 from lightning_zero.comm.traffic import Traffic
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, elements
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.policies import group_sizes
 from lightning_zero.memory.host_memory import release_freed_memory
@@ -218,8 +218,7 @@ class ZeroProcesses(_Mixin):
         except (AttributeError, ValueError, OSError):  # no real stderr (a captured or closed stream): nothing to enable
             pass
         if self.root_device.type == "cpu":
-            threshold = self.config.host_mmap_threshold
-            release_freed_memory(int(threshold) if threshold is not None else None)
+            release_freed_memory(elements(self.config.host_mmap_threshold))
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)

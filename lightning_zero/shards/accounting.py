@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.shards.optimizer import ShardedOptimizer
-from lightning_zero.shards.policy import Tier as Offload
+from lightning_zero.shards.policy import Tier
 from lightning_zero.stages import STAGES
 
 #: (working parameter, gradient, master + Adam states) bytes per parameter, by precision.
@@ -138,8 +138,8 @@ def expected_offload_bytes(
     world_size: int,
     stage: int,
     precision: str,
-    offload_optimizer: Offload = True,
-    offload_params: Offload = False,
+    offload_optimizer: Tier = True,
+    offload_params: Tier = False,
 ) -> tuple[float, float]:
     """``(device, host)`` bytes of model states per rank with ``offload_optimizer`` and/or ``offload_params`` (Adam).
 
