@@ -48,7 +48,6 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         medians = [statistics.median(r["step_times"]) for r in ok]
         row.update(step_median=statistics.median(steps), step_min=min(medians), step_max=max(medians),
                    step_best=min(steps),
-                   repeat_medians={r.get("repeat", i): m for i, (r, m) in enumerate(zip(ok, medians))},
                    peak_memory=max(r["peak_memory"] for r in ok),
                    peak_growth=max(r["peak_growth"] for r in ok),
                    model_states=ok[-1].get("model_states"), comm_bytes=ok[-1]["comm_bytes"],
@@ -57,8 +56,22 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    faults=statistics.median([f for r in ok for f in r.get("step_faults", [])] or [0]),
                    **_median_costs([c for r in ok for c in r.get("step_costs", [])]))
         rows.append(row)
-    _add_ratios(rows)
+    _add_ratios(rows, paired_ratios(records))
     return rows
+
+
+def paired_ratios(records: list[dict[str, Any]], key: str = "step_times") -> dict[tuple[int, str, str], list[float]]:
+    """Per (world size, size, strategy): its median step over DDP's median step *of the same repeat*, one ratio per
+    repeat (see [Note: what one row says]); ``key`` names the per-step times (``step_times`` wall, ``step_cpu``).
+    Records without a ``repeat`` number cannot be paired and are left out."""
+    step = {(r["world_size"], r["size_name"], r["strategy"], r["repeat"]): statistics.median(r[key])
+            for r in records if r.get(key) and "repeat" in r}
+    out: dict[tuple[int, str, str], list[float]] = {}
+    for (world_size, size_name, strategy, repeat), median in sorted(step.items()):
+        ddp = step.get((world_size, size_name, "ddp", repeat))
+        if ddp:
+            out.setdefault((world_size, size_name, strategy), []).append(median / ddp)
+    return out
 
 
 def _median_costs(steps: list[dict[str, int]]) -> dict[str, Optional[float]]:
@@ -69,7 +82,7 @@ def _median_costs(steps: list[dict[str, int]]) -> dict[str, Optional[float]]:
             "copied": statistics.median(c["copied_bytes"] for c in steps)}
 
 
-def _add_ratios(rows: list[dict[str, Any]]) -> None:
+def _add_ratios(rows: list[dict[str, Any]], paired: dict[tuple[int, str, str], list[float]]) -> None:
     base = {(r["world_size"], r["size"]): r for r in rows if r["strategy"] == "ddp" and "error" not in r}
     for row in rows:
         ddp = base.get((row["world_size"], row["size"]))
@@ -78,10 +91,9 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         for key in ("step_median", "step_best", "peak_memory", "peak_growth", "model_states", "comm_total", "faults"):
             if row.get(key) is not None and ddp.get(key):
                 row[f"{key}_vs_ddp"] = row[key] / ddp[key]
-        paired = [m / ddp["repeat_medians"][k] for k, m in row.get("repeat_medians", {}).items()
-                  if ddp.get("repeat_medians", {}).get(k)]
-        if paired:
-            row["repeat_ratio_min"], row["repeat_ratio_max"] = min(paired), max(paired)
+        each = paired.get((row["world_size"], row["size"], row["strategy"]))
+        if each:
+            row["repeat_ratio_min"], row["repeat_ratio_max"] = min(each), max(each)
 
 
 def _fmt(value: Optional[float], scale: float = 1.0, digits: int = 1) -> str:
@@ -146,7 +158,8 @@ def fit_markdown(fits: list[dict[str, Any]], budget: int, world_size: int, depth
     ddp = next((f["params"] for f in fits if f["strategy"] == "ddp" and f["params"]), None)
     out = [f"Budget {budget / MiB:,.0f} MiB per rank (growth of the rank's peak during `fit`), world size "
            f"{world_size}, depth {depth}; largest width found by bisection (multiples of 64).", "",
-           "| strategy | largest width | Ψ | Ψ vs ddp | peak growth at that width (MiB) | probes |", "|---|---|---|---|---|---|"]
+           "| strategy | largest width | Ψ | Ψ vs ddp | peak growth at that width (MiB) | probes |",
+           "|---|---|---|---|---|---|"]
     for f in fits:
         if f.get("error"):
             out.append(f"| {f['strategy']} | skipped: {f['error'][:150]} | | | | |")

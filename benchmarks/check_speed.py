@@ -4,15 +4,15 @@
     python -m benchmarks.check_speed --loaded         # two busy loops beside the run: 1.10x / 1.10x / 1.30x
     python -m benchmarks.check_speed --repeats 3 --metric cpu --out /tmp/speed
 
-Runs ``benchmarks.compare`` for ``ddp`` and ``zero1``-``zero3`` at N = 2 on the ``small`` GPT (5.3M parameters,
-fp32 AdamW, gradient clipping 1.0, the strategies' default options), interleaved over ``--repeats`` rounds, in the
-conditions a user's run has: glibc's own allocator settings (no ``MALLOC_MMAP_THRESHOLD_`` in the environment, see
-[Note: no allocator setting decides speed or memory] in ``lightning_zero/memory/host_memory.py``). It prints each strategy's median
-step time (``--metric wall``, the slowest rank's) or CPU time per step (``--metric cpu``, less sensitive to a shared
-machine), its ratio to DDP's, the ratio repeat by repeat (each repeat's median against DDP's in the same repeat: how
-far the machine's slow phases move it) and the page faults per step, and exits with status 1 when a ratio exceeds
-its limit (``--limit zero2=1.02`` overrides one). The machine's load average is printed: the idle limits assume an
-idle one.
+Runs ``benchmarks.compare`` for ``ddp`` and ``zero1``-``zero3`` at N = 2 on the ``small`` GPT (5.3M parameters, fp32
+AdamW, gradient clipping 1.0, the strategies' default options), interleaved over ``--repeats`` rounds, in the conditions
+a user's run has: glibc's own allocator settings (no ``MALLOC_MMAP_THRESHOLD_`` in the environment, see
+[Note: no allocator setting decides speed or memory] in ``lightning_zero/memory/host_memory.py``). It prints each
+strategy's median step time (``--metric wall``, the slowest rank's) or CPU time per step (``--metric cpu``, less
+sensitive to a shared machine), its ratio to DDP's, the ratio repeat by repeat (each repeat's median against DDP's in
+the same repeat: how far the machine's slow phases move it) and the page faults per step, and exits with status 1 when a
+ratio exceeds its limit (``--limit zero2=1.02`` overrides one). The machine's load average is printed: the idle limits
+assume an idle one.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from benchmarks._model import SIZES
+from benchmarks._report import paired_ratios as report_paired_ratios
 from benchmarks.compare import arguments as compare_arguments
 from benchmarks.compare import compare, environment, machine
 
@@ -67,13 +68,12 @@ def medians(records: list[dict[str, Any]], metric: str) -> dict[str, dict[str, f
 
 
 def paired_ratios(records: list[dict[str, Any]], metric: str) -> dict[str, list[float]]:
-    """Per strategy: its median step over DDP's median step *of the same repeat*, one ratio per repeat. The repeats
-    run close together in time, so these show how far a shared machine's slow phases move the ratio (the verdict
-    stays on the pooled medians of :func:`medians`, the issue's measure)."""
+    """Per strategy: its median step over DDP's median step *of the same repeat*, one ratio per repeat
+    (:func:`benchmarks._report.paired_ratios` for the one size timed). The repeats run close together in time, so
+    these show how far a shared machine's slow phases move the ratio (the verdict stays on the pooled medians of
+    :func:`medians`, the issue's measure)."""
     key = "step_times" if metric == "wall" else "step_cpu"
-    step = {(r["strategy"], r["repeat"]): statistics.median(r[key]) for r in records if r.get(key)}
-    return {name: [step[name, k] / step["ddp", k] for (n, k) in sorted(step) if n == name and ("ddp", k) in step]
-            for name in sorted({n for n, _ in step})}
+    return {strategy: ratios for (_, _, strategy), ratios in report_paired_ratios(records, key).items()}
 
 
 def main(argv: list[str]) -> int:
