@@ -351,7 +351,7 @@ class ZeroEngine(OptimizerSteps):
             optimizer_states=states.optimizer_states,
             pool=sum(s.sharded.pool.block_bytes for s in storages),
             buckets=sum(s.reducer.buffer_bytes for s in self.store.storages),
-            pin=sum(s.reducer.heap_pin.nbytes for s in self.store.storages if s.reducer.heap_pin and s.reducer.heap_pin.block is not None),
+            pin=sum(s.reducer.heap_pin.held for s in self.store.storages if s.reducer.heap_pin is not None),
         )
 
     def summary(self) -> str:

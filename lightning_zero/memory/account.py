@@ -17,12 +17,14 @@ read one thing:
   the interpreter's own small-object arenas and the threads' stacks;
 - file pages mapped (``RssFile + RssShmem``): libraries loaded after the reference.
 
-The resident memory is ``RssAnon + RssFile + RssShmem``, so the parts add up to it at the moment of the reading. What makes an account worth reading is *when* it is taken: a
-:class:`MemoryLedger` reads the counters at the points of a step where the memory is highest (after setup, at the
-first gradient of each backward, when the activations are all alive, at the end of each backward and of each step)
-and keeps the reading with the highest resident memory, with the engine's parts at that moment. Its total is then
+The resident memory is ``RssAnon + RssFile + RssShmem``, so the parts add up to it at the moment of the reading.
+What makes an account worth reading is *when* it is taken: a :class:`MemoryLedger` reads the counters at the points
+of a run where the memory is highest (the end of setup; the first gradient of each backward, when the activations are
+all alive; the end of each backward and of each optimizer step; the hand-back of the full weights at teardown) and
+keeps the reading with the highest resident memory, with the engine's parts at that moment. Its total is then
 compared with the high-water mark: what the readings missed (a peak between two of them) shows as the difference.
-On a GPU the device's own allocator answers instead; this account is the host's.
+The account is the host's: on a GPU the device's own allocator counts the device's memory, and the engine does not
+read these counters.
 """
 
 from __future__ import annotations
