@@ -73,6 +73,20 @@ def test_buckets_and_gathered_units_are_bounded_by_options_and_the_largest_unit(
         assert units["pool_bytes"] < 0.5 * 4 * (root + sum(blocks)), units  # far from the whole model
 
 
+def test_zero3_hands_back_the_full_weights_in_place_of_its_shards(ranks):
+    """After ``fit`` stage 3 holds the full fp32 weights (4 bytes per parameter, every rank) and its optimizer states,
+    and nothing else of the run: no master shard beside the full weights (the optimizer steps on views of them), no
+    gradient shard, no unit blocks, no bucket buffers (see [Note: the hand-back does not stack on the step's memory]
+    in ``stage3/partitioned.py``)."""
+    for rank in ranks:
+        zero3 = rank["zero3"]["after_fit"]
+        assert zero3["params"] == 4 * zero3["flat_elements"] >= 4 * rank["zero3"]["numel"], zero3  # the full weights
+        assert zero3["master"] == zero3["grads"] == zero3["pool"] == zero3["buckets"] == 0, zero3
+        assert zero3["optimizer_masters_in_params"], zero3
+        # Adam's two states of this rank's shard, as during the run
+        assert zero3["optimizer_states"] == rank["zero3"]["states"]["optimizer_states"], zero3
+
+
 def test_a_step_in_pieces_is_bitwise_one_step():
     """Elementwise optimizers step in bucket-size pieces (constant temporaries) with the results of one call."""
     import torch

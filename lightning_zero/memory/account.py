@@ -164,8 +164,9 @@ class MemoryAccount:
 
     @property
     def peak(self) -> int:
-        """The high-water mark above the reference (the process's own peak, whenever it was)."""
-        return self.now.peak - self.reference.resident
+        """The high-water mark above the reference (the process's own peak, whenever it was; the kernel updates
+        ``VmHWM`` lazily, so never below the reading itself)."""
+        return max(self.now.peak, self.now.resident) - self.reference.resident
 
     @property
     def other_live(self) -> int:
