@@ -250,6 +250,47 @@ def test_each_guard_counts_its_step_boundaries_for_its_deadline():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def test_the_deadline_runs_from_the_first_signal_whatever_signals_follow(monkeypatch):
+    """A scheduler that sends SIGTERM again and again (and a user's Ctrl-C on top) does not postpone the deadline: it
+    ends the rank ``shutdown_timeout`` seconds after the first signal, naming that signal. The watchdog's clock is
+    this test's (a fake ``time.monotonic``), and the test waits for each of its waits, so nothing depends on timing."""
+    import queue
+    import types
+
+    from lightning_zero.process import deadline
+
+    clock, waits, ended = [0.0], queue.Queue(), []
+
+    def select(readers, writers, errors, timeout):  # the thread's wait, seen by the test
+        waits.put(timeout)
+        return original_select(readers, writers, errors, None if timeout is None else max(timeout, 0.0))
+
+    def end(signum, timeout, generation, boundaries):  # instead of the report and `os._exit`
+        ended.append((signal.Signals(signum).name, timeout, clock[0]))
+        watchdog._writer.send(deadline._STOP)  # the thread returns at its next wait
+
+    original_select = deadline.select.select
+    monkeypatch.setattr(deadline, "select", types.SimpleNamespace(select=select))
+    monkeypatch.setattr(deadline, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(deadline, "_end", end)
+    previous = {s: signal.signal(s, lambda *args: None) for s in (signal.SIGTERM, signal.SIGINT)}  # C handler on
+    watchdog = deadline.Watchdog(10.0, 0, deadline.Progress())
+    try:
+        assert waits.get(timeout=30) is None  # no deadline yet
+        for now, signum in ((0.0, signal.SIGTERM), (4.0, signal.SIGTERM), (6.0, signal.SIGINT), (9.5, signal.SIGTERM)):
+            clock[0] = now
+            os.kill(os.getpid(), signum)
+            assert waits.get(timeout=30) == pytest.approx(10.0 - now), f"after the signal at {now} s"
+        clock[0] = 10.5
+        os.kill(os.getpid(), signal.SIGTERM)
+        watchdog._thread.join(timeout=30)
+        assert ended == [("SIGTERM", 10.0, 10.5)]  # at the first deadline past, for the first signal
+    finally:
+        watchdog.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 CLEAN_EXIT_RUNS = 12  # an abort in 1 run of 4 goes unseen by all 12 with probability (3/4)**12, about 3 %
 CLEAN_EXIT_RUNS_AT_ONCE = 4  # independent runs side by side: a run mostly waits (rendezvous, ranks taking turns)
 
