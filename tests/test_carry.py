@@ -134,6 +134,23 @@ def test_two_models_resume_exactly_from_one_checkpoint(gan_ranks, strategy):
 
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("strategy", GAN)
+@pytest.mark.parametrize("when", ["rolled_back", "after_eval"])
+def test_two_models_that_trained_load_the_checkpoint_and_train_on_as_the_uninterrupted_run(gan_ranks, strategy, when):
+    """The models and optimizers of the run load its checkpoint of step 2 (right after their last step, and after an
+    evaluation forward): the steps after it are the run's own, bit for bit, as for fresh models; under zero3 every
+    unit holds the loaded weights, the one gathered ahead of the next step included."""
+    for rank in gan_ranks:
+        run = rank[strategy]
+        again = run[when]
+        assert again["step"] == 2
+        assert len(again["losses"]) == 4 and again["losses"] == run["losses"][4:]
+        assert run["end"] and again["end"].keys() == run["end"].keys()
+        for name, value in run["end"].items():
+            assert torch.equal(again["end"][name], value), name
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
 def test_the_checkpoint_of_two_models_inspects_and_consolidates(gan_ranks, strategy, tmp_path):
     import lightning_zero
     from lightning_zero.cli import main
