@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -43,9 +44,24 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert codes == [0, 0], f"the uninterrupted run failed: {codes}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
            "1", str(ROOT / "tests" / "workers" / "restart.py"), str(restarted), str(KILL_AT)]
-    code = run_in_own_session(cmd, _env(), restarted, restarted / "torchrun.log", RUN_TIMEOUT)
+    try:
+        code = run_in_own_session(cmd, _env(), restarted, restarted / "torchrun.log", RUN_TIMEOUT)
+    finally:
+        _end_workers(restarted)
     assert code == 0, (restarted / "torchrun.log").read_text()[-6000:]
     return {"plain": plain, "restarted": restarted}
+
+
+def _end_workers(out: Path) -> None:
+    """SIGKILL every worker of the run still alive: torchrun starts them in sessions of their own, which the end of
+    its own session does not reach (each worker left its id in ``out``)."""
+    for marker in out.glob("pid-*"):
+        pid = int(marker.name[4:])
+        try:
+            if b"restart.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)

@@ -7,7 +7,8 @@ the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) rank 1 kills itsel
 ``KILL_AT``): a chosen point, not a time. Every rank appends one JSON line per training step to
 ``OUT/losses-rank<r>.jsonl``: the attempt, the global step after it and the loss. At the start of training each
 rank writes the timeout of every process group of the process, by torch's own account, to
-``OUT/timeouts-rank<r>-attempt<a>.json`` (the strategy's ``timeout`` is :data:`TIMEOUT` seconds).
+``OUT/timeouts-rank<r>-attempt<a>.json`` (the strategy's ``timeout`` is :data:`TIMEOUT` seconds). Each process
+leaves its id as ``OUT/pid-<id>``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Record(L.Callback):
 
 def main() -> None:
     out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+    (out / f"pid-{os.getpid()}").touch()  # torchrun starts each worker in a session of its own: the test ends them
     L.seed_everything(0, verbose=False)
     torch.set_num_threads(1)
     model = OneBatchPerEpoch(width=32, depth=2)
