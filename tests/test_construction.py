@@ -2,7 +2,8 @@
 
 Single-process tests compare the replayed values of a recorded construction with eager construction tensor by
 tensor, bit for bit; the 2-rank test trains Hugging Face GPT-2 and Llama (tiny configs, nothing downloaded), the test
-GPT and a module tied the other way under ddp and every ZeRO stage, and compares initial states and per-step losses.
+GPT, a module tied the other way and one drawing its weights from torch's random factories (and dropout after) under
+ddp and every ZeRO stage, and compares initial states and per-step losses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lightning_zero.testing.launch import launch
 
 transformers = pytest.importorskip("transformers")
 
-MODELS = ["gpt2", "llama_tied", "llama", "gpt", "reverse_tied"]
+MODELS = ["gpt2", "llama_tied", "llama", "gpt", "reverse_tied", "random_factories"]
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 RTOL = 1e-5
 
