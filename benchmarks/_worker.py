@@ -140,7 +140,12 @@ class AccountProbe(L.Callback):
     """The account of this rank's memory (see [Note: the account of a rank's memory] in
     ``lightning_zero/memory/account.py``) read at the same points of every strategy's steps, DDP's and FSDP2's too:
     the end of setup, of each forward, backward and step. ZeRO's engine also reads it inside its backward and at its
-    teardown; :meth:`result` keeps the highest of both."""
+    teardown; :meth:`result` keeps the highest of both.
+
+    An optimizer step's temporaries (``foreach`` AdamW's, a whole shard's or DDP's whole model's at once) are gone by
+    its end, so no reading sees them: the resident high-water mark is reset when each step starts and read when it
+    ends, and the step whose peak is the run's highest is accounted as its end's reading plus "the optimizer step's
+    temporaries" (its peak above its end). The run's peak is the highest mark over those resets."""
 
     def __init__(self) -> None:
         from lightning_zero.memory.account import MemoryLedger
@@ -148,6 +153,10 @@ class AccountProbe(L.Callback):
         self.module: Optional[L.LightningModule] = None
         self.trainer: Optional[L.Trainer] = None
         self.ledger = MemoryLedger(self._parts)
+        self.mark = 0
+        """The highest ``VmHWM`` read before a reset."""
+        self.step: Optional[tuple[int, Any]] = None
+        """The highest step peak (``VmHWM`` at a step's end since its start) and the reading at that step's end."""
 
     def _parts(self) -> Any:
         from lightning_zero.memory.account import EngineMemory
@@ -173,21 +182,39 @@ class AccountProbe(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._note(trainer, pl_module, "the end of a backward")
 
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_zero.memory.account import status_bytes
+
+        self.mark = max(self.mark, status_bytes("VmHWM"))
+        probes.reset_peak_memory()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        from lightning_zero.memory.account import MemoryAccount, ProcessMemory
+
         self._note(trainer, pl_module, "the end of an optimizer step")
+        now = ProcessMemory.read()
+        if self.step is None or now.peak > self.step[0]:
+            self.step = (now.peak, MemoryAccount("the end of an optimizer step", now, self._parts()))
 
     def result(self, trainer: L.Trainer) -> dict[str, Any]:
-        """The highest reading (the probe's or the engine's), its parts, and the whole run's high-water mark (the
-        teardown included) above the level after imports, in bytes."""
+        """The reading that explains the highest peak (the probe's, the engine's, or a step's end with the step's
+        temporaries), its parts, and the whole run's high-water mark (the teardown included) above the level after
+        imports, in bytes."""
         from lightning_zero.memory.account import IMPORTED, status_bytes
 
         engine = getattr(trainer.strategy, "engine", None)
         readings = [self.ledger.account()] + ([engine.memory.account()] if hasattr(engine, "memory") else [])
-        best = max((r for r in readings if r is not None), key=lambda r: r.resident, default=None)
-        whole = status_bytes("VmHWM") - IMPORTED.resident
-        if best is None:
+        candidates = [(r.resident, r, 0) for r in readings if r is not None]
+        if self.step is not None:
+            peak, reading = self.step
+            temporaries = max(0, peak - reading.now.resident)
+            candidates.append((reading.resident + temporaries, reading, temporaries))
+        whole = max(self.mark, status_bytes("VmHWM")) - IMPORTED.resident
+        if not candidates:
             return {"whole_peak": whole}
-        return {"whole_peak": whole, "at": best.at, "resident": best.resident, "parts": best.parts()}
+        _, best, temporaries = max(candidates, key=lambda c: c[0])
+        parts = {**best.parts(), "the optimizer step's temporaries": temporaries}
+        return {"whole_peak": whole, "at": best.at, "resident": best.resident, "parts": parts}
 
 
 def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int]:

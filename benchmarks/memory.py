@@ -18,7 +18,8 @@ process; one launch of gloo ranks per strategy, ``benchmarks._worker``), the who
 rank above its level after imports, teardown included (stage 3 hands the full weights back there), against DDP's,
 and the account of the rank with the highest peak at its highest reading, part by part (see [Note: the account of a
 rank's memory] in ``lightning_zero/memory/account.py``): model states by kind, stage 3's gathered units, bucket
-buffers, activations and other live heap, the allocator's free heap with the interpreter and stacks, files mapped.
+buffers, activations and other live heap, the allocator's free heap with the interpreter and stacks, files mapped,
+and an optimizer step's temporaries where the peak lies inside a step (see ``_worker.AccountProbe``).
 The last column is the sum of the parts against the peak: the parts are read at chosen points of a step, so a peak
 between two readings shows there.
 
@@ -123,6 +124,7 @@ ACCOUNT_PARTS = {
     "activations and other live heap": "other live",
     "allocator's free heap, interpreter, stacks": "free heap etc.",
     "files mapped": "files",
+    "the optimizer step's temporaries": "step temps",
 }
 
 
