@@ -253,9 +253,10 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     account = AccountProbe() if cfg.get("account") and not cfg.get("gpu") else None
     trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket"), cfg.get("options")),
                         accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
-                        max_steps=cfg["steps"], gradient_clip_val=cfg.get("clip"), callbacks=[probe] + [c for c in (phases, account) if c is not None], logger=False,
-                        enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                        max_steps=cfg["steps"], gradient_clip_val=cfg.get("clip"),
+                        callbacks=[probe] + [c for c in (phases, account) if c is not None], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
     if profiler is not None:
         profiler.__enter__()
     cpu0 = time.process_time()

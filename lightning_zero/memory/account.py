@@ -122,8 +122,14 @@ class ProcessMemory:
         )
 
 
-#: The level after the user's imports: read when ``lightning_zero`` is imported.
+#: The level after the user's imports: read when ``lightning_zero`` has been imported (:func:`mark_imported`).
 IMPORTED = ProcessMemory.read()
+
+
+def mark_imported() -> None:
+    """Read :data:`IMPORTED` again: the package's ``__init__`` calls it once its own imports are done."""
+    global IMPORTED
+    IMPORTED = ProcessMemory.read()
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class MemoryAccount:
     """Where in the run the reading was taken."""
     now: ProcessMemory
     engine: EngineMemory
-    reference: ProcessMemory = field(default=IMPORTED)
+    reference: ProcessMemory = field(default_factory=lambda: IMPORTED)
 
     @property
     def resident(self) -> int:
