@@ -148,6 +148,26 @@ def test_the_checkpoint_of_two_models_inspects_and_consolidates(gan_ranks, strat
     assert len(full["optimizer_states"]) == 2
 
 
+@pytest.fixture(scope="module")
+def detached_gan_ranks(tmp_path_factory) -> list[dict]:
+    return launch("gan_detached.py", 2, tmp_path_factory.mktemp("gan_detached"), timeout=300)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero3-units"])
+def test_the_generator_backward_after_the_discriminator_step_on_its_detached_output_matches_ddp(
+    detached_gan_ranks, strategy
+):
+    """Fabric's DCGAN order: the discriminator's backward (on ``fake.detach()``) ends before the generator's, whose
+    graph still holds views of the generator's gathered parameters."""
+    for rank in detached_gan_ranks:
+        ddp, zero = rank["ddp"], rank[strategy]
+        assert len(zero["losses"]) == 6 and zero["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+        assert zero["end"].keys() == ddp["end"].keys()
+        for name, value in ddp["end"].items():
+            torch.testing.assert_close(zero["end"][name], value, rtol=1e-6, atol=1e-7)
+
+
 # ---------------------------------------------------------------------- a model set up again
 def _model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)

@@ -207,7 +207,9 @@ class ZeroEngine(OptimizerSteps):
     def _unit_runtime(self) -> UnitRuntime:
         """Stage 3's runtime over the store's storages as they are now."""
         units = self.policies.units
-        return UnitRuntime(self.unit_plan, self._partitioned_storages, units.prefetch_size, units.lockstep_check)
+        return UnitRuntime(
+            self.unit_plan, self._partitioned_storages, units.prefetch_size, units.lockstep_check, model=self.module
+        )
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
