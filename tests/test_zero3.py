@@ -63,6 +63,17 @@ def test_ranks_running_different_units_fail_at_once_with_the_skipped_unit_named(
     assert all(rank["checks_at_once"][1] == expected for rank in ranks), ranks
 
 
+def test_ranks_given_different_numbers_of_batches_fail_with_the_likely_cause_and_nothing_after(tmp_path):
+    # rank 1 runs out of data and gathers the weights back at teardown while rank 0 waits at its next step: both fail
+    # at the process group's timeout (5 s), naming uneven data, and Lightning's teardown after it raises nothing more
+    ranks = launch("uneven.py", 2, tmp_path, timeout=120)
+    for rank in ranks:
+        kind, message, _ = rank["error"]
+        assert kind == "RuntimeError" and "ran out of data" in message, rank["error"]
+        assert math.isfinite(rank["state_sum"])
+    assert "gather the full weights back" in ranks[1]["error"][1], ranks[1]["error"]
+
+
 def test_lockstep_check_names_each_ranks_unit_and_what_was_skipped():
     from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, LockstepCheck
 
