@@ -65,6 +65,8 @@ def test_signal_inside_a_sharded_checkpoint_write(tmp_path, signal_name):
         tmp_path, f"point=save.written,signal={signal_name},rank=0,target=group,occurrence=2")
     assert_clean_stop(code, text, signal_name)
     assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2, "epoch=0-step=4.ckpt": 4}
+    last = tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    assert f"at global step 4: resume with `ckpt_path={str(last)!r}`" in text, text[-3000:]
 
 
 def test_sigint_inside_a_full_checkpoint_write(tmp_path):
@@ -193,6 +195,23 @@ def test_a_second_ctrl_c_claims_no_agreed_stop():
         guard.remove()
     guard.raise_pending()  # raised `Stopped` ("every rank stopped at the same step boundary") before
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_stop_message_nobody_can_read_changes_nothing(monkeypatch):
+    """``python train.py 2>&1 | tee log`` and Ctrl-C: ``tee`` is gone before the stop message is printed."""
+    from lightning_zero.process.shutdown import SignalGuard, Stopped
+
+    read, write = os.pipe()
+    os.close(read)  # the reader (tee) ended with the signal
+    stderr = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stderr", stderr)
+    guard = SignalGuard()
+    guard.where = lambda: ", at global step 4: resume with `ckpt_path='ckpts/last.ckpt'`, the last checkpoint."
+    with pytest.raises(Stopped, match="every rank stopped at the same step boundary, at global step 4: resume with"):
+        guard._act({signal.SIGINT: 1, signal.SIGTERM: 0, signal.SIGUSR1: 0})
+    stderr.write("Lightning's own message, then the flush at exit\n")
+    stderr.flush()  # the stream now writes to os.devnull: nothing fails
+    stderr.close()
 
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():
