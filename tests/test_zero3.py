@@ -129,6 +129,19 @@ def test_persistence_threshold_none_is_the_same_number_at_every_size():
     assert plan_units(small, persistence_threshold=numel).names == ["<root>"]  # a number above the size: whole
 
 
+def test_the_blocks_named_in_unit_classes_are_units_whatever_their_size():
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.engine.policies import unit_policy
+    from tests.models import Block, TinyGPT
+
+    model = TinyGPT(width=16, depth=3)  # blocks of about 3K elements, far below the default threshold
+    assert unit_policy(ZeroConfig(stage=3)).plan(model).names == ["<root>"]
+    named = unit_policy(ZeroConfig(stage=3, unit_classes=[Block])).plan(model)
+    assert named.names == ["<root>", "blocks.0", "blocks.1", "blocks.2"]  # ln_f, not named, still joins the root
+    chosen = unit_policy(ZeroConfig(stage=3, unit_classes=[Block], persistence_threshold=10**6)).plan(model)
+    assert chosen.names == ["<root>"]  # a threshold the user sets decides for the named blocks too
+
+
 def test_a_model_gathered_whole_trains_as_unit_by_unit():
     # blocks of 263k elements: units under the default (100,000), one root under a threshold above the model's size;
     # a step of each plan gives the same weights, bit for bit
