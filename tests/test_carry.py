@@ -196,6 +196,18 @@ def _fabric(stage: int) -> L.Fabric:
     return fabric
 
 
+def test_inspect_shows_the_progress_a_fabric_checkpoint_saved(tmp_path, capsys):
+    from lightning_zero.cli import main
+
+    fabric = _fabric(2)
+    model, x, y = _model_and_data()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.05))
+    fabric.save(tmp_path / "run.ckpt", {"model": model, "optimizer": optimizer, "step": 7, "epoch_of_data": 2})
+    assert main(["inspect", str(tmp_path / "run.ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "progress     step 7, epoch_of_data 2 (saved beside the models" in out and "None" not in out, out
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_model_set_up_again_trains_as_one_setup(stage):
     fabric = _fabric(stage)
