@@ -215,7 +215,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             self.precision_plugin,
             self.config,
             self._auto_budget,
-            lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")),
+            lambda x, op: float(self.reduce(torch.tensor(x, dtype=torch.float64), reduce_op=op)),
             (self.world_size, self.num_processes),
         )
         self.config = self._auto.choice.chosen.candidate.apply(self.config)
