@@ -53,6 +53,29 @@ def test_the_readme_is_a_first_screen() -> None:
         "and link it from the README")
 
 
+# [Note: no figure that changes with every commit]
+# The number of tests and the seconds the suite or its fast tier takes change with every commit and every machine: a
+# page that quotes them is wrong soon after. The docs quote neither (the examples' run times are measured once, with
+# the machine named).
+_SUITE_FIGURES = re.compile(
+    r"\b\d[\d,]* (?:tests )?(?:passed|skipped)\b|\d+-second fast tier|fast tier \((?:under|about|in) [^)]*\d"
+)
+
+
+def test_the_docs_quote_no_test_count_or_suite_duration() -> None:
+    found = [(path.name, m.group(0)) for path in _markdown_files()
+             for m in _SUITE_FIGURES.finditer(path.read_text(encoding="utf-8"))]
+    assert not found, f"figures that change with every commit (see [Note: no figure ...] here): {found}"
+
+
+def test_the_trainer_page_counts_the_registered_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    words = {9: "nine", 12: "twelve", 15: "fifteen"}
+    names = [name for name in StrategyRegistry if name.startswith("zero")]
+    assert f"These {words[len(names)]} names" in (ROOT / "docs" / "trainer.md").read_text(encoding="utf-8")
+
+
 def test_every_relative_link_resolves() -> None:
     broken = []
     for path in _markdown_files():
