@@ -76,6 +76,20 @@ def test_the_trainer_page_counts_the_registered_names() -> None:
     assert f"These {words[len(names)]} names" in (ROOT / "docs" / "trainer.md").read_text(encoding="utf-8")
 
 
+def test_the_declared_torch_range_is_bounded_holds_this_torch_and_is_the_readmes() -> None:
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = Requirement(re.search(r'^\s*"(torch[^"]*)",', text, flags=re.MULTILINE).group(1)).specifier
+    assert Version(torch.__version__.split("+")[0]) in declared
+    low, high = (re.search(rf"{op}(\d+\.\d+)", str(declared)).group(1) for op in (">=", "<"))
+    assert Version("2.15") not in declared  # a release nobody ran the tests on
+    last = f"{high.split('.')[0]}.{int(high.split('.')[1]) - 1}"
+    assert f"declares torch {low} to {last}" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_every_relative_link_resolves() -> None:
     broken = []
     for path in _markdown_files():
