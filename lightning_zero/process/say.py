@@ -6,8 +6,8 @@ stderr that may be a pipe: ``python train.py 2>&1 | tee log``. Ctrl-C reaches ``
 write to a pipe without a reader raises ``BrokenPipeError`` (Python ignores ``SIGPIPE``) where the stop was under
 way, and again when the interpreter flushes the stream at exit: the exit status is then that of the failed write,
 not the documented one. So such a line is dropped when it cannot be written, and the stream's descriptor is pointed
-at ``os.devnull`` (what Python's documentation advises for ``SIGPIPE``): later writes, Lightning's own messages and
-the flush at exit included, go nowhere instead of failing.
+at ``os.devnull`` (what Python's documentation advises for ``SIGPIPE``), stdout's too when it is the same pipe
+(``2>&1``): later writes, Lightning's own messages and the flush at exit included, go nowhere instead of failing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,17 @@ def say(line: str, stream: Optional[TextIO] = None) -> None:
     try:
         print(line, file=stream, flush=True)
     except (OSError, ValueError):  # a pipe without a reader, or a stream already closed
-        _silence(stream)
+        others = [s for s in (sys.stdout, sys.stderr) if s is not None and s is not stream and _same_file(s, stream)]
+        for each in [stream, *others]:  # the same pipe found before any of them is silenced
+            _silence(each)
+
+
+def _same_file(a: TextIO, b: TextIO) -> bool:
+    """Whether two streams write to the same open file (``2>&1``)."""
+    try:
+        return os.path.sameopenfile(a.fileno(), b.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _silence(stream: TextIO) -> None:
