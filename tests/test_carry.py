@@ -163,9 +163,11 @@ def test_the_generator_backward_after_the_discriminator_step_on_its_detached_out
     for rank in detached_gan_ranks:
         ddp, zero = rank["ddp"], rank[strategy]
         assert len(zero["losses"]) == 6 and zero["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
-        assert zero["end"].keys() == ddp["end"].keys()
-        for name, value in ddp["end"].items():
-            torch.testing.assert_close(zero["end"][name], value, rtol=1e-6, atol=1e-7)
+        assert len(zero["weights"]) == len(ddp["weights"]) == 3
+        for step, (actual, expected) in enumerate(zip(zero["weights"], ddp["weights"])):  # after every step
+            assert actual.keys() == expected.keys()
+            for name, value in expected.items():
+                torch.testing.assert_close(actual[name], value, rtol=1e-6, atol=1e-7, msg=f"step {step}: {name}")
 
 
 # ---------------------------------------------------------------------- a model set up again

@@ -3,7 +3,7 @@ discriminator's step on ``fake.detach()``; then the generator's loss through the
 whose graph the discriminator's backward left pending. Under ``ddp`` (the oracle), ``zero1/2``, ``zero3`` with the
 default units (each model one root unit) and ``zero3`` with every layer a unit (``persistence_threshold=0``).
 
-Saves per strategy the losses and the weights at the end.
+Saves per strategy the losses and the weights of both models after every step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def make(name: str) -> tuple[Fabric, Any, Any, Any, Any]:
 
 def run(name: str) -> dict[str, Any]:
     fabric, g, d, opt_g, opt_d = make(name)
-    losses = []
+    losses: list[float] = []
+    weights: list[dict[str, torch.Tensor]] = []
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(1000 * fabric.global_rank + step)
         real, noise = torch.randn(4, 4, generator=generator) + 1.0, torch.randn(4, 8, generator=generator)
@@ -56,10 +57,13 @@ def run(name: str) -> dict[str, Any]:
         fabric.backward(g_loss)
         opt_g.step()
         losses += [d_loss.item(), g_loss.item()]
-    gathered = fabric.strategy.gathered_parameters() if name != "ddp" else torch.no_grad()
-    with gathered:
-        end = {f"{i}.{k}": v.detach().clone() for i, m in enumerate((g, d)) for k, v in m.state_dict().items()}
-    return {"losses": losses, "end": end}
+        weights.append(gathered_weights(fabric, name, g, d))
+    return {"losses": losses, "weights": weights}
+
+
+def gathered_weights(fabric: Fabric, name: str, *models: Any) -> dict[str, torch.Tensor]:
+    with fabric.strategy.gathered_parameters() if name != "ddp" else torch.no_grad():
+        return {f"{i}.{k}": v.detach().clone() for i, m in enumerate(models) for k, v in m.state_dict().items()}
 
 
 def main() -> None:
