@@ -136,6 +136,87 @@ class PhaseProbe(L.Callback):
         return self.baseline + max(self.phases.values(), default=0)
 
 
+class AccountProbe(L.Callback):
+    """The account of this rank's memory (see [Note: the account of a rank's memory] in
+    ``lightning_zero/memory/account.py``) read at the same points of every strategy's steps, DDP's and FSDP2's too:
+    the end of setup, of each forward, backward and step. ZeRO's engine also reads it inside its backward and at its
+    teardown; :meth:`result` keeps the highest of both.
+
+    An optimizer step's temporaries (``foreach`` AdamW's, a whole shard's or DDP's whole model's at once) are gone by
+    its end, so no reading sees them: the resident high-water mark is reset when each step starts and read when it
+    ends, and the step whose peak is the run's highest is accounted as its end's reading plus "the optimizer step's
+    temporaries" (its peak above its end). The run's peak is the highest mark over those resets."""
+
+    def __init__(self) -> None:
+        from lightning_zero.memory.account import MemoryLedger
+
+        self.module: Optional[L.LightningModule] = None
+        self.trainer: Optional[L.Trainer] = None
+        self.ledger = MemoryLedger(self._parts)
+        self.mark = 0
+        """The highest ``VmHWM`` read before a reset."""
+        self.step: Optional[tuple[int, Any]] = None
+        """The highest step peak (``VmHWM`` at a step's end since its start) and the reading at that step's end."""
+
+    def _parts(self) -> Any:
+        from lightning_zero.memory.account import EngineMemory
+
+        assert self.trainer is not None and self.module is not None
+        engine = _counting_engine(self.trainer)
+        if engine is not None:
+            return engine.memory_parts()
+        states = _model_states(self.trainer, self.module)  # DDP's buckets are C++'s: among "other live heap"
+        return EngineMemory(params=states["params"], grads=states["grads"], master=states.get("master", 0),
+                            optimizer_states=states["optimizer_states"])
+
+    def _note(self, trainer: L.Trainer, pl_module: L.LightningModule, at: str) -> None:
+        self.trainer, self.module = trainer, pl_module
+        self.ledger.note(at)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._note(trainer, pl_module, "the end of setup")
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._note(trainer, pl_module, "the end of a forward")
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._note(trainer, pl_module, "the end of a backward")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_zero.memory.account import status_bytes
+
+        self.mark = max(self.mark, status_bytes("VmHWM"))
+        probes.reset_peak_memory()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        from lightning_zero.memory.account import MemoryAccount, ProcessMemory
+
+        self._note(trainer, pl_module, "the end of an optimizer step")
+        now = ProcessMemory.read()
+        if self.step is None or now.peak > self.step[0]:
+            self.step = (now.peak, MemoryAccount("the end of an optimizer step", now, self._parts()))
+
+    def result(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The reading that explains the highest peak (the probe's, the engine's, or a step's end with the step's
+        temporaries), its parts, and the whole run's high-water mark (the teardown included) above the level after
+        imports, in bytes."""
+        from lightning_zero.memory.account import IMPORTED, status_bytes
+
+        engine = getattr(trainer.strategy, "engine", None)
+        readings = [self.ledger.account()] + ([engine.memory.account()] if hasattr(engine, "memory") else [])
+        candidates = [(r.resident, r, 0) for r in readings if r is not None]
+        if self.step is not None:
+            peak, reading = self.step
+            temporaries = max(0, peak - reading.now.resident)
+            candidates.append((reading.resident + temporaries, reading, temporaries))
+        whole = max(self.mark, status_bytes("VmHWM")) - IMPORTED.resident
+        if not candidates:
+            return {"whole_peak": whole}
+        _, best, temporaries = max(candidates, key=lambda c: c[0])
+        parts = {**best.parts(), "the optimizer step's temporaries": temporaries}
+        return {"whole_peak": whole, "at": best.at, "resident": best.resident, "parts": parts}
+
+
 def _model_states(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int]:
     if isinstance(pl_module, FSDP2GPT):
         return peers.fsdp2_model_states(pl_module, trainer.optimizers)
@@ -169,9 +250,10 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
     profiler = _profiler(cfg, out)
     probe = Probe(probes.StepTimer(cfg["warmup"], device), measure_at=min(2, cfg["steps"] - 1), profiler=profiler)
     phases = PhaseProbe(baseline) if cfg.get("phases") and not cfg.get("gpu") else None
+    account = AccountProbe() if cfg.get("account") and not cfg.get("gpu") else None
     trainer = L.Trainer(strategy=_strategy(name, world_size, cfg.get("bucket"), cfg.get("options")),
                         accelerator=accelerator, devices=world_size, precision=cfg.get("precision", "32-true"),
-                        max_steps=cfg["steps"], gradient_clip_val=cfg.get("clip"), callbacks=[probe] + ([phases] if phases else []), logger=False,
+                        max_steps=cfg["steps"], gradient_clip_val=cfg.get("clip"), callbacks=[probe] + [c for c in (phases, account) if c is not None], logger=False,
                         enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     if profiler is not None:
@@ -184,6 +266,8 @@ def run_lightning(cfg: dict[str, Any], size: GPTSize, world_size: int, out: Path
         _write_profile(profiler, cfg, out)
     extra = {} if phases is None else {"phases": phases.phases, "levels": phases.levels, "peak_memory": phases.peak,
                                        "phase_seconds": phases.seconds}
+    if account is not None:  # after fit returned: the teardown (stage 3's hand-back) is part of the run's peak
+        extra["account"] = account.result(trainer)
     return {**probe.timer.summary(), "step_costs": probe.costs, "states": probe.states, "peak_memory": probe.peak, "loss": model.last_loss,
             "cpu_seconds": cpu_seconds, "host_peak": probes.peak_memory(torch.device("cpu")),
             "disk_io": {"read": disk.COUNTERS.read, "written": disk.COUNTERS.written}, **extra}

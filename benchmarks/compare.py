@@ -134,7 +134,8 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_seconds": [r.get("cpu_seconds") for r in ranks],
             "host_peak": max(r.get("host_peak", 0) for r in ranks),
             "disk_io": [r.get("disk_io") for r in ranks],
-            **{k: top[k] for k in ("phases", "levels", "phase_seconds") if k in top}}
+            **{k: top[k] for k in ("phases", "levels", "phase_seconds") if k in top},
+            "accounts": [r["account"] for r in ranks if "account" in r]}
 
 
 def _median(values: list[float]) -> float:

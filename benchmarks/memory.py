@@ -1,4 +1,7 @@
-"""Memory per rank, stage by stage, against DDP, the paper's table and the peers: two measurements.
+"""Memory per rank, stage by stage, against DDP, the paper's table and the peers: three measurements.
+
+    python -m benchmarks.memory account                  # every byte of a rank at its peak: 25.5M and 85.4M, N = 2, 4
+    python -m benchmarks.memory account --sizes states --world-sizes 4 --json account.json
 
     python -m benchmarks.memory states                   # MLP LM, width 768 (~4.8M params), world sizes 2 and 4
     python -m benchmarks.memory states --model gpt --width 512 --depth 6     # GPT, ~19M params, tied embeddings
@@ -9,6 +12,16 @@
 ``states``: measured model-state bytes and peak memory per rank, and traffic per step, for ddp and zero1-3, next to
 DESIGN.md's table. Every (world size, strategy) is its own launch of gloo ranks on this machine
 (tests/workers/measure.py), so that the peak resident memory of each run is its own; same seed, same data.
+
+``account``: each strategy run as a user runs it (Lightning's defaults, no allocator variable or setting in any
+process; one launch of gloo ranks per strategy, ``benchmarks._worker``), the whole process's peak resident memory per
+rank above its level after imports, teardown included (stage 3 hands the full weights back there), against DDP's,
+and the account of the rank with the highest peak at its highest reading, part by part (see [Note: the account of a
+rank's memory] in ``lightning_zero/memory/account.py``): model states by kind, stage 3's gathered units, bucket
+buffers, activations and other live heap, the allocator's free heap with the interpreter and stacks, files mapped,
+and an optimizer step's temporaries where the peak lies inside a step (see ``_worker.AccountProbe``).
+The last column is the sum of the parts against the peak: the parts are read at chosen points of a step, so a peak
+between two readings shows there.
 
 ``phases``: where the peak resident memory of ``fit`` goes, per phase of a step, for variants of the strategies.
 Each variant (``strategy[:option=value,...][+ENV=value,...]``, as in ``benchmarks.compare``) is one launch of
@@ -21,6 +34,7 @@ engines); ``idle`` the level between steps; ``reduce`` the end-of-backward flush
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -100,6 +114,58 @@ def states(args: argparse.Namespace) -> None:
                   f"{run['states']['comm_buffers'] / 2**20:.2f} | {run['peak_rss_growth'] / 2**20:.0f} |", flush=True)
 
 
+ACCOUNT_PARTS = {
+    "parameters": "params",
+    "gradients": "grads",
+    "fp32 masters": "masters",
+    "optimizer states": "opt. states",
+    "gathered units (pool)": "units",
+    "bucket buffers": "buckets",
+    "activations and other live heap": "other live",
+    "allocator's free heap, interpreter, stacks": "free heap etc.",
+    "files mapped": "files",
+    "the optimizer step's temporaries": "step temps",
+}
+
+
+def account(args: argparse.Namespace) -> None:
+    """Print, per world size and size, each strategy's whole peak against DDP's and its account, part by part."""
+    records: list[dict[str, Any]] = []
+    for world_size in args.world_sizes:
+        for size in args.sizes:
+            print(f"\n### {size}: {SIZES[size].num_params():,} parameters, N = {world_size} (MiB per rank above the "
+                  "level after imports; the rank with the highest peak)\n")
+            print("| strategy | whole peak | vs DDP | highest reading at | " + " | ".join(ACCOUNT_PARTS.values())
+                  + " | parts / peak |")
+            print("|---|---|---|---|" + "---|" * (len(ACCOUNT_PARTS) + 1))
+            ddp = 0.0
+            for text in args.strategies:
+                rec = launch_account(text, size, world_size, args.steps)
+                records.append({"strategy": text, "size": size, "world_size": world_size, **rec})
+                if "error" in rec:
+                    print(f"| {text} | {rec['error']} |", flush=True)
+                    continue
+                top = max(rec["accounts"], key=lambda a: a["whole_peak"])
+                peak = top["whole_peak"] / MiB
+                ddp = peak if text == "ddp" else ddp
+                parts = top.get("parts", {})
+                cells = " | ".join(f"{parts.get(name, 0) / MiB:,.1f}" for name in ACCOUNT_PARTS)
+                total = sum(parts.values()) / MiB
+                print(f"| {text} | {peak:,.0f} | {peak / ddp if ddp else float('nan'):.2f} | {top.get('at', '-')} | "
+                      f"{cells} | {total / peak if peak else float('nan'):.2f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+def launch_account(text: str, size: str, world_size: int, steps: int) -> dict[str, Any]:
+    """One launch of one strategy with the account probe on (``benchmarks._worker``'s ``AccountProbe``)."""
+    strategy, options, env = parse_variant(text)
+    with environment(env):
+        cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": steps, "warmup": 1, "bucket": None,
+               "gpu": False, "precision": "32-true", "options": options, "account": True}
+        return run_config(cfg, world_size, timeout=1800)
+
+
 def phases(args: argparse.Namespace) -> None:
     """Print the per-phase peak table: one launch per variant."""
     print(f"size {args.size}: {SIZES[args.size]}, {SIZES[args.size].num_params():,} parameters, N={args.world_size}")
@@ -139,6 +205,13 @@ def main() -> None:
     table.add_argument("--model", choices=["lm", "gpt"], default="lm")
     table.add_argument("--depth", type=int, default=6, help="blocks of the gpt model")
     table.set_defaults(run=states)
+    accounts = commands.add_parser("account", help="each strategy's whole peak and its account, part by part")
+    accounts.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp2"])
+    accounts.add_argument("--sizes", nargs="+", default=["states", "states85m"], choices=list(SIZES))
+    accounts.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    accounts.add_argument("--steps", type=int, default=2)
+    accounts.add_argument("--json", help="write every launch's record to this file")
+    accounts.set_defaults(run=account)
     breakdown = commands.add_parser("phases", help="the peak of each phase of a step, per variant")
     breakdown.add_argument("--variants", nargs="+", default=["ddp", "zero1", "zero2", "zero3", "fsdp2"])
     breakdown.add_argument("--size", default="states", choices=list(SIZES))

@@ -51,6 +51,31 @@ def test_zero3_recompute_gathers_each_unit_at_most_once_in_backward(lightning_ru
             assert last in units and all(g == {u: 1 for u in units if u != last} for g in later)
 
 
+def test_zero3_under_the_users_own_checkpoint_gathers_what_a_run_without_recompute_gathers(lightning_runs):
+    """Every block under ``torch.utils.checkpoint`` in the model's own forward (not the strategy's checkpointing): the
+    forward recomputed in backward runs stage 3's hooks, and must gather no unit more than a run without any
+    recomputation does: the same gathers of each unit in each step, the same bytes all-gathered (the collectives'
+    counters), a gathered peak within the root, two blocks and the prefetch, and the same losses."""
+    from tests.workers.activations import PREFETCH
+
+    for rank in lightning_runs:
+        plain, user = rank["zero3_plain"], rank["zero3_user"]
+        units = range(1, user["temporary"]["units"])
+        assert len(user["step_gathers"]) == 3 and all(user["step_gathers"]), user["step_gathers"]
+        assert user["step_gathers"] == plain["step_gathers"]
+        for step in user["step_gathers"][1:]:  # two micro-batches: each unit twice a step, in forward and backward
+            assert all(step[u] <= 4 for u in units), step
+        first, *later = user["backward_gathers"]
+        last = user["temporary"]["last_unit"]
+        assert first == {u: 1 for u in units} and len(later) == 5
+        assert all(g == {u: 1 for u in units if u != last} for g in later), later
+        assert len(user["step_gathered_bytes"]) == 3 and min(user["step_gathered_bytes"]) > 0
+        assert user["step_gathered_bytes"] == plain["step_gathered_bytes"]
+        root, *blocks = user["temporary"]["unit_numels"]
+        assert 0 < user["temporary"]["gathered_peak"] <= 4 * (root + 2 * max(blocks) + PREFETCH), user["temporary"]
+        assert user["losses"] == plain["losses"]  # the preserved RNG state gives dropout the same masks
+
+
 def test_bf16_mixed_checkpointing_recomputes_the_same_values(lightning_runs):
     for rank in lightning_runs:
         plain, checkpointed = rank["zero3_bf16_plain"], rank["zero3_bf16"]
@@ -150,7 +175,8 @@ def test_checkpointed_blocks_give_identical_gradients(options):
     expected = _steps(copy.deepcopy(model), batches)
     ac = checkpoint_blocks(model, **options)
     for (loss, grads), (expected_loss, expected_grads) in zip(_steps(model, batches), expected):
-        assert loss == expected_loss and all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+        assert loss == expected_loss and len(grads) == len(expected_grads) > 0
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
     assert ac.stats.packed == ac.stats.unpacked > 0 and ac.stats.live_bytes == 0
     assert ac.stats.peak_bytes == 3 * 6 * 8 * 4  # the three block inputs of the largest batch, nothing else
     if options.get("contiguous"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -74,6 +75,24 @@ def test_the_cheapest_candidate_that_fits_is_chosen():
     on_gpu = choose(FACTS, 2, "32-true", config, 1e12, on_host=False).by_name()
     below = choose(FACTS, 2, "32-true", config, on_gpu["zero3"] * (1 + HEADROOM) - 1, on_host=False)
     assert below.chosen.candidate.name == "zero3+offload_optimizer"
+
+
+def test_without_accumulation_zero1_is_chosen_wherever_zero2_fits():
+    """Stepping after every micro-batch, stage 1 holds the gradient shard between steps as stage 2 does (what a run
+    measures: ``tests/test_memory.py``), so zero_auto never pays zero2's traffic for memory zero1 does not use; with
+    accumulation stage 1 holds full gradients, and a budget between the two gives zero2."""
+    config = ZeroConfig(stage=3, prefetch_size=1_000_000)
+    plain = replace(FACTS, accumulates=False)
+    for world_size in (2, 4, 8):
+        peaks = choose(plain, world_size, "32-true", config, 1e12, on_host=True).by_name()
+        grads = 4 * FACTS.num_params * (1 - 1 / world_size)  # full fp32 gradients less the shard
+        accumulating = choose(FACTS, world_size, "32-true", config, 1e12, on_host=True).by_name()
+        assert accumulating["zero1"] - peaks["zero1"] == pytest.approx(grads)
+        assert peaks["zero1"] == pytest.approx(peaks["zero2"])
+        budget = peaks["zero2"] * (1 + HEADROOM)
+        assert choose(plain, world_size, "32-true", config, budget, on_host=True).chosen.candidate.name == "zero1"
+        between = (accumulating["zero1"] + accumulating["zero2"]) / 2 * (1 + HEADROOM)
+        assert choose(FACTS, world_size, "32-true", config, between, on_host=True).chosen.candidate.name == "zero2"
 
 
 def test_a_budget_nothing_fits_names_the_smallest_that_would():

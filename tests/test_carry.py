@@ -79,8 +79,9 @@ def test_fabric_loop_under_zero3_with_empty_init_matches_ddp(empty_init_ranks):
         assert zero["start"].keys() == ddp["start"].keys()
         for name, value in ddp["start"].items():
             assert torch.equal(zero["start"][name], value), name
-        assert all(torch.isfinite(torch.as_tensor(n)) for n in zero["norms"])
-        assert zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        assert zero["norms"] and all(torch.isfinite(torch.as_tensor(n)) for n in zero["norms"])
+        assert zero["losses"] and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        assert ddp["end"] and zero["end"].keys() == ddp["end"].keys()
         assert [float(n) for n in zero["norms"]] == pytest.approx([float(n) for n in ddp["norms"]], rel=RTOL)
         for name, value in ddp["end"].items():
             torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
@@ -91,6 +92,7 @@ def test_trainer_init_module_under_zero3_with_empty_init_matches_ddp(empty_init_
     for rank in empty_init_ranks:
         ddp, zero = rank["trainer_ddp"], rank["trainer_zero3"]
         assert len(zero["losses"]) == 2 and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
+        assert ddp["end"] and zero["end"].keys() == ddp["end"].keys()
         for name, value in ddp["end"].items():
             torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
 
@@ -112,6 +114,7 @@ def test_two_models_on_one_fabric_match_ddp_step_for_step(gan_ranks, strategy):
         assert len(zero["losses"]) == 8 and zero["losses"] == pytest.approx(ddp["losses"], rel=RTOL)
         assert [shape for _, shape in zero["norms"]] == [shape for _, shape in ddp["norms"]] == [()] * 4
         assert [n for n, _ in zero["norms"]] == pytest.approx([n for n, _ in ddp["norms"]], rel=RTOL)
+        assert ddp["end"] and zero["end"].keys() == ddp["end"].keys()
         for name, value in ddp["end"].items():
             torch.testing.assert_close(zero["end"][name], value, rtol=RTOL, atol=1e-6)
 
@@ -123,9 +126,27 @@ def test_two_models_resume_exactly_from_one_checkpoint(gan_ranks, strategy):
         run = rank[strategy]
         resumed = run["resumed"]
         assert resumed["step"] == 2
-        assert resumed["losses"] == run["losses"][4:]  # bit for bit: the same run, interrupted
+        assert len(resumed["losses"]) == 4 and resumed["losses"] == run["losses"][4:]  # bit for bit: interrupted
+        assert run["end"] and resumed["end"].keys() == run["end"].keys()
         for name, value in run["end"].items():
             assert torch.equal(resumed["end"][name], value), name
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", GAN)
+@pytest.mark.parametrize("when", ["rolled_back", "after_eval"])
+def test_two_models_that_trained_load_the_checkpoint_and_train_on_as_the_uninterrupted_run(gan_ranks, strategy, when):
+    """The models and optimizers of the run load its checkpoint of step 2 (right after their last step, and after an
+    evaluation forward): the steps after it are the run's own, bit for bit, as for fresh models; under zero3 every
+    unit holds the loaded weights, the one gathered ahead of the next step included."""
+    for rank in gan_ranks:
+        run = rank[strategy]
+        again = run[when]
+        assert again["step"] == 2
+        assert len(again["losses"]) == 4 and again["losses"] == run["losses"][4:]
+        assert run["end"] and again["end"].keys() == run["end"].keys()
+        for name, value in run["end"].items():
+            assert torch.equal(again["end"][name], value), name
 
 
 @pytest.mark.timeout(360)

@@ -9,6 +9,7 @@ import errno
 import os
 import select
 import subprocess
+import sys
 import time
 from typing import Callable
 from pathlib import Path
@@ -250,7 +251,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(save
     with pytest.raises(CheckpointError, match="missing keys 'embed.weight'.*unexpected keys 'pos', 'wte.weight'"):
         _trainer("zero3").fit(model, ckpt_path=saved)
     after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before a single tensor was written
+    assert before and all(torch.equal(before[k], after[k]) for k in before)  # refused before a tensor was written
 
 
 class _Built(TinyGPT):
@@ -347,9 +348,11 @@ def test_inspect_summarizes(saved, capsys):
 
 
 def test_console_command_and_python_m_share_the_entry_point(saved, tmp_path):
-    """The installed ``lightning-zero`` script (a fresh process) and ``python -m lightning_zero`` (forked from the
-    test zygote, run as ``-m`` runs it) print the same summary."""
-    script = subprocess.run(["lightning-zero", "inspect", str(saved), "--json"], capture_output=True, text=True,
+    """The ``lightning-zero`` script installed beside this interpreter (a fresh process, whatever ``PATH`` says) and
+    ``python -m lightning_zero`` (forked from the test zygote, run as ``-m`` runs it) print the same summary."""
+    command = Path(sys.executable).parent / "lightning-zero"
+    assert command.is_file(), f"the console script is not installed in {command.parent}: pip install -e ."
+    script = subprocess.run([str(command), "inspect", str(saved), "--json"], capture_output=True, text=True,
                             cwd=ROOT, timeout=120)
     assert script.returncode == 0, script.stderr
     out, err = tmp_path / "m.out", tmp_path / "m.err"

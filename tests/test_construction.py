@@ -2,7 +2,8 @@
 
 Single-process tests compare the replayed values of a recorded construction with eager construction tensor by
 tensor, bit for bit; the 2-rank test trains Hugging Face GPT-2 and Llama (tiny configs, nothing downloaded), the test
-GPT and a module tied the other way under ddp and every ZeRO stage, and compares initial states and per-step losses.
+GPT, a module tied the other way and one drawing its weights from torch's random factories (and dropout after) under
+ddp and every ZeRO stage, and compares initial states and per-step losses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lightning_zero.testing.launch import launch
 
 transformers = pytest.importorskip("transformers")
 
-MODELS = ["gpt2", "llama_tied", "llama", "gpt", "reverse_tied"]
+MODELS = ["gpt2", "llama_tied", "llama", "gpt", "reverse_tied", "random_factories"]
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 RTOL = 1e-5
 
@@ -116,6 +117,49 @@ class _RMSNorm(nn.Module):
 
 def test_replay_equals_eager_for_ties_reinitialization_views_and_buffers():
     _assert_replay_equals_eager(_Parent)
+
+
+class _RandomFactories(nn.Module):
+    """Parameters and buffers made by torch's random factories inside the module, in several dtypes, one of them
+    with a generator of the module's own, between ordinary initializers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(11)
+        self.linear = nn.Linear(8, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.02)
+        self.bias = nn.Parameter(torch.rand(8) - 0.5)
+        self.scale = nn.Parameter(torch.randn(4, 4, dtype=torch.float64, generator=self.generator))
+        self.mixed = nn.Parameter(torch.normal(torch.zeros(3, 5), 2.0) + torch.rand_like(torch.ones(3, 5)))
+        self.register_buffer("order", torch.randperm(12))
+        self.register_buffer("codes", torch.randint(0, 100, (6,)))
+        self.register_buffer("mask", torch.bernoulli(torch.full((10,), 0.5)))
+        self.after = nn.Parameter(torch.empty(5).uniform_(-1, 1))
+
+
+def _generators(module: nn.Module) -> list[torch.Tensor]:
+    return [torch.get_rng_state(), module.generator.get_state()]
+
+
+def test_replay_equals_eager_for_random_factories_inside_the_module():
+    """``torch.randn`` / ``rand`` / ``normal`` / ``randperm`` / ``randint`` / ``bernoulli`` inside ``__init__``: the
+    values are eager construction's, replayed all at once or unit by unit in any order, and after recording and
+    after each replay the default generator and the module's own are where eager construction left them."""
+    torch.manual_seed(7)
+    eager = _RandomFactories()
+    after_eager = _generators(eager)
+    torch.manual_seed(7)
+    module, recording = _record(_RandomFactories)
+    assert all(torch.equal(a, b) for a, b in zip(_generators(module), after_eager)), "recording moved a generator"
+    reference = dict(eager.named_parameters()) | dict(eager.named_buffers())
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    assert reference.keys() == tensors.keys() and len(tensors) == 10
+    whole = dict(zip(tensors, recording.values_of(list(tensors.values()))))
+    one_by_one = {name: recording.values_of([tensors[name]])[0] for name in reversed(list(tensors))}
+    for name, expected in reference.items():
+        assert torch.equal(whole[name], expected.detach()) and whole[name].dtype == expected.dtype, name
+        assert torch.equal(one_by_one[name], expected.detach()), name
+    assert all(torch.equal(a, b) for a, b in zip(_generators(module), after_eager)), "replay moved a generator"
 
 
 def test_replay_needs_one_unit_not_the_model():

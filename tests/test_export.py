@@ -218,6 +218,35 @@ def test_every_exported_file_gets_the_mode_the_umask_gives(tmp_path, umask):
     assert modes == dict.fromkeys(modes, 0o666 & ~umask)
 
 
+def safetensors_data_bytes(file: Path) -> int:
+    """The bytes of tensor data in a safetensors file, read from the file itself (its size less the 8-byte length
+    and the JSON header it announces)."""
+    with open(file, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return file.stat().st_size - 8 - header
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_converting_export_sizes_and_cuts_its_shards_by_the_bytes_it_writes(tmp_path, dtype):
+    """``dtype=`` converts the fp32 weights: the index's ``total_size`` is the tensor bytes in the files written, and
+    the files, their tensors and the index are those transformers' own ``save_pretrained`` writes for the model in
+    that dtype with the same ``max_shard_size``."""
+    model = tiny_gpt2(5)
+    path = save_file(model, tmp_path / "m.ckpt")
+    result = export_pretrained(path, tmp_path / "hf", max_shard_size="3kB", dtype=dtype)
+    model.to(dtype).save_pretrained(tmp_path / "reference", max_shard_size="3kB")
+    ours, theirs = (sorted((tmp_path / d).glob("*.safetensors")) for d in ("hf", "reference"))
+    assert len(ours) > 2 and [f.name for f in ours] == [f.name for f in theirs]
+    for mine, reference in zip(ours, theirs):
+        written, expected = safetensors_torch.load_file(mine), safetensors_torch.load_file(reference)
+        assert written.keys() == expected.keys(), mine.name
+        assert all(torch.equal(written[k], v) and written[k].dtype == dtype for k, v in expected.items()), mine.name
+    index, reference_index = (json.loads((tmp_path / d / export.INDEX_NAME).read_text()) for d in ("hf", "reference"))
+    on_disk = sum(safetensors_data_bytes(f) for f in ours)
+    assert index["metadata"]["total_size"] == on_disk == result.total_size == reference_index["metadata"]["total_size"]
+    assert index["weight_map"] == reference_index["weight_map"]
+
+
 @pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("5GiB", 5 * 2**30), ("200MB", 200 * 10**6),
                                         ("64KiB", 64 * 2**10), (1234, 1234), ("1.5kB", 1500)])
 def test_shard_sizes_read_as_hugging_face_reads_them(text, size):

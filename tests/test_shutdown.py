@@ -93,22 +93,23 @@ def test_sigint_inside_a_full_checkpoint_write(tmp_path):
 
 
 def test_sigterm_inside_a_gradient_collective(tmp_path):
-    """Stage 2, the fifth bucket reduce-scatter: the step ends on every rank, then all stop before the next one."""
+    """Stage 2, the fifth bucket reduce-scatter (after the checkpoint of step 2): the step ends on every rank, then all
+    stop before the next one; the checkpoint of step 2 is there and complete."""
     code, text = run_with_fault(
         tmp_path, "point=collective.reduce_scatter,signal=SIGTERM,rank=0,target=group,occurrence=5", stage=2)
     assert_clean_stop(code, text, "SIGTERM")
-    assert set(checkpoints(tmp_path).values()) <= {2, 4}
+    assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2}  # the signal landed after it, before step 4's
 
 
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
 def test_a_signal_inside_a_disk_offloaded_step_stops_cleanly_and_leaves_no_file(tmp_path, signal_name):
     """Stage 3 with the optimizer and the parameters on disk: the signal lands as a window is written back (within
-    the first steps); the step completes, every rank stops, the checkpoints are intact and the offload directory is
-    empty (the files have no name: see [Note: the files have no name] in disk.py)."""
+    the checkpoint of step 2); the step completes, every rank stops, that checkpoint is intact and the offload
+    directory is empty (the files have no name: see [Note: the files have no name] in disk.py)."""
     code, text = run_with_fault(
         tmp_path, f"point=offload.write,signal={signal_name},rank=0,target=group,occurrence=40", extra=("disk",))
     assert_clean_stop(code, text, signal_name)
-    assert set(checkpoints(tmp_path).values()) <= {2, 4}
+    assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2}  # the signal landed after it, before step 4's
     assert (tmp_path / "offload").is_dir() and list((tmp_path / "offload").iterdir()) == []
 
 
@@ -285,6 +286,47 @@ def test_each_guard_counts_its_step_boundaries_for_its_deadline():
     finally:
         guard.remove()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_the_deadline_runs_from_the_first_signal_whatever_signals_follow(monkeypatch):
+    """A scheduler that sends SIGTERM again and again (and a user's Ctrl-C on top) does not postpone the deadline: it
+    ends the rank ``shutdown_timeout`` seconds after the first signal, naming that signal. The watchdog's clock is
+    this test's (a fake ``time.monotonic``), and the test waits for each of its waits, so nothing depends on timing."""
+    import queue
+    import types
+
+    from lightning_zero.process import deadline
+
+    clock, waits, ended = [0.0], queue.Queue(), []
+
+    def select(readers, writers, errors, timeout):  # the thread's wait, seen by the test
+        waits.put(timeout)
+        return original_select(readers, writers, errors, None if timeout is None else max(timeout, 0.0))
+
+    def end(signum, timeout, generation, boundaries):  # instead of the report and `os._exit`
+        ended.append((signal.Signals(signum).name, timeout, clock[0]))
+        watchdog._writer.send(deadline._STOP)  # the thread returns at its next wait
+
+    original_select = deadline.select.select
+    monkeypatch.setattr(deadline, "select", types.SimpleNamespace(select=select))
+    monkeypatch.setattr(deadline, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(deadline, "_end", end)
+    previous = {s: signal.signal(s, lambda *args: None) for s in (signal.SIGTERM, signal.SIGINT)}  # C handler on
+    watchdog = deadline.Watchdog(10.0, 0, deadline.Progress())
+    try:
+        assert waits.get(timeout=30) is None  # no deadline yet
+        for now, signum in ((0.0, signal.SIGTERM), (4.0, signal.SIGTERM), (6.0, signal.SIGINT), (9.5, signal.SIGTERM)):
+            clock[0] = now
+            os.kill(os.getpid(), signum)
+            assert waits.get(timeout=30) == pytest.approx(10.0 - now), f"after the signal at {now} s"
+        clock[0] = 10.5
+        os.kill(os.getpid(), signal.SIGTERM)
+        watchdog._thread.join(timeout=30)
+        assert ended == [("SIGTERM", 10.0, 10.5)]  # at the first deadline past, for the first signal
+    finally:
+        watchdog.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 CLEAN_EXIT_RUNS = 12  # an abort in 1 run of 4 goes unseen by all 12 with probability (3/4)**12, about 3 %

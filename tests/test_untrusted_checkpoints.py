@@ -12,6 +12,7 @@ import ast
 import datetime
 import io
 import pickle
+import pickletools
 import shutil
 import zipfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from lightning.fabric.utilities.data import AttributeDict
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch._weights_only_unpickler import Unpickler as WeightsUnpickler
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import lightning_zero
@@ -264,6 +266,76 @@ def test_a_payload_in_a_checkpoint_file_never_runs(current, tmp_path, load):
         hint = "state dict of tensors only" if load == "load_pretrained" else "weights_only=False"
         assert str(path) in message and hint in message, message
     assert not marker.exists(), f"the payload ran on `{load}`"
+
+
+# ---------------------------------------------------------------------- callables of torch and the standard library
+def pickled_call(module: str, name: str, *args: Any) -> bytes:
+    """A pickle that calls ``module.name(*args)`` when it is read, naming it exactly so (``GLOBAL module name``, as
+    an attacker writes it by hand: ``torch save`` rather than the ``torch.serialization save`` pickle would write)."""
+    arguments = pickletools.optimize(pickle.dumps(args, protocol=2))[2:-1]  # no memo: it may be spliced in
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + arguments + b"R."
+
+
+#: Callables a payload may name, with the arguments that make their running visible (a file created, the seed of
+#: the default generator changed) or, for the others, harmless ones: every one is refused by torch's own
+#: weights-only reader, and none may run on any of our loads.
+CALLS: dict[tuple[str, str], Callable[[Path], tuple[Any, ...]]] = {
+    ("torch", "save"): lambda marker: ([], str(marker)),
+    ("torch.serialization", "save"): lambda marker: ([], str(marker)),
+    ("torch", "manual_seed"): lambda marker: (1234,),
+    ("torch", "load"): lambda marker: (str(marker),),
+    ("torch", "Size.__reduce_ex__"): lambda marker: (2,),
+    ("builtins", "eval"): lambda marker: (f"open({str(marker)!r}, 'w')",),
+    ("os", "system"): lambda marker: (f"touch {marker}",),
+    ("pathlib", "Path.touch"): lambda marker: (str(marker),),
+}
+
+
+def _assert_nothing_ran(marker: Path, seed: int) -> None:
+    assert not marker.exists() and torch.initial_seed() == seed, "the payload ran"
+
+
+@pytest.mark.parametrize("call", sorted(CALLS), ids=".".join)
+def test_the_metadata_reader_refuses_every_callable_torchs_own_reader_refuses(tmp_path, call):
+    """DCP's ``.metadata`` admits DCP's classes, ``torch.Size``, dtypes and paths: a callable of ``torch`` beyond
+    them, or of the standard library, is refused by name before it runs, as torch's weights-only reader refuses it."""
+    from lightning_zero.checkpoints.trust import load_dcp_metadata
+
+    marker, seed = tmp_path / "PAYLOAD-RAN", torch.initial_seed()
+    payload = pickled_call(*call, *CALLS[call](marker))
+    with pytest.raises(pickle.UnpicklingError, match="(?i)unsupported global"):  # the oracle: not data for torch
+        WeightsUnpickler(io.BytesIO(payload)).load()
+    with pytest.raises(UntrustedCheckpointError) as refusal:
+        load_dcp_metadata(io.BytesIO(payload), tmp_path / ".metadata")
+    assert refusal.value.refused == [".".join(call)], refusal.value.refused
+    _assert_nothing_ran(marker, seed)
+    assert WeightsUnpickler(io.BytesIO(pickled_call("torch", "Size", [2, 3]))).load() == torch.Size([2, 3])
+
+
+def _index_with(path: Path, payload: bytes) -> None:
+    """``path``'s ``.metadata`` with ``payload`` as its planner data (DCP's own index around it)."""
+    with open(path / ".metadata", "rb") as f:
+        index = pickle.load(f)
+    index.planner_data = "PLANNER-DATA"
+    blob = pickle.dumps(index, protocol=2)  # no frames: a string's opcode is found as it is
+    held = pickle.dumps("PLANNER-DATA", protocol=2)[2:-3]  # its opcode, without its BINPUT and STOP
+    assert blob.count(held) == 1
+    (path / ".metadata").write_bytes(blob.replace(held, payload[2:-1]))  # the call's result memoized as it was
+    _rewrite(path, _trusted_meta(path))  # sizes and checksums to match, as an attacker would
+
+
+@pytest.mark.parametrize("load", ["load_full_checkpoint", "Trainer resume zero3", "Fabric load", "ZeroEngine load"])
+def test_a_torch_callable_in_dcps_index_never_runs(current, tmp_path, load):
+    """``torch save`` in ``.metadata``, the rest of DCP's index as DCP wrote it: refused by name on every load that
+    reads the index, and nothing ran."""
+    marker, seed = tmp_path / "PAYLOAD-RAN", torch.initial_seed()
+    path = _copy(current["trainer"], tmp_path / "index.ckpt")
+    _index_with(path, pickled_call("torch", "save", [], str(marker)))
+    with pytest.raises(CheckpointError) as refusal:
+        LOADS[load](path, tmp_path)
+    message = str(refusal.value)
+    assert str(path / ".metadata") in message and "`torch.save`" in message and "weights_only=False" in message
+    _assert_nothing_ran(marker, seed)
 
 
 # ---------------------------------------------------------------------- a trusted load, explicitly

@@ -29,10 +29,14 @@ Counting lives in ``traffic.py`` ([Note: what the counters count], [Note: counte
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_zero.comm.traffic import Group
 
@@ -318,10 +322,92 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
         return None
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
-        group = dist.new_group(sorted(ranks))
+        group = make_group(sorted(ranks))
         if me in ranks:
             mine = group
     return mine
+
+
+# [Note: a restarted torchrun attempt]
+# By default torchrun shares its rendezvous store with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``), and that
+# store outlives a restart (``--max-restarts``): the keys of the previous attempt's process groups are still in it, so
+# the restarted workers read the old attempt's addresses and fail to connect ("Connection refused"), or wait in a
+# group's creation. So the default group of a strategy of ours is made on the same store with the keys of each attempt
+# under a prefix of their own (:func:`attempt_store`, torch's own ``env://`` rendezvous, nothing else), and every
+# group it makes after that has the default group's timeout (:func:`make_group`; ``dist.new_group`` would give it
+# torch's 30 minutes, whatever the user's ``timeout``). A failure while groups are made in a restarted attempt says
+# what the likely cause is and how to opt out of the sharing (:func:`restart_hint`): a default group made by the user
+# (a plain loop under torchrun) reads the shared store as it is.
+
+#: torchrun's opt-out of the shared rendezvous store: each attempt then gets a store of its own.
+FRESH_STORE_VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def restart_attempt() -> int:
+    """Which attempt of a torchrun job this is (0 for the first, and outside torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def attempt_store(rank: int, world_size: int, timeout: Optional[timedelta]) -> Optional[Any]:
+    """The store to make the default process group on under torchrun's shared store: torch's ``env://`` rendezvous
+    with this attempt's keys under a prefix of their own (see [Note: a restarted torchrun attempt]); ``None`` (torch
+    makes its own) elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or dist.is_initialized():
+        return None
+    timeout = timeout or default_pg_timeout
+    with restart_hint("the rendezvous store"):
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"default_pg/attempt{restart_attempt()}", store)
+
+
+def _default_options() -> Optional[Any]:
+    """The backend options of the default process group (its timeout among them), ``None`` if torch does not say."""
+    default = dist.group.WORLD
+    if default is None:
+        return None
+    for device in getattr(default, "_device_types", None) or [torch.device("cpu")]:
+        try:
+            options = default._get_backend(torch.device(device)).options
+        except Exception:  # a backend without options (the fake one), or none for this device
+            continue
+        if isinstance(getattr(options, "_timeout", None), timedelta):
+            return options
+    return None
+
+
+def group_timeout() -> Optional[timedelta]:
+    """The timeout of the default process group, which every group of ours takes; ``None`` if torch does not say."""
+    options = _default_options()
+    return None if options is None else options._timeout
+
+
+def make_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None) -> Any:
+    """``dist.new_group`` with the default group's timeout (see [Note: a restarted torchrun attempt])."""
+    with restart_hint("a process group"):
+        return dist.new_group(ranks, backend=backend, timeout=group_timeout())
+
+
+@contextmanager
+def restart_hint(what: str) -> Iterator[None]:
+    """Inside a restarted torchrun attempt, a failure to make ``what`` is raised again with the likely cause and the
+    remedy (see [Note: a restarted torchrun attempt]); elsewhere it is raised as it is."""
+    try:
+        yield
+    except Exception as error:
+        attempt = restart_attempt()
+        if attempt == 0:
+            raise
+        cause = " ".join(str(error).split())
+        raise RuntimeError(
+            f"lightning-zero: making {what} failed in torchrun's restarted attempt {attempt} ({type(error).__name__}:"
+            f" {cause}). The rendezvous store torchrun shares with its workers may hold the previous attempt's "
+            f"addresses: run torchrun with `{FRESH_STORE_VARIABLE}` in its environment, so that each attempt gets "
+            "a store of its own."
+        ) from error
 
 
 def global_rank(group: Any, group_rank: int) -> int:
@@ -334,7 +420,10 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     """Collective: ``torch.distributed``'s ``DeviceMesh`` of ``shape`` over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    options = _default_options()  # its timeout: see [Note: a restarted torchrun attempt]
+    override: Optional[dict[Union[int, str], Any]] = None if options is None else dict.fromkeys(names, options)
+    with restart_hint("a device mesh"):
+        return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
 def agree_max(values: list[int], group: Optional[Group] = None) -> list[int]:
@@ -346,7 +435,7 @@ def agree_max(values: list[int], group: Optional[Group] = None) -> list[int]:
     """
     if not is_distributed():
         return list(values)
-    control = None if dist.get_backend() == "gloo" else job_group(("control",), lambda: dist.new_group(backend="gloo"))
+    control = None if dist.get_backend() == "gloo" else job_group(("control",), lambda: make_group(backend="gloo"))
     tensor = torch.tensor(values, dtype=torch.int32)
     _count("control", tensor, group)
     try:
@@ -364,7 +453,7 @@ def make_lockstep_group() -> Optional[Any]:
     behind the data collectives in flight (gloo runs one group's collectives one after the other)."""
     if not is_distributed():
         return None
-    return job_group(("lockstep",), lambda: dist.new_group(backend="gloo"))
+    return job_group(("lockstep",), lambda: make_group(backend="gloo"))
 
 
 _JOB_GROUPS: dict[tuple[Any, ...], Any] = {}

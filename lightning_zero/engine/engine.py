@@ -35,8 +35,10 @@ from lightning_zero.engine.policies import group_sizes, policies_of
 from lightning_zero.engine.stepping import OptimizerSteps
 from lightning_zero.engine.summary import model_state_summary
 from lightning_zero.memory import costs
+from lightning_zero.memory.account import EngineMemory, MemoryLedger
 from lightning_zero.pretrained import loading as pretrained
 from lightning_zero.shards import disk
+from lightning_zero.shards.accounting import measure_model_states
 from lightning_zero.shards.flat import FlatStorage
 from lightning_zero.shards.offload import fused_hint
 from lightning_zero.shards.optimizer import ShardedOptimizer
@@ -126,9 +128,13 @@ class ZeroEngine(OptimizerSteps):
         """Optimizer steps run (or skipped) since setup; the Trainer sets it to its ``global_step``."""
         self._step_norms: dict[int, torch.Tensor] = {}  # clipping's global norm, per optimizer, until its step
         self._heap_given_back = 0  # trims of the host heap done: after setup, after the first step
+        self.memory = MemoryLedger(self.memory_parts, enabled=self.device.type == "cpu")
+        """Readings of this rank's host memory at the highest points of its steps (see [Note: the account of a rank's
+        memory] in ``memory/account.py``)."""
         # a disk fault at setup is raised by every rank at the end of it (see [Note: faults are agreed on every rank])
         with disk.agreed_faults(self.shard_groups.world, self.policies.offload.on_disk):
             self._setup(list(optimizers), recording)
+        self.memory.note("the end of setup")
         self._give_back_heap_once()
         self.step_costs()  # counts from the end of setup on
 
@@ -261,6 +267,7 @@ class ZeroEngine(OptimizerSteps):
         )
         if self.policy.grad_hooks_at_setup:
             storage.install_grad_hooks()
+        storage.reducer.ledger = self.memory
         return storage
 
     # ------------------------------------------------------------------ forward and backward
@@ -299,6 +306,7 @@ class ZeroEngine(OptimizerSteps):
         """After one backward: stages 2 and 3 launch the partly filled buckets and wait for them; stage 3 frees the
         units still gathered (with ``include_root`` the root too: a step that runs more forwards before its
         ``optimizer.step``, as manual optimization may, passes ``False`` and calls :meth:`end_step`)."""
+        self.memory.note("the end of a backward")
         self.store.finish_backward()
         if self.runtime is not None:
             self.runtime.end_backward(include_root=include_root)
@@ -331,6 +339,22 @@ class ZeroEngine(OptimizerSteps):
         spent = costs.difference(now, self._costs_mark) if self._costs_mark else now
         self._costs_mark = now
         return spent
+
+    def memory_parts(self) -> EngineMemory:
+        """What this engine holds now, by part (see [Note: the account of a rank's memory] in
+        ``memory/account.py``): the model states by kind, stage 3's pool and the bucket buffers."""
+        states = measure_model_states(self.module, [s.optimizer for s in self.optimizers])
+        storages = self._partitioned_storages if self.policy.shards_params else []
+        gathered = sum(s.gathered_bytes for s in storages)  # counted among the parameters by their storages
+        return EngineMemory(
+            params=states.params - gathered,
+            grads=states.grads,
+            master=states.master,
+            optimizer_states=states.optimizer_states,
+            pool=sum(s.sharded.pool.block_bytes for s in storages),
+            buckets=sum(s.reducer.buffer_bytes for s in self.store.storages),
+            pin=sum(s.reducer.heap_pin.held for s in self.store.storages if s.reducer.heap_pin is not None),
+        )
 
     def summary(self) -> str:
         """One line: what each rank holds, next to what DDP would hold (see :func:`model_state_summary`)."""
@@ -369,6 +393,7 @@ class ZeroEngine(OptimizerSteps):
             sharded.uninstall()
         gather = gather and failure is None
         failure = failure or _attempt(lambda: self.store.uninstall(gather))
+        self.memory.note("the hand-back of the full weights")
         if not gather or failure is not None:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)

@@ -51,6 +51,7 @@ from lightning_zero.engine.amp import (
     global_grad_norm,
     parameter_grad_norms,
 )
+from lightning_zero.memory.account import MemoryLedger
 from lightning_zero.memory.host_memory import give_back_free_heap
 from lightning_zero.shards import disk
 from lightning_zero.shards.optimizer import ShardedOptimizer
@@ -74,6 +75,7 @@ class OptimizerSteps:
     completed_steps: int
     _step_norms: dict[int, Tensor]
     _heap_given_back: int
+    memory: MemoryLedger
 
     def _give_back_heap_once(self) -> None:
         """After setup and after the first optimizer step, on a CPU: one trim of the host heap (see [Note: the engine
@@ -204,6 +206,7 @@ class OptimizerSteps:
                 if zero_grad:
                     sharded.optimizer.zero_grad()
         self.completed_steps += 1
+        self.memory.note("the end of an optimizer step")
         self._give_back_heap_once()
         if self.runtime is not None:
             self.runtime.prefetch_root()  # [Note: the root is gathered ahead of the next step] in stage3/units.py

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         global_rank: int
         local_rank: int
         node_rank: int
+        world_size: int
 
     _Mixin = _ParallelStrategyPart
 else:
@@ -233,7 +234,11 @@ class ZeroProcesses(_Mixin):
             # then sometimes ended with "terminate called without an active exception" (exit code 134).
             atexit.unregister(collectives.release_process_groups)
             atexit.register(collectives.release_process_groups)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        store = collectives.attempt_store(self.global_rank, self.world_size, self._timeout)
+        with collectives.restart_hint("the default process group"):
+            _init_dist_connection(
+                self.cluster_environment, backend, timeout=self._timeout, **({} if store is None else {"store": store})
+            )
         self.shard_groups = self.group_sizes.make(self.root_device.type)
 
     def set_world_ranks(self) -> None:

@@ -47,6 +47,11 @@ class HeapPin:
         self.block: Optional[torch.Tensor] = None
         """The pin kept (``None`` before the first backward and after :meth:`release`)."""
 
+    @property
+    def held(self) -> int:
+        """Bytes of the pin kept (0 when none): address space, never resident."""
+        return self.nbytes if self.block is not None else 0
+
     def take(self) -> None:
         """Take a new pin now (the heap at its highest) and keep whichever of it and the old one lies higher."""
         candidate = torch.empty(self.nbytes, dtype=torch.uint8)  # never written: no resident pages

@@ -180,7 +180,7 @@ def _exchange(mine: dict[str, Any], me: int, world: int, generation: int) -> dic
     store = _store_connection()
     if store is None or world == 1:
         return {me: mine}
-    prefix = f"lightning_zero/deadline/{generation}"
+    prefix = f"lightning_zero/deadline/{collectives.restart_attempt()}/{generation}"  # torchrun's store outlives it
     store.set(f"{prefix}/at/{me}", json.dumps(mine))
     keys = [f"{prefix}/at/{r}" for r in range(world)]
     _wait(store, keys)  # a rank that never posts (ended, or no deadline of its own) is reported without

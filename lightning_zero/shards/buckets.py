@@ -47,6 +47,7 @@ from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.comm.quantize import Scratch, reduce_scatter_quantized
 from lightning_zero.memory import costs
+from lightning_zero.memory.account import MemoryLedger
 from lightning_zero.memory.heap_pin import HeapPin
 from lightning_zero.process.faults import fault_point
 from lightning_zero.shards.bucket_slots import BucketSlot, GradSink, bucket_gaps, scaled_copy
@@ -91,6 +92,8 @@ class GradientReducer:
         """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
         reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
         self.heap_pin = heap_pin
+        self.ledger: Optional[MemoryLedger] = None
+        """The engine's memory readings (see [Note: the account of a rank's memory] in ``memory/account.py``)."""
         """Taken at the first gradient of each backward (see [Note: the heap pin] in ``heap_pin.py``); ``None``:
         none."""
         self.grad_shard: Optional[torch.Tensor] = None
@@ -122,8 +125,11 @@ class GradientReducer:
     def add_grad(self, param_index: int, grad: torch.Tensor) -> None:
         """Copy the gradient of one parameter into its bucket(s); launch the buckets that are full, in order."""
         flat = grad.detach().reshape(-1)
-        if not self._pending and self.heap_pin is not None:
-            self.heap_pin.take()  # the first gradient of a backward: the heap at its highest
+        if not self._pending:  # the first gradient of a backward: the heap at its highest
+            if self.heap_pin is not None:
+                self.heap_pin.take()
+            if self.ledger is not None:
+                self.ledger.note("the first gradient of a backward")
         self._pending = True
         costs.count_copy(flat)
         for bucket, start, length, offset in self._param_parts[param_index]:

@@ -323,13 +323,15 @@ class ShardedStorage:
                 self._hand_back(False)
             raise
 
-    def _full_values_back(self) -> None:
-        """Make every parameter a view of the full master buffer (the gathered fp32 values)."""
+    def _full_values_back(self) -> Optional[Tensor]:
+        """Make every parameter a view of the full master buffer (the gathered fp32 values); returns that buffer
+        (``None`` where nothing was materialized)."""
         if any(p.is_meta for p in self.params):
-            return  # setup failed before the parameters were materialized: nothing to hand back
+            return None  # setup failed before the parameters were materialized: nothing to hand back
         full = self.gather_full_master()
         for p, offset in zip(self.params, self.layout.offsets):
             p.data = full[offset : offset + p.numel()].view(p.shape)
+        return full
 
 
 class ParameterStore:

@@ -16,8 +16,10 @@ bit, because the same kernels run on the same inputs in the same order.
 [Note: random numbers]
 Eager construction draws from the device's generator in program order; a value depends on the generator's state when
 its operation ran. While recording, every seeded random operation (aten's ``nondeterministic_seeded`` tag) saves the
-generator's state and then runs once for real on a scratch tensor of the same size, so the generator advances exactly
-as in eager construction (peak: the largest single tensor, freed at once). Replay puts the saved state back before
+generator's state and then runs once for real, into a scratch tensor of the same size and on the real values of its
+inputs (``bernoulli``'s probabilities), so the generator advances exactly as in eager construction (peak: the largest
+single tensor, freed at once). A generator of the module's own (``torch.randn(..., generator=g)``) is saved and
+advanced the same way; the meta kernel that gives the shape runs without it. Replay puts the saved state back before
 each random operation it runs, then returns the generator to the state eager construction would have left, so the
 training that follows (dropout) draws the same numbers as under ``ddp``.
 
@@ -185,7 +187,9 @@ class Recording(TorchDispatchMode):
         rng_state, generator = None, None
         if seeded and (any(_is_meta(x) for x in flat_in) or _names_meta(flat_in)):
             generator, rng_state = self._advance_generator(func, args, kwargs)
-        out = func(*args, **kwargs)
+        # a generator of the user's (a CPU one) is the eager device's: the meta kernel, which draws nothing, refuses it
+        drawn = rng_state is not None and kwargs.get("generator") is not None
+        out = func(*args, **({**kwargs, "generator": None} if drawn else kwargs))
         flat_out, _ = tree_flatten(out)
         if any(_is_meta(x) for x in flat_in) or any(_is_meta(x) for x in flat_out):
             self.ops.append(self._op(func, args, kwargs, flat_in, flat_out, rng_state, generator))
@@ -212,17 +216,19 @@ class Recording(TorchDispatchMode):
         """Save the generator's state, then advance it as eager construction would (see [Note: random numbers])."""
         generator = kwargs.get("generator") or _default_generator(self.device)
         state = generator.get_state()
-        real_args, real_kwargs = tree_map(self._scratch, (args, kwargs))
-        if args and _is_meta(args[0]):  # the tensor drawn into: no need to clear it
-            real_args = (torch.empty_like(args[0], device=self.device), *real_args[1:])
+        drawn_into = {id(t) for t in _mutated_inputs(func, args, kwargs)}
+
+        def scratch(x: Any) -> Any:
+            if not _is_meta(x):
+                return self.device if isinstance(x, torch.device) and x == META else x
+            if id(x) in drawn_into:  # the tensor drawn into: no need to clear it
+                return torch.empty_like(x, device=self.device)
+            return self.values([x])[0]  # an input (``bernoulli``'s probabilities): its values may decide the draws
+
+        real_args, real_kwargs = tree_map(scratch, (args, kwargs))
         func(*real_args, **real_kwargs)
         self.end_states[id(generator)] = (generator, generator.get_state())
         return generator, state
-
-    def _scratch(self, x: Any) -> Any:
-        if _is_meta(x):
-            return torch.zeros_like(x, device=self.device)
-        return self.device if isinstance(x, torch.device) and x == META else x
 
     # ------------------------------------------------------------------ replay
     def values(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

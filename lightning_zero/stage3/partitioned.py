@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives
+from lightning_zero.memory.host_memory import give_back_free_heap
 from lightning_zero.shards import offload
 from lightning_zero.shards.layout import MasterSlot
 from lightning_zero.shards.store import ShardedStorage
@@ -150,15 +152,63 @@ class PartitionedStorage(ShardedStorage):
         return self.sharded.unit_numel(unit)
 
     def _hand_back(self, gather: bool) -> None:
-        if gather:
-            self._full_values_back()
-        else:  # never leave a view of freed storage behind (reading it crashes)
-            for p in self.params:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        """[Note: the hand-back does not stack on the step's memory]
+        The full fp32 weights handed back at teardown (4 bytes per parameter on every rank) are the largest
+        allocation of a stage 3 run. Everything a step used and ``fit`` no longer needs goes first: every gathered
+        unit and the pool's blocks (the gradient shard and the bucket buffers are gone already, see
+        :meth:`ShardedStorage.uninstall`), hpZ's secondary copies, and the free pages of the host heap those left
+        (one trim). Then the full buffer is made empty (no page touched), this rank's chunks are copied into their
+        places in it, and the master shard goes: each master tensor becomes a view of its own values in the full
+        buffer (the same numbers, so the optimizer's state keyed by it and a checkpoint saved after ``fit`` read what
+        they read before). Only then do the all-gathers fill the other ranks' chunks, in place. The full buffer so
+        takes the place of the step's memory and of the master shard instead of coming on top of them: the teardown
+        holds 4 bytes per parameter plus the optimizer states, never the master shard as well. Where the masters live
+        in host memory or on disk (``offload_optimizer``) they stay there and are only read.
+        """
         for unit in list(self.sharded.units):
             self.sharded.release(unit)
         self.sharded.pool.clear()
+        self.drop_secondary()
+        if gather and not any(p.is_meta for p in self.params):  # meta: setup failed before materializing
+            if self.device.type == "cpu":
+                give_back_free_heap()
+            full = self._own_chunks_in_full()
+            for bucket in self.layout.buckets:
+                b0, b1 = self.layout.bucket_range(bucket)
+                c0, c1 = self.layout.chunk_range(bucket, self.rank)
+                collectives.all_gather(full[b0:b1], full[c0:c1], group=self.group)
+            for p, offset in zip(self.params, self.layout.offsets):
+                p.data = full[offset : offset + p.numel()].view(p.shape)
+        else:  # never leave a view of freed storage behind (reading it crashes)
+            for p in self.params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         guard.restore(self.params)  # they hold storage of their own now
+
+    def _own_chunks_in_full(self) -> Tensor:
+        """A new full flat buffer (master dtype) holding this rank's chunks in place, the rest unwritten; the master
+        tensors become views of it and the master and working shards are dropped, unless the masters are offloaded
+        (see [Note: the hand-back does not stack on the step's memory])."""
+        assert self.master_storage is not None
+        self.settle()  # a host master may be the host parameter shard an upload still reads
+        full = torch.empty(self.layout.total, dtype=self.master_storage.dtype, device=self.device)
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                c0, c1 = self.layout.chunk_range(bucket, self.rank)
+                full[c0:c1].copy_(self.master_storage[bucket.shard_offset : bucket.shard_offset + bucket.chunk_size])
+        if self.store_policy.offload.offload_optimizer:
+            return full
+        chunks = sorted((b.shard_offset, b) for b in self.layout.buckets if b.chunk_size)
+        starts = [offset for offset, _ in chunks]
+        for slot, master in zip(self.slots, self.masters):
+            bucket = chunks[bisect.bisect_right(starts, slot.start) - 1][1]
+            at = self.layout.chunk_range(bucket, self.rank)[0] + slot.start - bucket.shard_offset
+            view = full[at : at + slot.length].view(slot.shape).requires_grad_(master.requires_grad)
+            # a swap, not ``master.data = view``: a view keeps its base (the master shard) alive through its autograd
+            # metadata, which ``.data`` does not replace
+            torch.utils.swap_tensors(master, view)
+        self.master_storage = None
+        self.sharded.working_shard = full.new_empty(0)
+        return full
 
 
 def move_units(source: PartitionedStorage, targets: list[PartitionedStorage], unit_names: list[str]) -> None:

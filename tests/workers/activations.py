@@ -2,8 +2,10 @@
 
 A GPT with dropout and a frozen norm trains under ddp (no checkpointing: the oracle) and under zero1/2/3 with
 ``activation_checkpointing=True``; zero2 also with offload and the contiguous buffer; zero3 also in bf16-mixed; and
-two models twice the size (depth for zero3, width for zero2) for the constant-buffer check. Saves, per case: losses,
-final weights, checkpoint stats, stage-3 gathers per unit in backward, and the collective buffers' high-water marks.
+two models twice the size (depth for zero3, width for zero2) for the constant-buffer check; zero3 also without any
+checkpointing and with the user's own ``torch.utils.checkpoint`` around each block (the model's ``checkpointing``).
+Saves, per case: losses, final weights, checkpoint stats, stage-3 gathers per unit in backward and in each training
+step, the bytes all-gathered in each step (the collectives' counters), and the collective buffers' high-water marks.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Probe(L.Callback):
     def __init__(self) -> None:
         self.in_backward = False
         self.backward_gathers: list[dict[int, int]] = []
+        self.step_gathers: list[dict[int, int]] = []
+        self.step_gathered_bytes: list[int] = []
         self.temporary: dict[str, int] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -44,9 +48,23 @@ class Probe(L.Callback):
             def counted(unit: int, *args: Any, original: Any = original, **kwargs: Any) -> Any:
                 if self.in_backward:
                     self.backward_gathers[-1][unit] += 1
+                if self.step_gathers:
+                    self.step_gathers[-1][unit] += 1
                 return original(unit, *args, **kwargs)
 
             engine.gather_unit = counted
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # a step's first micro-batch: the one before is over
+            self._step_boundary(trainer)
+            self.step_gathers.append(Counter())
+
+    def _step_boundary(self, trainer: L.Trainer) -> None:
+        """The bytes all-gathered since the last boundary (the root's gather ahead of the next step included)."""
+        now = _gathered(getattr(trainer.strategy, "traffic", None))
+        if self.step_gathers:
+            self.step_gathered_bytes.append(now - self._gathered_before)
+        self._gathered_before = now
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self.in_backward = True
@@ -56,6 +74,7 @@ class Probe(L.Callback):
         self.in_backward = False
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step_boundary(trainer)
         strategy = trainer.strategy
         if not isinstance(strategy, ZeroStrategy):
             return
@@ -72,8 +91,14 @@ class Probe(L.Callback):
         }
 
 
-def run(name: str, precision: str = "32-true", width: int = 32, depth: int = 3, **options: Any) -> dict:
-    model = TinyGPT(width=width, depth=depth, dropout=0.1, frozen=True)
+def _gathered(traffic: Any) -> int:
+    """The bytes the collectives' counters say were all-gathered so far (0 without counters)."""
+    return 0 if traffic is None else sum(v for k, v in traffic.snapshot()["bytes"].items() if "gather" in k)
+
+
+def run(name: str, precision: str = "32-true", width: int = 32, depth: int = 3, user_checkpointing: bool = False,
+        **options: Any) -> dict:
+    model = TinyGPT(width=width, depth=depth, dropout=0.1, frozen=True, checkpointing=user_checkpointing)
     if name == "ddp":
         strategy: Any = "ddp_find_unused_parameters_true"
     else:
@@ -94,6 +119,8 @@ def run(name: str, precision: str = "32-true", width: int = 32, depth: int = 3, 
         "stats": vars(activations.stats).copy() if activations is not None else None,
         "blocks": activations.names if activations is not None else [],
         "backward_gathers": [dict(c) for c in probe.backward_gathers],
+        "step_gathers": [dict(c) for c in probe.step_gathers],
+        "step_gathered_bytes": probe.step_gathered_bytes,
         "temporary": probe.temporary,
     }
 
@@ -107,6 +134,8 @@ CASES = {
     "zero3_bf16": lambda: run("zero3", precision="bf16-mixed"),
     "zero3_bf16_plain": lambda: run("zero3", precision="bf16-mixed", activation_checkpointing=False),
     "zero3_deep": lambda: run("zero3", depth=6),
+    "zero3_plain": lambda: run("zero3", activation_checkpointing=False),
+    "zero3_user": lambda: run("zero3", activation_checkpointing=False, user_checkpointing=True),
     "zero2_wide": lambda: run("zero2", width=64),
     "zero2_partition_refused": lambda: refused(),
 }

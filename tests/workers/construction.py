@@ -88,12 +88,38 @@ class ReverseTied(HFCausalLM):
         return loss
 
 
+class RandomFactories(HFCausalLM):
+    """Weights drawn by torch's random factories inside ``configure_model`` (``nn.Parameter(torch.randn(...))``,
+    ``torch.rand``, ``torch.randperm``, a generator of the module's own) and dropout in training: the draws after
+    construction are ddp's only if construction left the generator where eager construction leaves it."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "wte"):
+            return
+        generator = torch.Generator().manual_seed(5)
+        self.wte = nn.Embedding(VOCAB, 24)
+        self.mix = nn.Parameter(torch.randn(24, 24) * 0.1)
+        self.gate = nn.Parameter(torch.rand(24))
+        self.fixed = nn.Parameter(torch.randn(24, 24, generator=generator) * 0.05)
+        self.head = nn.Linear(24, VOCAB)
+        self.register_buffer("order", torch.randperm(24))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        x = self.wte(tokens)[..., self.order]
+        x = F.dropout(torch.tanh(x @ self.mix + x @ self.fixed) * self.gate, p=0.2, training=True)
+        loss = F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+
 MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "gpt2": lambda: HFCausalLM("gpt2"),
     "llama_tied": lambda: HFCausalLM("llama_tied"),
     "llama": lambda: HFCausalLM("llama"),
     "gpt": lambda: TinyGPT(meta_init=True, dropout=0.1),
     "reverse_tied": lambda: ReverseTied("reverse"),
+    "random_factories": lambda: RandomFactories("random"),
 }
 
 

@@ -2,10 +2,12 @@
 ``fabric.setup(g, opt_g)`` and the discriminator with ``setup_module`` + ``setup_optimizers``, under ``ddp`` (the
 oracle) and ``zero1/2/3``. Each step: the generator's loss through the discriminator, then the discriminator's loss
 with its gradients clipped by norm. After step ``SAVE`` one checkpoint of both models, both optimizers and the step;
-a second Fabric with fresh models loads it and runs the remaining steps.
+a second Fabric with fresh models loads it and runs the remaining steps; and the first run's models load it too,
+right after their last step and again after an evaluation forward (a rollback into models that trained), each time
+running the remaining steps again.
 
 Saves per strategy the losses, the clipping norms (and their shapes), the weights at the save and at the end, and the
-resumed run's step, losses and end weights.
+resumed and the rolled-back runs' steps, losses and end weights.
 """
 
 from __future__ import annotations
@@ -26,10 +28,22 @@ warnings.filterwarnings("ignore")
 STEPS, SAVE = 4, 2
 
 
+class Scaled(nn.Sequential):
+    """Layers and a gain of the model's own: under zero3 the gain is the root unit, which an optimizer step gathers
+    ahead of the next forward (so a load finds it gathered)."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
 def models() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    g = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    d = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = Scaled(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    d = Scaled(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
     return g, d
 
 
@@ -83,14 +97,26 @@ def run(strategy: str, out_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"losses": [], "norms": [], "ckpt": str(path)}
     train(fabric, g, d, opt_g, opt_d, range(STEPS), out, save=path, strategy=strategy)
     out["end"] = weights(fabric, strategy, g, d)
+    out["rolled_back"] = resume(fabric, path, g, d, opt_g, opt_d, strategy)  # right after their last step
+    out["after_eval"] = resume(fabric, path, g, d, opt_g, opt_d, strategy, evaluate=True)
     fabric, g, d, opt_g, opt_d = make(strategy)  # fresh models and optimizers, then the checkpoint
+    out["resumed"] = resume(fabric, path, g, d, opt_g, opt_d, strategy)
+    return out
+
+
+def resume(fabric: Fabric, path: Path, g: Any, d: Any, opt_g: Any, opt_d: Any, strategy: str,
+           evaluate: bool = False) -> dict[str, Any]:
+    """Load the checkpoint into these models and optimizers (after an evaluation forward of both models with
+    ``evaluate``) and train the remaining steps."""
+    if evaluate:
+        with torch.no_grad():
+            d(g(batch(fabric.global_rank, 99)[1]))
     state: dict[str, Any] = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
     fabric.load(path, state)
     resumed: dict[str, Any] = {"losses": [], "norms": [], "step": state["step"]}
     train(fabric, g, d, opt_g, opt_d, range(state["step"], STEPS), resumed)
     resumed["end"] = weights(fabric, strategy, g, d)
-    out["resumed"] = resumed
-    return out
+    return resumed
 
 
 def main() -> None:

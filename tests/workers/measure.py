@@ -61,6 +61,14 @@ class Probe(L.Callback):
             self.states = measure_model_states(pl_module, trainer.optimizers).as_dict()
 
 
+def _masters_in_params(model: torch.nn.Module, optimizers: list[Any]) -> bool:
+    """Whether every tensor the optimizers step on lies in the memory of the module's (full) parameters."""
+    spans = [(p.untyped_storage().data_ptr(), p.untyped_storage().data_ptr() + p.untyped_storage().nbytes())
+             for p in model.parameters()]
+    masters = [m for o in optimizers for g in o.param_groups for m in g["params"]]
+    return bool(masters) and all(any(a <= m.data_ptr() < b for a, b in spans) for m in masters)
+
+
 def _status(field: str) -> int:
     """``VmHWM`` or ``VmRSS`` of this process, in bytes."""
     with open("/proc/self/status") as f:
@@ -103,7 +111,13 @@ def main() -> None:
         trainer.fit(model)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         peak = probe.peak_rss
-        results[name] = {"traffic": probe.traffic, "states": probe.states, "numel": numel,
+        engine = getattr(trainer.strategy, "engine", None)
+        after_fit = {}
+        if engine is not None:  # what the engine holds once teardown handed the full weights back
+            parts = engine.memory_parts()
+            after_fit = {**vars(parts), "optimizer_masters_in_params": _masters_in_params(model, trainer.optimizers),
+                         "flat_elements": sum(s.layout.total for s in engine.store.storages)}
+        results[name] = {"after_fit": after_fit, "traffic": probe.traffic, "states": probe.states, "numel": numel,
                          "bucket_elements": width * width, "peak_rss": peak * 1024,
                          "peak_rss_growth": (peak - baseline) * 1024, "fit_peak_growth": probe.fit_peak - fit_start,
                          "units": probe.units}

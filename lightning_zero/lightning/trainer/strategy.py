@@ -327,6 +327,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
                     "for non-finite gradients (`nonfinite='skip'`)."
                 )
             self.engine.teardown(gather=self._ranks_in_step)
+            account = self.engine.memory.account()
+            if account is not None and self.engine.completed_steps:
+                rank_zero_info(f"lightning-zero: {account.describe()}")
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
         super().teardown()
