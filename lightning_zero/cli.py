@@ -178,7 +178,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"checkpoint   {summary['path']}",
         f"saved by     zero{summary['stage']} on {summary['world_size']} "
         f"rank{'s' if summary['world_size'] != 1 else ''}{_mesh(summary)}, precision {summary['precision']}",
-        f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
+        f"progress     {_progress(summary)}",
         f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
         f"optimizers   {', '.join(summary['optimizers']) or 'none'}"
         + ("" if summary["has_optimizer_state"] else " (weights only: no optimizer state)"),
@@ -196,7 +196,7 @@ def _format_file_summary(summary: dict[str, Any]) -> str:
             f"checkpoint   {summary['path']}",
             "saved as     one file in ddp's form (consolidated, or by ddp or state_dict_type='full'): every strategy "
             "resumes it",
-            f"progress     epoch {summary['epoch']}, global step {summary['global_step']}",
+            f"progress     {_progress(summary)}",
             f"parameters   {summary['num_parameters']:,} in {summary['model_tensors']} tensors",
             f"optimizers   {optimizers} optimizer state{'s' if optimizers != 1 else ''}"
             if optimizers
@@ -205,6 +205,18 @@ def _format_file_summary(summary: dict[str, Any]) -> str:
             "files        read whole by torch.load (a single file carries no checksums)",
         ]
     )
+
+
+def _progress(summary: dict[str, Any]) -> str:
+    """The Trainer's epoch and global step; a checkpoint without them (Fabric's, a plain loop's) shows the numbers
+    saved beside the models instead (``step 7``)."""
+    if summary["epoch"] is not None or summary["global_step"] is not None:
+        return f"epoch {summary['epoch']}, global step {summary['global_step']}"
+    entries = summary.get("entries") or {}
+    if not entries:
+        return "not recorded (no epoch or global step, and no number saved beside the models)"
+    shown = ", ".join(f"{key} {value}" for key, value in entries.items())
+    return f"{shown} (saved beside the models; no Trainer epoch or global step)"
 
 
 def _mesh(summary: dict[str, Any]) -> str:

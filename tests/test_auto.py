@@ -69,6 +69,8 @@ def test_the_cheapest_candidate_that_fits_is_chosen():
         chosen = choose(FACTS, 2, "32-true", config, peaks[name] * (1 + HEADROOM), on_host=True)
         assert chosen.chosen.candidate.name == name
         assert chosen.line().startswith(f"zero_auto chose {name}: predicted peak")
+        # the setup summary's "model states" figure is ZeRO's table; this line's parts are named apart from it
+        assert "model states" not in chosen.line() and "gradients held between steps" in chosen.line()
     # on a GPU the offloaded bytes leave the budget: zero3 with offload fits below zero3
     on_gpu = choose(FACTS, 2, "32-true", config, 1e12, on_host=False).by_name()
     below = choose(FACTS, 2, "32-true", config, on_gpu["zero3"] * (1 + HEADROOM) - 1, on_host=False)
@@ -176,3 +178,31 @@ def test_the_estimate_command_prints_the_same_recommendation(capsys):
     assert "zero1 would need" in out and "zero3 would need" in out  # the cheaper ones, with their peaks
     assert cli(["estimate", "--params", "1B", "-n", "2", "--memory", "8MiB"]) == 0  # below the bucket buffers
     assert "32-true: zero_auto: no configuration fits the memory budget of 8.0 MiB" in capsys.readouterr().out
+
+
+def test_every_rank_chooses_from_the_largest_activations_and_a_rank_without_a_batch_measures_none():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+    from torch.utils.data import DataLoader
+
+    from lightning_zero.lightning.trainer.auto import choose_at_setup
+    from lightning_zero.lightning.trainer.precision import ZeroPrecision
+
+    model, precision, config = TinyGPT(), ZeroPrecision("32-true"), ZeroConfig(stage=3)
+
+    def trainer(loader: DataLoader) -> SimpleNamespace:
+        return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), accumulate_grad_batches=1,
+                               fit_loop=SimpleNamespace(_data_source=_DataLoaderSource(loader, "train_dataloader")))
+
+    own = choose_at_setup(trainer(model.train_dataloader()), model, precision, config, 1e12, lambda x, op: x, (2, 2))
+    measured = own.choice.chosen.activations
+    assert measured > 0
+    asked = []
+
+    def other_rank_measured_more(x: float, op: str) -> float:  # the ranks' maximum (activations), minimum (budget)
+        asked.append((op, x))
+        return max(x, 2 * measured) if op == "max" else x
+
+    empty = choose_at_setup(trainer(DataLoader([])), model, precision, config, 1e12, other_rank_measured_more, (2, 2))
+    assert ("max", 0) in asked and empty.choice.chosen.activations == 2 * measured

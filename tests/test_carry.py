@@ -169,6 +169,28 @@ def test_the_checkpoint_of_two_models_inspects_and_consolidates(gan_ranks, strat
     assert len(full["optimizer_states"]) == 2
 
 
+@pytest.fixture(scope="module")
+def detached_gan_ranks(tmp_path_factory) -> list[dict]:
+    return launch("gan_detached.py", 2, tmp_path_factory.mktemp("gan_detached"), timeout=300)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero3-units"])
+def test_the_generator_backward_after_the_discriminator_step_on_its_detached_output_matches_ddp(
+    detached_gan_ranks, strategy
+):
+    """Fabric's DCGAN order: the discriminator's backward (on ``fake.detach()``) ends before the generator's, whose
+    graph still holds views of the generator's gathered parameters."""
+    for rank in detached_gan_ranks:
+        ddp, zero = rank["ddp"], rank[strategy]
+        assert len(zero["losses"]) == 6 and zero["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+        assert len(zero["weights"]) == len(ddp["weights"]) == 3
+        for step, (actual, expected) in enumerate(zip(zero["weights"], ddp["weights"])):  # after every step
+            assert actual.keys() == expected.keys()
+            for name, value in expected.items():
+                torch.testing.assert_close(actual[name], value, rtol=1e-6, atol=1e-7, msg=f"step {step}: {name}")
+
+
 # ---------------------------------------------------------------------- a model set up again
 def _model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
@@ -195,6 +217,18 @@ def _fabric(stage: int) -> L.Fabric:
     fabric = L.Fabric(strategy=f"zero{stage}", accelerator="cpu", devices=1)
     fabric.launch()
     return fabric
+
+
+def test_inspect_shows_the_progress_a_fabric_checkpoint_saved(tmp_path, capsys):
+    from lightning_zero.cli import main
+
+    fabric = _fabric(2)
+    model, x, y = _model_and_data()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=0.05))
+    fabric.save(tmp_path / "run.ckpt", {"model": model, "optimizer": optimizer, "step": 7, "epoch_of_data": 2})
+    assert main(["inspect", str(tmp_path / "run.ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "progress     step 7, epoch_of_data 2 (saved beside the models" in out and "None" not in out, out
 
 
 @pytest.mark.parametrize("stage", [2, 3])

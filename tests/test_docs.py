@@ -53,6 +53,43 @@ def test_the_readme_is_a_first_screen() -> None:
         "and link it from the README")
 
 
+# [Note: no figure that changes with every commit]
+# The number of tests and the seconds the suite or its fast tier takes change with every commit and every machine: a
+# page that quotes them is wrong soon after. The docs quote neither (the examples' run times are measured once, with
+# the machine named).
+_SUITE_FIGURES = re.compile(
+    r"\b\d[\d,]* (?:tests )?(?:passed|skipped)\b|\d+-second fast tier|fast tier \((?:under|about|in) [^)]*\d"
+)
+
+
+def test_the_docs_quote_no_test_count_or_suite_duration() -> None:
+    found = [(path.name, m.group(0)) for path in _markdown_files()
+             for m in _SUITE_FIGURES.finditer(path.read_text(encoding="utf-8"))]
+    assert not found, f"figures that change with every commit (see [Note: no figure ...] here): {found}"
+
+
+def test_the_trainer_page_counts_the_registered_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    words = {9: "nine", 12: "twelve", 15: "fifteen"}
+    names = [name for name in StrategyRegistry if name.startswith("zero")]
+    assert f"These {words[len(names)]} names" in (ROOT / "docs" / "trainer.md").read_text(encoding="utf-8")
+
+
+def test_the_declared_torch_range_is_bounded_holds_this_torch_and_is_the_readmes() -> None:
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    declared = Requirement(re.search(r'^\s*"(torch[^"]*)",', text, flags=re.MULTILINE).group(1)).specifier
+    assert Version(torch.__version__.split("+")[0]) in declared
+    low, high = (re.search(rf"{op}(\d+\.\d+)", str(declared)).group(1) for op in (">=", "<"))
+    assert Version("2.15") not in declared  # a release nobody ran the tests on
+    last = f"{high.split('.')[0]}.{int(high.split('.')[1]) - 1}"
+    assert f"declares torch {low} to {last}" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_every_relative_link_resolves() -> None:
     broken = []
     for path in _markdown_files():

@@ -205,6 +205,19 @@ def test_a_second_export_into_the_directory_leaves_no_stale_shards(tmp_path):
     assert not (tmp_path / "hf" / export.INDEX_NAME).exists()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_every_exported_file_gets_the_mode_the_umask_gives(tmp_path, umask):
+    path = save_file(tiny_gpt2(4), tmp_path / "m.ckpt")
+    previous = os.umask(umask)
+    try:
+        export_pretrained(path, tmp_path / "hf", max_shard_size="4kB")
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert "config.json" in modes and sum(name.endswith(".safetensors") for name in modes) > 2
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
 def safetensors_data_bytes(file: Path) -> int:
     """The bytes of tensor data in a safetensors file, read from the file itself (its size less the 8-byte length
     and the JSON header it announces)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -135,11 +136,40 @@ def test_options_override_a_short_name_on_the_command_line(flags, option):
     assert strategy._start_method == ("spawn" if "spawn" in flags[0] else "popen")
 
 
-def test_options_after_a_short_name_in_yaml_get_the_form_that_works(tmp_path, capsys):
+@pytest.mark.parametrize("name, stage", [("zero3", 3), ("zero2_spawn", 2)])
+def test_options_after_a_short_name_in_yaml_override_it(tmp_path, name, stage):
+    config = tmp_path / "short.yaml"
+    config.write_text(f"trainer:\n  strategy: {name}\n")
+    strategy = _zero_cli("--config", str(config), "--trainer.strategy.reduce_bucket_size", "1e6").trainer.strategy
+    assert isinstance(strategy, lightning_zero.ZeroStrategy)
+    assert (strategy.config.stage, strategy.config.reduce_bucket_size) == (stage, 10**6)
+    assert strategy._start_method == ("spawn" if "spawn" in name else "popen")
+
+
+def test_a_short_name_under_a_subcommand_in_yaml_is_found(tmp_path):
+    from lightning_zero.lightning.cli import expand_short_strategy
+
+    config = tmp_path / "short.yaml"
+    config.write_text("fit:\n  trainer:\n    strategy: zero3\n")
+    argv = ["--config", str(config), "fit", "--trainer.strategy.prefetch_size", "7"]
+    assert expand_short_strategy(argv) == [*argv[:3], "--trainer.strategy", "lightning_zero.ZeroStrategy",
+                                           "--trainer.strategy.stage", "3", *argv[3:]]
+    assert expand_short_strategy(["--config", str(config), "fit"]) == ["--config", str(config), "fit"]
+
+
+def test_options_after_a_short_name_in_yaml_without_the_command_get_the_form_that_works(tmp_path, capsys):
+    from lightning_zero.lightning.cli import zero_cli
+
     config = tmp_path / "short.yaml"
     config.write_text("trainer:\n  strategy: zero3\n")
     with pytest.raises(SystemExit):
-        _zero_cli("--config", str(config), "--trainer.strategy.reduce_bucket_size", "1e6")
+        zero_cli()(TinyGPT, args=["--config", str(config), "--trainer.strategy.reduce_bucket_size", "1e6"], run=False)
     err = capsys.readouterr().err
     assert "NestedArg(key='reduce_bucket_size'" in err and "--trainer.strategy lightning_zero.ZeroStrategy " \
         "--trainer.strategy.stage 3 --trainer.strategy.reduce_bucket_size 1e6" in err, err
+
+
+def test_the_command_passes_its_command_line_without_lightnings_warning_about_args(monkeypatch, recwarn):
+    monkeypatch.setattr(sys, "argv", ["lightning-zero", "fit", "--trainer.strategy", "zero3"])
+    _zero_cli("--trainer.strategy", "zero3")
+    assert not [w for w in recwarn if "args parameter" in str(w.message)]

@@ -72,6 +72,16 @@ def test_the_prefix_that_would_match_is_found():
     assert prefix_hint([f"model.{k}" for k in model], model).startswith("strip 'model.'")
     assert prefix_hint(model, [f"model.{k}" for k in model]).startswith("add 'model.'")
     assert prefix_hint(["a.weight"], ["b.weight"]) is None
+    part = [f"model.{k}" for k in model[:2]]  # a checkpoint of a part of the model: its prefix explains it
+    assert prefix_hint(part, model).startswith("strip 'model.'")
+
+
+def test_no_prefix_is_advised_for_another_model_that_shares_a_few_names():
+    gpt = ["wte.weight", "blocks.0.qkv.weight", "blocks.0.proj.weight", "ln_f.weight", "lm_head.weight"]
+    llama = ["lm.model.embed_tokens.weight", "lm.model.layers.0.self_attn.q_proj.weight", "lm.model.norm.weight"]
+    llama += ["lm.model.layers.0.mlp.up_proj.weight", "lm.lm_head.weight"]
+    assert prefix_hint(gpt, llama) is None  # `lm.` would match `lm_head.weight` alone
+    assert prefix_hint(llama, gpt) is None
 
 
 def _trainer_resume(path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def test_signal_inside_a_sharded_checkpoint_write(tmp_path, signal_name):
     code, text = run_with_fault(
         tmp_path, f"point=save.written,signal={signal_name},rank=0,target=group,occurrence=2")
     assert_clean_stop(code, text, signal_name)
+    assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2, "epoch=0-step=4.ckpt": 4}
+    last = tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    assert f"at global step 4: resume with `ckpt_path={str(last)!r}`" in text, text[-3000:]
+
+
+def test_ctrl_c_with_the_output_piped_through_tee_exits_1(tmp_path):
+    """``python train.py 2>&1 | tee log`` and Ctrl-C: ``tee`` gets the signal too and ends before the stop message is
+    printed; the run still exits 1 (see [Note: a message nobody can read is not an error] in process/say.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               LIGHTNING_ZERO_FAULT="point=save.written,signal=SIGINT,rank=0,target=group,occurrence=2")
+    script = (f'"{sys.executable}" "{ROOT / "tests" / "workers" / "interrupt.py"}" "{tmp_path}" 3 sharded 12 2>&1 '
+              f'| tee "{tmp_path / "tee.log"}"; exit "${{PIPESTATUS[0]}}"')
+    # a session of its own: the group signal reaches python, its ranks and tee, as Ctrl-C reaches a terminal's job
+    done = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, start_new_session=True, timeout=TIMEOUT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert done.returncode == 1, (done.returncode, (tmp_path / "tee.log").read_text()[-3000:])
     assert checkpoints(tmp_path) == {"epoch=0-step=2.ckpt": 2, "epoch=0-step=4.ckpt": 4}
 
 
@@ -194,6 +212,25 @@ def test_a_second_ctrl_c_claims_no_agreed_stop():
         guard.remove()
     guard.raise_pending()  # raised `Stopped` ("every rank stopped at the same step boundary") before
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_stop_message_nobody_can_read_changes_nothing(monkeypatch):
+    """``python train.py 2>&1 | tee log`` and Ctrl-C: ``tee`` is gone before the stop message is printed."""
+    from lightning_zero.process.shutdown import SignalGuard, Stopped
+
+    read, write = os.pipe()
+    os.close(read)  # the reader (tee) ended with the signal
+    stderr, stdout = os.fdopen(write, "w"), os.fdopen(os.dup(write), "w")  # `2>&1 | tee`: one pipe for both
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    guard = SignalGuard()
+    guard.where = lambda: ", at global step 4: resume with `ckpt_path='ckpts/last.ckpt'`, the last checkpoint."
+    with pytest.raises(Stopped, match="every rank stopped at the same step boundary, at global step 4: resume with"):
+        guard._act({signal.SIGINT: 1, signal.SIGTERM: 0, signal.SIGUSR1: 0})
+    for stream in (stderr, stdout):  # both now write to os.devnull: nothing fails
+        stream.write("Lightning's own message, then the flush at exit\n")
+        stream.flush()
+        stream.close()
 
 
 def test_the_guard_records_acts_once_and_gives_the_signals_back():

@@ -101,3 +101,26 @@ def test_an_evaluation_forward_keeps_nothing_and_frees_a_kept_unit(pair) -> None
     assert _gathered(engine) == []
     _train_step(pair, x, y)
     assert _gathered(engine) == [] and _max_difference(ref, model) == 0.0
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6], ids=["units", "one-root-unit"])
+def test_backward_gathers_again_whatever_was_freed_after_the_forward(threshold) -> None:
+    # another model's backward ends every model's backward under Fabric (see [Note: backward finds every unit
+    # gathered, the root too] in stage3/units.py): here the engine's own end of step frees the root and every unit
+    # between the forward and its backward, which must read the same weights as plain PyTorch
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], stage=3, unit_classes=[Block],
+                        persistence_threshold=threshold)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        loss = model(x).square().mean()
+        engine.end_step()  # the root (and the last unit, kept for backward) freed while the graph holds views of them
+        engine.backward(loss)
+        engine.step()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert _max_difference(ref, model) < 1e-6

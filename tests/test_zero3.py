@@ -63,6 +63,17 @@ def test_ranks_running_different_units_fail_at_once_with_the_skipped_unit_named(
     assert all(rank["checks_at_once"][1] == expected for rank in ranks), ranks
 
 
+def test_ranks_given_different_numbers_of_batches_fail_with_the_likely_cause_and_nothing_after(tmp_path):
+    # rank 1 runs out of data and gathers the weights back at teardown while rank 0 waits at its next step: both fail
+    # at the process group's timeout (5 s), naming uneven data, and Lightning's teardown after it raises nothing more
+    ranks = launch("uneven.py", 2, tmp_path, timeout=120)
+    for rank in ranks:
+        kind, message, _ = rank["error"]
+        assert kind == "RuntimeError" and "ran out of data" in message, rank["error"]
+        assert math.isfinite(rank["state_sum"])
+    assert "gather the full weights back" in ranks[1]["error"][1], ranks[1]["error"]
+
+
 def test_lockstep_check_names_each_ranks_unit_and_what_was_skipped():
     from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, LockstepCheck
 
@@ -116,6 +127,19 @@ def test_persistence_threshold_none_is_the_same_number_at_every_size():
     assert plan_units(large, persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD).names == ["<root>", "0", "1"]
     numel = sum(p.numel() for p in small.parameters())
     assert plan_units(small, persistence_threshold=numel).names == ["<root>"]  # a number above the size: whole
+
+
+def test_the_blocks_named_in_unit_classes_are_units_whatever_their_size():
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.engine.policies import unit_policy
+    from tests.models import Block, TinyGPT
+
+    model = TinyGPT(width=16, depth=3)  # blocks of about 3K elements, far below the default threshold
+    assert unit_policy(ZeroConfig(stage=3)).plan(model).names == ["<root>"]
+    named = unit_policy(ZeroConfig(stage=3, unit_classes=[Block])).plan(model)
+    assert named.names == ["<root>", "blocks.0", "blocks.1", "blocks.2"]  # ln_f, not named, still joins the root
+    chosen = unit_policy(ZeroConfig(stage=3, unit_classes=[Block], persistence_threshold=10**6)).plan(model)
+    assert chosen.names == ["<root>"]  # a threshold the user sets decides for the named blocks too
 
 
 def test_a_model_gathered_whole_trains_as_unit_by_unit():

@@ -143,6 +143,7 @@ def inspect_checkpoint(path: _PATH, verify: bool = False, trust_code: bool = Fal
         "precision": info["precision"],
         "epoch": meta.get("epoch"),
         "global_step": meta.get("global_step"),
+        "entries": saved_entries(meta),
         "num_parameters": info["num_parameters"],
         "model_tensors": len(info["model"]),
         "optimizers": [o["class"] for o in info["optimizers"]],
@@ -152,6 +153,18 @@ def inspect_checkpoint(path: _PATH, verify: bool = False, trust_code: bool = Fal
         "total_bytes": sum(s for s, _ in info["files"].values()),
         "verified": verify,
         "lightning_version": meta.get("pytorch-lightning_version"),
+    }
+
+
+def saved_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's top-level numbers and strings besides the Trainer's own: what a Fabric or plain loop saved
+    beside the models (``fabric.save(path, {"model": m, "step": 7})``: ``{"step": 7}``), its progress where it has
+    no ``epoch`` or ``global_step``."""
+    own = ("epoch", "global_step", "pytorch-lightning_version", "hparams_name")
+    return {
+        key: value
+        for key, value in checkpoint.items()
+        if isinstance(value, (int, float, str)) and isinstance(key, str) and key not in own
     }
 
 
@@ -177,6 +190,7 @@ def _inspect_file(path: Path, trusted: bool) -> dict[str, Any]:
         "format": FILE_FORMAT,
         "epoch": checkpoint.get("epoch"),
         "global_step": checkpoint.get("global_step"),
+        "entries": saved_entries(checkpoint),
         "num_parameters": sum(t.numel() for t in tensors.values()),
         "model_tensors": len(checkpoint["state_dict"]),
         "optimizers": len(checkpoint.get("optimizer_states") or []),

@@ -370,7 +370,22 @@ def _write_shard(file: Path, tensors: dict[str, Tensor], dtypes: dict[str, torch
     converted = {k: t.to(dtypes[k]).contiguous() for k, t in tensors.items()}
     staging = file.with_name(f".{file.name}.tmp")
     save_file(converted, str(staging), metadata={"format": "pt"})
+    os.chmod(staging, new_file_mode())  # safetensors creates its files 0600: give them the mode every other file has
     os.replace(staging, file)
+
+
+def new_file_mode() -> int:
+    """The permissions a file this process creates gets (``0o666`` less the umask), without changing the umask where
+    Linux reports it (``/proc/self/status``, since 4.7); elsewhere read by setting it and back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _write_text(file: Path, text: str) -> None:

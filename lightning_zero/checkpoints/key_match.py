@@ -34,14 +34,21 @@ class PartialLoadWarning(UserWarning):
 
 
 def prefix_hint(saved: Collection[str], model: Collection[str]) -> Optional[str]:
-    """What to do so that ``saved`` keys match ``model`` keys, when a prefix makes more of them match: strip one from
-    the checkpoint's keys (``model.lm.w`` into ``lm.w``) or add one (``lm.w`` into ``model.lm.w``); else ``None``."""
+    """What to do so that ``saved`` keys match ``model`` keys, when a prefix explains the mismatch: strip one from
+    the checkpoint's keys (``model.lm.w`` into ``lm.w``) or add one (``lm.w`` into ``model.lm.w``); else ``None``.
+
+    [Note: a prefix is advised only where it explains the mismatch]
+    Two different models share a few names (``lm_head.weight`` in a GPT's checkpoint is ``lm.lm_head.weight`` of a
+    LightningModule holding a Llama as ``lm``), and a prefix that matches those few would fix nothing. So a prefix is
+    advised only when it matches more keys than match now and at least half of the keys that do not match now on the
+    side that has fewer of them (a checkpoint of a part of the model is explained by its prefix too)."""
     present = set(saved) & set(model)
+    needed = LOW_COVERAGE * min(len(set(saved) - present), len(set(model) - present))
     best = _best_prefix(saved, model)  # checkpoint key = prefix + model key
-    if best is not None and best[1] > len(present):
+    if best is not None and best[1] > len(present) and best[1] >= needed:
         return f"strip {best[0]!r} from the checkpoint's keys (it saved {best[0]}<name> where this model has <name>)"
     best = _best_prefix(model, saved)  # model key = prefix + checkpoint key
-    if best is not None and best[1] > len(present):
+    if best is not None and best[1] > len(present) and best[1] >= needed:
         return f"add {best[0]!r} to the checkpoint's keys (it saved <name> where this model has {best[0]}<name>)"
     return None
 

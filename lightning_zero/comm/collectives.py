@@ -70,9 +70,10 @@ def done() -> Any:
 
 
 DIVERGENCE_HINT = (
-    "The ranks probably issued different collectives (data-dependent control flow, or a rank that skipped a step). "
-    "Every rank must run the same modules in the same order; under zero3 prefer zero2 for models whose ranks take "
-    "different branches."
+    "The ranks probably issued different collectives (a rank that ran out of data before the others, data-dependent "
+    "control flow, or a rank that skipped a step). Every rank must run the same number of batches (an "
+    "IterableDataset must give each rank as many) and the same modules in the same order; under zero3 prefer zero2 "
+    "for models whose ranks take different branches."
 )
 
 
@@ -437,7 +438,12 @@ def agree_max(values: list[int], group: Optional[Group] = None) -> list[int]:
     control = None if dist.get_backend() == "gloo" else job_group(("control",), lambda: make_group(backend="gloo"))
     tensor = torch.tensor(values, dtype=torch.int32)
     _count("control", tensor, group)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control)
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"ZeRO could not agree with the other ranks at a step's boundary: {error}. {DIVERGENCE_HINT}"
+        ) from error
     return tensor.tolist()
 
 

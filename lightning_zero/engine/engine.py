@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -213,7 +213,9 @@ class ZeroEngine(OptimizerSteps):
     def _unit_runtime(self) -> UnitRuntime:
         """Stage 3's runtime over the store's storages as they are now."""
         units = self.policies.units
-        return UnitRuntime(self.unit_plan, self._partitioned_storages, units.prefetch_size, units.lockstep_check)
+        return UnitRuntime(
+            self.unit_plan, self._partitioned_storages, units.prefetch_size, units.lockstep_check, model=self.module
+        )
 
     def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
         # several optimizers may hold the same parameter: see [Note: parameters shared by several optimizers]
@@ -367,15 +369,21 @@ class ZeroEngine(OptimizerSteps):
         against a different one or hang: teardown then only removes the hooks, and stage 3's parameters become empty
         tensors (their gathered storage is gone). The last checkpoint is the state to resume or load from. The
         optimizers' shards stay reachable (a checkpoint can still be saved after ``fit`` returns).
+
+        A run that ended normally on this rank can still meet a peer that did not: one given fewer batches ends its
+        epoch while another waits in a step. Its gather then fails after the process group's timeout; teardown goes
+        on as after an exception (nothing left that a later ``module.cpu()`` would refuse) and raises that failure,
+        named as such, once it is done.
         """
         if self.torn_down:
             return
         self.torn_down = True
-        if self.runtime is not None:
+        failure: Optional[RuntimeError] = None
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
             if gather:
-                self.runtime.release_all(include_root=True)
-            self.runtime.remove()
-            self.runtime = None
+                failure = _attempt(lambda: runtime.release_all(include_root=True))
+            runtime.remove()
         if self._root_hook is not None:
             self._root_hook.remove()
             self._root_hook = None
@@ -383,13 +391,29 @@ class ZeroEngine(OptimizerSteps):
             self.activations.remove()
         for sharded in self.optimizers:
             sharded.uninstall()
-        self.store.uninstall(gather)
+        gather = gather and failure is None
+        failure = failure or _attempt(lambda: self.store.uninstall(gather))
         self.memory.note("the hand-back of the full weights")
-        if not gather:
+        if not gather or failure is not None:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
         for handle in self._state_hooks:
             handle.remove()
+        if failure is not None:
+            hint = "" if collectives.DIVERGENCE_HINT in str(failure) else f" {collectives.DIVERGENCE_HINT}"
+            raise RuntimeError(
+                f"ZeRO could not gather the full weights back into the model at the end of the run on this rank "
+                f"(another rank did not join): {failure}.{hint}"
+            ) from failure
+
+
+def _attempt(action: Callable[[], object]) -> Optional[RuntimeError]:
+    """Run ``action``; the ``RuntimeError`` it raised (a collective a peer did not join), or ``None``."""
+    try:
+        action()
+    except RuntimeError as error:
+        return error
+    return None
 
 
 def _default_device() -> torch.device:

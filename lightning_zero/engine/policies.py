@@ -67,9 +67,11 @@ def policies_of(config: ZeroConfig) -> Policies:
 
 def unit_policy(config: ZeroConfig) -> UnitPolicy:
     """Stage 3's unit policy under ``config`` (also what the memory estimate plans its units with)."""
+    named_blocks = bool(config.unit_classes) and config.persistence_threshold is None
     return UnitPolicy(
         unit_classes=config.unit_classes,
         persistence_threshold=resolve_persistence_threshold(elements(config.persistence_threshold)),
+        block_threshold=0 if named_blocks else None,  # see [Note: the blocks a user names are units] in plan.py
         prefetch_size=elements(config.prefetch_size),
         lockstep_check=config.lockstep_check,
     )

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
+import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -32,15 +34,18 @@ LONG_FORM_HINT = (
 def expand_short_strategy(argv: Sequence[str]) -> list[str]:
     """``--trainer.strategy zero3`` followed by ``--trainer.strategy.<option>`` flags, in the long form jsonargparse
     accepts options for: ``--trainer.strategy lightning_zero.ZeroStrategy --trainer.strategy.stage 3`` (and the start
-    method of a ``_spawn`` / ``_fork`` name). Any other command line is returned as it is.
+    method of a ``_spawn`` / ``_fork`` name). The short name may be on the command line or, as ``strategy: zero3``,
+    in a ``--config`` file before the flags. Any other command line is returned as it is.
 
     [Note: options after a short name]
     jsonargparse types ``trainer.strategy`` as ``Union[str, Strategy]``: after ``zero3`` (a string) a nested flag has
     no class to belong to, and it fails with ``Given value: NestedArg(key=...)``. The registry entry of the name says
     which class and init arguments it stands for, so the short name is replaced by them where it stands, before the
-    flags that follow it."""
+    flags that follow it; a name from a config file is followed by the long form on the command line just before
+    the first option flag (later values override the file's)."""
     argv = list(argv)
-    if not any(a.startswith(STRATEGY_FLAG + ".") and not a.startswith(STRATEGY_FLAG + ".help") for a in argv):
+    first = next((i for i, a in enumerate(argv) if _is_option_flag(a)), None)
+    if first is None:
         return argv
     for i, arg in enumerate(argv):
         name, width = None, 1
@@ -48,15 +53,47 @@ def expand_short_strategy(argv: Sequence[str]) -> list[str]:
             name, width = argv[i + 1], 2
         elif arg.startswith(STRATEGY_FLAG + "="):
             name = arg.split("=", 1)[1]
-        entry = dict.get(StrategyRegistry, name) if isinstance(name, str) else None  # .get() would build it
-        if entry is None or not issubclass(entry["strategy"], ZeroStrategy):
+        if name is not None:
+            long_form = _long_form(name)
+            return argv if long_form is None else argv[:i] + long_form + argv[i + width :]
+    long_form = _long_form(_strategy_in_configs(argv[:first]))
+    return argv if long_form is None else argv[:first] + long_form + argv[first:]
+
+
+def _is_option_flag(arg: str) -> bool:
+    return arg.startswith(STRATEGY_FLAG + ".") and not arg.startswith(STRATEGY_FLAG + ".help")
+
+
+def _long_form(name: object) -> Optional[list[str]]:
+    """The long form of a ZeRO strategy's registered short name; ``None`` for any other value."""
+    entry = dict.get(StrategyRegistry, name) if isinstance(name, str) else None  # .get() would build it
+    if entry is None or not issubclass(entry["strategy"], ZeroStrategy):
+        return None
+    long_form = [STRATEGY_FLAG, "lightning_zero.ZeroStrategy"]
+    for key, value in entry["init_params"].items():
+        if not (key == "start_method" and value == "popen"):
+            long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
+    return long_form
+
+
+def _strategy_in_configs(argv: Sequence[str]) -> object:
+    """``trainer.strategy`` of the last ``--config`` / ``-c`` file in ``argv`` that sets it (at the top or under a
+    subcommand); ``None`` if none does or a file cannot be read (the parser then says why)."""
+    found: object = None
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else path
+        if path is None:
             continue
-        long_form = [STRATEGY_FLAG, "lightning_zero.ZeroStrategy"]
-        for key, value in entry["init_params"].items():
-            if not (key == "start_method" and value == "popen"):
-                long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
-        return argv[:i] + long_form + argv[i + width :]
-    return argv
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        for section in [loaded] + (list(loaded.values()) if isinstance(loaded, dict) else []):
+            trainer = section.get("trainer") if isinstance(section, dict) else None
+            if isinstance(trainer, dict) and "strategy" in trainer:
+                found = trainer["strategy"]
+    return found
 
 
 def option_hints(message: str) -> str:
@@ -109,6 +146,11 @@ def zero_cli() -> Any:
         def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
             self.parser_class = ZeroArgumentParser
             return super().init_parser(**kwargs)
+
+        def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+            """As Lightning's, without its warning that ``args`` and a command line were both given: ``lightning-zero
+            fit`` passes its own command line, expanded (:func:`expand_short_strategy`), as ``args``."""
+            self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand] if self.subcommand else self.config

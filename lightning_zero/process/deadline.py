@@ -37,6 +37,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from lightning_zero.comm import collectives
+from lightning_zero.process.say import say
 
 #: Seconds the report waits for the other ranks' positions (a safety net: they post at the same deadline).
 GRACE = 10.0
@@ -170,7 +171,7 @@ def _end(signum: int, timeout: float, generation: int, boundaries: int) -> None:
         positions = _exchange(mine, me, world, generation)
     except Exception:  # no store, or it is gone (rank 0 ended): report what this rank knows
         positions = {me: mine}
-    print(describe(positions, world, signal.Signals(signum).name, timeout, me), file=sys.stderr, flush=True)
+    say(describe(positions, world, signal.Signals(signum).name, timeout, me))
     os._exit(128 + signum)
 
 

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from lightning_zero.comm import collectives
+from lightning_zero.process.say import say
 
 #: Seconds a rank that raised waits for the other ranks' errors.
 REPORT_WAIT = 5.0
@@ -91,4 +92,4 @@ def _excepthook(kind: type[BaseException], error: BaseException, tb: Optional[Tr
         return
     line = _pending.pop()[1]
     if line:
-        print(line, file=sys.stderr, flush=True)
+        say(line)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any, Callable, Optional, Union
@@ -51,6 +50,7 @@ from typing import Any, Callable, Optional, Union
 from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.process import deadline
+from lightning_zero.process.say import say
 
 Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 
@@ -100,6 +100,9 @@ class SignalGuard:
         self.progress = deadline.Progress()
         """The step boundaries passed since :meth:`install`, which the watchdog reports at the deadline."""
         self._handler = self._record  # one bound method object, so that `signal.getsignal(...) is` compares
+        self.where: Optional[Callable[[], str]] = None
+        """The adapter's description of where the run stopped, for the stop message: the step and the checkpoint to
+        resume from (``None``: the message names neither)."""
 
     # ------------------------------------------------------------------ installing
     def install(self, shutdown_timeout: Optional[float] = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -109,6 +112,7 @@ class SignalGuard:
             return
         self.shutdown_timeout = shutdown_timeout
         self.active = True
+        self.where = None
         self.adopted = {}
         for signum in GUARDED:
             if _worth_taking(signum):
@@ -194,7 +198,14 @@ class SignalGuard:
         name = "SIGTERM" if agreed[signal.SIGTERM] else "SIGINT" if agreed[signal.SIGINT] else None
         if name is not None:
             self.active = False
-            raise Stopped(_reason(name))
+            raise Stopped(_reason(name, self._where()))
+
+    def _where(self) -> str:
+        """Where the run stopped, from the adapter (empty if it says nothing, or fails to)."""
+        try:
+            return self.where() if self.where is not None else ""
+        except Exception:
+            return ""
 
     def raise_pending(self, failure: Optional[BaseException] = None) -> None:
         """At the end of a run: a SIGINT or SIGTERM that arrived after the last safe point still stops the script.
@@ -207,15 +218,13 @@ class SignalGuard:
         self.active = False
         name = signal.Signals(signums[0]).name
         if failure is not None and not isinstance(failure, KeyboardInterrupt):
-            print(
+            say(
                 f"lightning-zero: {name} received on rank {collectives.rank()}, but the run failed before the ranks "
                 f"could stop together ({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
-                "); the last complete checkpoint is the state to resume from.",
-                file=sys.stderr,
-                flush=True,
+                "); the last complete checkpoint is the state to resume from."
             )
             return
-        raise Stopped(_reason(name))
+        raise Stopped(_reason(name, self._where()))
 
     def __enter__(self) -> "SignalGuard":
         """A section no signal interrupts (a checkpoint write); the signal is acted on at the next safe point."""
@@ -226,13 +235,13 @@ class SignalGuard:
         self.critical -= 1
 
 
-def _reason(name: str) -> str:
-    message = (
-        f"lightning-zero: {name} received; every rank stopped at the same step boundary. The last complete "
-        "checkpoint is the state to resume from."
-    )
+def _reason(name: str, where: str = "") -> str:
+    """The stop message (printed by rank 0; see [Note: a message nobody can read is not an error] in ``say.py``):
+    ``where`` is the adapter's "at global step N. Resume ..." (see :attr:`SignalGuard.where`)."""
+    position = where or ". The last complete checkpoint is the state to resume from."
+    message = f"lightning-zero: {name} received; every rank stopped at the same step boundary{position}"
     if collectives.rank() == 0:
-        print(message, file=sys.stderr, flush=True)
+        say(message)
     return message
 
 

@@ -316,7 +316,12 @@ class ShardedStorage:
         if gather:
             self.clear_grads(None)
             self.reducer.release_buffers()
-        self._hand_back(gather)
+        try:
+            self._hand_back(gather)
+        except RuntimeError:
+            if gather:  # a peer did not join the gather: no parameter may be left without readable values
+                self._hand_back(False)
+            raise
 
     def _full_values_back(self) -> Optional[Tensor]:
         """Make every parameter a view of the full master buffer (the gathered fp32 values); returns that buffer
@@ -361,6 +366,13 @@ class ParameterStore:
             storage.finish_backward()
 
     def uninstall(self, gather: bool) -> None:
-        """Uninstall every storage (see :meth:`ShardedStorage.uninstall`)."""
+        """Uninstall every storage (see :meth:`ShardedStorage.uninstall`); once a gather fails, the storages after it
+        are uninstalled without one, and the failure is raised after."""
+        failure: Optional[RuntimeError] = None
         for storage in self.storages:
-            storage.uninstall(gather)
+            try:
+                storage.uninstall(gather and failure is None)
+            except RuntimeError as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure

@@ -19,6 +19,12 @@ at real sizes; with unit memory taken from the pool (see [Note: the engine owns 
 unit by unit costs its collective and nothing else, at every size. A number above the model's size gathers it
 whole (one root unit), for a user who wants that trade.
 
+[Note: the blocks a user names are units]
+``unit_classes`` names the blocks to gather one at a time: under the default threshold they are units whatever their
+size (a decoder layer of 61K elements would otherwise join the root, and the whole model would be one unit, against
+the option the user set). The threshold still decides for the other modules (embeddings, heads, norms), and a
+``persistence_threshold`` the user sets decides for the named blocks too.
+
 [Note: units and torch.compile]
 The gather/free hooks issue asynchronous collectives and resize storages: dynamo cannot trace them, so every hook
 always runs eagerly (see [Note: hooks under torch.compile] in ``shards/compiled.py``). Where the hooks sit decides
@@ -81,18 +87,27 @@ class UnitPolicy:
     """Elements of the next units that may be all-gathered ahead of their use."""
     lockstep_check: Union[bool, Literal["strict"]]
     """Whether (and how strictly) the ranks check that they run the same unit (see ``lockstep.py``)."""
+    block_threshold: Optional[int] = None
+    """The same for the blocks of ``unit_classes`` (``None``: ``persistence_threshold``); 0 when the user named
+    the blocks and left the threshold at its default (see [Note: the blocks a user names are units])."""
 
     def plan(self, module: nn.Module) -> UnitPlan:
         """The units of ``module`` under this policy (see :func:`plan_units`)."""
-        return plan_units(module, self.unit_classes, self.persistence_threshold)
+        return plan_units(module, self.unit_classes, self.persistence_threshold, self.block_threshold)
 
 
 def plan_units(
-    module: nn.Module, unit_classes: Sequence[Union[type, str]] = (), persistence_threshold: int = 0
+    module: nn.Module,
+    unit_classes: Sequence[Union[type, str]] = (),
+    persistence_threshold: int = 0,
+    block_threshold: Optional[int] = None,
 ) -> UnitPlan:
-    """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names."""
+    """Choose the units of ``module`` (see [Note: units]); ``unit_classes`` holds classes or class names.
+    ``block_threshold``: ``persistence_threshold`` for the blocks (``None``: the same; see [Note: the blocks a user
+    names are units])."""
     chosen = find_blocks(module, unit_classes)
     blocks = {id(m) for _, m in chosen}
+    thresholds = [persistence_threshold if block_threshold is None else block_threshold] * len(chosen)
 
     def contains_block(mod: nn.Module) -> bool:
         return any(id(m) in blocks for m in mod.modules())
@@ -108,7 +123,8 @@ def plan_units(
                 chosen.append((full, child))
 
     leftovers("", module)
-    return _assign(chosen, persistence_threshold)
+    thresholds += [persistence_threshold] * (len(chosen) - len(thresholds))
+    return _assign(chosen, thresholds)
 
 
 def _runs_compiled(module: nn.Module) -> bool:
@@ -139,8 +155,9 @@ def units_under_compile(root: nn.Module, plan: UnitPlan) -> list[str]:
     return found
 
 
-def _assign(chosen: list[tuple[str, nn.Module]], persistence_threshold: int) -> UnitPlan:
-    """Give each parameter to the one unit that holds it; shared ones and units too small to keep go to the root."""
+def _assign(chosen: list[tuple[str, nn.Module]], thresholds: list[int]) -> UnitPlan:
+    """Give each parameter to the one unit that holds it; shared ones and units too small to keep (at most
+    ``thresholds[i]`` elements for ``chosen[i]``) go to the root."""
     owners: dict[int, set[int]] = {}
     numel: dict[int, int] = {}
     for index, (_, mod) in enumerate(chosen):
@@ -153,7 +170,7 @@ def _assign(chosen: list[tuple[str, nn.Module]], persistence_threshold: int) -> 
             exclusive[next(iter(units))].append(pid)
     plan = UnitPlan()
     for index, (name, mod) in enumerate(chosen):
-        if sum(numel[pid] for pid in exclusive[index]) > persistence_threshold:
+        if sum(numel[pid] for pid in exclusive[index]) > thresholds[index]:
             unit = len(plan.names)
             plan.names.append(name)
             plan.modules.append(mod)

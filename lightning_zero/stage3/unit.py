@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -180,9 +180,13 @@ class UnitGroup:
         return sum(buffer.numel for buffer in self.buffers)
 
     # ------------------------------------------------------------------ hooks
-    def hook_module(self, module: nn.Module, pre_forward: Callable[..., Any], post_forward: Callable[..., Any]) -> None:
-        """Hold the unit module's forward hooks (the runtime's, which call into the group)."""
-        self.handles.append(module.register_forward_pre_hook(pre_forward))
+    def hook_module(
+        self, module: nn.Module, pre_forward: Optional[Callable[..., Any]], post_forward: Callable[..., Any]
+    ) -> None:
+        """Hold the unit module's forward hooks (the runtime's, which call into the group); ``pre_forward`` ``None``:
+        the post-forward hook only (the root, gathered by the engine's own hook)."""
+        if pre_forward is not None:
+            self.handles.append(module.register_forward_pre_hook(pre_forward))
         self.handles.append(module.register_forward_hook(post_forward))
 
     def watch_grad(self, param: Tensor, hook: Callable[[Tensor], None]) -> None:

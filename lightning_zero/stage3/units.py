@@ -47,6 +47,19 @@ forward that no backward follows must not leave it behind: the next unit hook of
 gathers it again from the new shards. The values are those a backward gather would give (the same shards, the same
 int8 blocks under qwZ), so nothing but the traffic changes: per step and micro-batch stage 3 all-gathers its units
 once for forward and, for backward, every unit but the root and the last one.
+
+[Note: backward finds every unit gathered, the root too]
+The tensors autograd saved in a forward are views of the unit buffers' storages, so whatever backward reaches must
+be gathered when it gets there, whatever freed it in between. Every unit but the root is gathered again by the hook
+on its output. The root has no module of its own: it is gathered at the model's forward and normally stays gathered
+until its backward ends. But it can be freed between the model's forward and its backward: with several models on
+one Fabric, a backward through another model ends every model's backward (a GAN's discriminator step on
+``fake.detach()`` frees the generator's root while ``fake``'s graph, to be used by the generator's loss, still holds
+views of it), and so do ``end_step`` and every other path that frees it. So the model's own output carries a hook
+too (:meth:`UnitRuntime._post_root_forward_hook`): when backward reaches the output and finds the root not gathered,
+it checks and gathers the root from the same shards as any unit's backward hook does (the values the forward used,
+unless an optimizer step wrote new ones in between, which DDP refuses as an in-place change of a saved tensor).
+When the root is gathered, as in every single-model step, the hook does nothing: no collective is added.
 """
 
 from __future__ import annotations
@@ -79,7 +92,10 @@ class UnitRuntime:
         storages: list["PartitionedStorage"],
         prefetch_size: int,
         lockstep_check: Union[bool, str] = True,
+        model: Optional[nn.Module] = None,
     ) -> None:
+        """``model``: the whole model, whose output gathers the root if backward finds it freed (see [Note: backward
+        finds every unit gathered, the root too])."""
         self.plan = plan
         self.storages = storages
         self.prefetch_size = prefetch_size
@@ -114,6 +130,8 @@ class UnitRuntime:
         for unit, mod in enumerate(plan.modules):
             if mod is not None:
                 self.units[unit].hook_module(mod, self._pre_forward_hook(unit), self._post_forward_hook(unit))
+        if model is not None:
+            self.units[ROOT].hook_module(model, None, self._post_root_forward_hook())
 
     # ------------------------------------------------------------------ gather / free
     def gather(self, unit: int, wait: bool = True) -> None:
@@ -255,6 +273,25 @@ class UnitRuntime:
             self.release(unit)
 
         return eager_hook(hook, "stage 3's post-forward hook (frees the unit)")
+
+    def _post_root_forward_hook(self) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward() or self.phase is TrainingPhase.SUMMONED:
+                return
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._root_backward_hook)
+
+        return eager_hook(hook, "stage 3's post-forward hook of the model (gathers the root for backward)")
+
+    def _root_backward_hook(self, grad: torch.Tensor) -> None:
+        """Backward reached the model's output: gather the root if something freed it after the forward (see [Note:
+        backward finds every unit gathered, the root too]); nothing when it is gathered."""
+        if self.units[ROOT].state is UnitState.GATHERED:
+            return
+        if self.phase is not TrainingPhase.SUMMONED:
+            self.phase = TrainingPhase.BACKWARD
+        self._arrive(ROOT, BACKWARD)
 
     def _keeps_for_backward(self, unit: int, needs_grad: bool) -> bool:
         """Whether a forward leaves ``unit`` gathered for the backward that follows: the last unit of the recorded

@@ -208,8 +208,11 @@ class Choice:
         if cheaper:
             text += "; " + ", ".join(f"{p.candidate.name} would need {human_bytes(p.needs)}" for p in cheaper)
         c = self.chosen
+        # the model states by part: the summary line's "model states" is ZeRO's table, whose gradients are those of a
+        # backward in progress (stage 1: all of them); here the gradients are those the engine holds between steps
         parts = {
-            "model states": c.model_states,
+            "parameters and optimizer states": c.model_states - c.grads,
+            "gradients held between steps": c.grads,
             "activations": c.activations,
             "gathered units": c.pool,
             "gradient buckets": c.buckets,

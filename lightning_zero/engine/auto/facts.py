@@ -27,7 +27,10 @@ def model_facts(
     device: torch.device,
     accumulates: bool = False,
 ) -> ModelFacts:
-    """Sizes of ``module`` (real or on the meta device) and the activation probe's peak on ``batch``."""
+    """Sizes of ``module`` (real or on the meta device) and the activation probe's peak on ``batch`` (0 for
+    ``None``: no batch to probe)."""
+    if batch is None:
+        return replace(model_sizes(module, config), accumulates=accumulates)
     mixed_or_half = precision.precision != "32-true"
     activations = probe_activations(
         module,

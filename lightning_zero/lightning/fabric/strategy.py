@@ -202,7 +202,10 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """The engine's backward; with several models the loss may flow through any of them (a GAN's generator loss
-        through the discriminator), so every engine finishes its backward after it."""
+        through the discriminator), so every engine finishes its backward after it. A model whose forward graph is
+        still pending (the generator's, while the discriminator steps on ``fake.detach()``) is gathered again when
+        its own backward comes (see [Note: backward finds every unit gathered, the root too] in
+        ``stage3/units.py``)."""
         engine = self._engine()
         if len(self.engines) == 1:
             engine.backward(tensor, *args, **kwargs)

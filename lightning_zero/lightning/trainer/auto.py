@@ -79,31 +79,25 @@ def choose_at_setup(
     precision: ZeroPrecision,
     config: ZeroConfig,
     budget: Optional[float],
-    agree: Callable[[float], float],
+    agree: Callable[[float, str], float],
     ranks: tuple[int, int],
 ) -> AutoRun:
     """Start the peak meter, probe the first micro-batch and choose (see [Note: the predicted peak]).
 
-    ``ranks``: the world size and the ranks of this node. ``agree``: the smallest of a number over the ranks. The
-    default budget is read on each rank at its own moment, so the ranks choose from the smallest of them: every rank
-    must choose the same configuration.
+    ``ranks``: the world size and the ranks of this node. ``agree(x, op)``: the ``"min"`` or ``"max"`` of a number
+    over the ranks. Every rank must choose the same configuration, from the same facts: the default budget is read on
+    each rank at its own moment, so the ranks choose from the smallest of them, and each rank probes its own first
+    micro-batch, so they take the largest activation peak (a rank without a batch measures nothing).
     """
     device = trainer.strategy.root_device
     meter = PeakMeter(device, held_bytes(module))
-    facts = replace(
-        model_facts(
-            module,
-            first_batch(trainer),
-            precision.mode,
-            config,
-            device,
-            accumulates=trainer.accumulate_grad_batches > 1,
-        ),
-        first_run=not _RUNS,
+    facts = model_facts(
+        module, first_batch(trainer), precision.mode, config, device, accumulates=trainer.accumulate_grad_batches > 1
     )
+    facts = replace(facts, activation_bytes=int(agree(facts.activation_bytes, "max")), first_run=not _RUNS)
     _RUNS.append(True)
     world_size, local_ranks = ranks
-    limit = agree(budget if budget is not None else default_budget(device, local_ranks))
+    limit = agree(budget if budget is not None else default_budget(device, local_ranks), "min")
     choice = choose(facts, world_size, precision.mode.precision, config, limit, on_host=device.type == "cpu")
     return AutoRun(choice, meter)
 
@@ -122,8 +116,9 @@ def register(registry: Any, cls: type) -> None:
         )
 
 
-def first_batch(trainer: "pl.Trainer") -> Any:
-    """The first micro-batch of the training data, as the fit loop will see it before the transfer to the device."""
+def first_batch(trainer: "pl.Trainer") -> Optional[Any]:
+    """The first micro-batch of this rank's training data, as the fit loop will see it before the transfer to the
+    device; ``None`` when this rank has none."""
     loader = _request_dataloader(trainer.fit_loop._data_source)
-    batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
+    batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")), (None, 0, 0))
     return batch

@@ -30,6 +30,9 @@ class CheckpointHooks(StrategyHooks):
     Uses the strategy's ``engine`` and Lightning's strategy attributes.
     """
 
+    last_checkpoint: Optional[Path] = None
+    """The last checkpoint this strategy wrote (the stop message of a Ctrl-C or SIGTERM names it)."""
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -51,6 +54,7 @@ class CheckpointHooks(StrategyHooks):
         if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
             raise TypeError(STORAGE_OPTIONS_ERROR)
         engine_state.save(self.engine, checkpoint, Path(filepath), writer="trainer")
+        self.last_checkpoint = Path(filepath)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -39,6 +39,7 @@ from lightning_zero.lightning.trainer.checkpoints import CheckpointHooks
 from lightning_zero.lightning.trainer.precision import ZeroPrecision, to_zero_precision
 from lightning_zero.lightning.trainer.steps import StepHooks
 from lightning_zero.process import one_report
+from lightning_zero.process.shutdown import GUARD
 from lightning_zero.stages import policy_for
 
 
@@ -153,6 +154,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._guard_signals()
+        GUARD.where = self._stop_position
         super().setup_environment()
         self._start_distributed()
         # before configure_model: see [Note: a checkpoint is checked before the build] in early_checks.py
@@ -213,7 +215,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             self.precision_plugin,
             self.config,
             self._auto_budget,
-            lambda x: float(self.reduce(torch.tensor(x), reduce_op="min")),
+            lambda x, op: float(self.reduce(torch.tensor(x, dtype=torch.float64), reduce_op=op)),
             (self.world_size, self.num_processes),
         )
         self.config = self._auto.choice.chosen.candidate.apply(self.config)
@@ -288,6 +290,20 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             return
         with self._init_module.context(self.root_device, self.precision_plugin.tensor_init_context(), True):
             yield
+
+    def _stop_position(self) -> str:
+        """For the stop message: the global step the ranks stopped at and the checkpoint to resume from (the last one
+        this run wrote, else the one it started from)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return ""
+        if self.last_checkpoint is not None:
+            resume = f"resume with `ckpt_path={str(self.last_checkpoint)!r}`, the last checkpoint this run wrote."
+        elif trainer.ckpt_path:
+            resume = f"no checkpoint was written in this run; it started from `ckpt_path={str(trainer.ckpt_path)!r}`."
+        else:
+            resume = "no checkpoint was written in this run, so it cannot be resumed."
+        return f", at global step {trainer.global_step}: {resume}"
 
     @override
     def on_exception(self, exception: BaseException) -> None:
