@@ -13,8 +13,8 @@
 DESIGN.md's table. Every (world size, strategy) is its own launch of gloo ranks on this machine
 (tests/workers/measure.py), so that the peak resident memory of each run is its own; same seed, same data.
 
-``account``: each strategy run as a user runs it (Lightning's defaults, no allocator variable or setting in any
-process; one launch of gloo ranks per strategy, ``benchmarks._worker``), the whole process's peak resident memory per
+``account``: each strategy run as a user runs it (no allocator variable or setting in any process; one launch of
+gloo ranks per strategy, ``benchmarks._worker``, whose Trainer has no logger, checkpoint callback or progress bar), the whole process's peak resident memory per
 rank above its level after imports, teardown included (stage 3 hands the full weights back there), against DDP's,
 and the account of the rank with the highest peak at its highest reading, part by part (see [Note: the account of a
 rank's memory] in ``lightning_zero/memory/account.py``): model states by kind, stage 3's gathered units, bucket
