@@ -393,7 +393,8 @@ class ZeroEngine(OptimizerSteps):
             sharded.uninstall()
         gather = gather and failure is None
         failure = failure or _attempt(lambda: self.store.uninstall(gather))
-        self.memory.note("the hand-back of the full weights")
+        if gather and failure is None:
+            self.memory.note("the hand-back of the full weights")
         if not gather or failure is not None:
             drop_meta(self.module, self.device)
         pretrained.detach(self.module)
