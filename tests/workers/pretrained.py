@@ -115,15 +115,18 @@ def run(source: str, strategy: str, when: str) -> dict[str, Any]:
     """One fit of one step; what the rank saw and held."""
     model = FineTune(source, when)
     engines: list[Any] = []
+    held: list[int] = []
     original = pretrained.fill_pending
 
     def measured_fill(root: nn.Module, engs: Any, runtime: Any) -> None:  # the load at zero3 setup
         engines.extend(engs)
         if when != "configure_model":
-            return original(root, engs, runtime)
-        model.memory["construction_peak"] = status_mib("VmHWM")
-        with peak(model.memory):
             original(root, engs, runtime)
+        else:
+            model.memory["construction_peak"] = status_mib("VmHWM")
+            with peak(model.memory):
+                original(root, engs, runtime)
+        held.append(_shard_bytes(engs))  # now: the hand-back at teardown drops the shards
 
     pretrained.fill_pending = measured_fill
     try:
@@ -133,12 +136,16 @@ def run(source: str, strategy: str, when: str) -> dict[str, Any]:
         trainer.fit(model)
     finally:
         pretrained.fill_pending = original
-    engines = engines or trainer.strategy.storages
-    shard_bytes = sum(e.master_storage.numel() * e.master_storage.element_size() for e in engines
-                      if e.master_storage is not None)
-    shard_bytes += sum(e.working_shard.numel() * e.working_shard.element_size() for e in engines
-                       if e.working_shard is not None and e.working_shard is not e.master_storage)
+    shard_bytes = held[0] if held else _shard_bytes(trainer.strategy.storages)
     return {"logits": model.logits, "loss": model.loss, "memory": model.memory, "shard_bytes": shard_bytes}
+
+
+def _shard_bytes(storages: Any) -> int:
+    """Bytes of the master and working shards of ``storages`` (one tensor where they are the same)."""
+    total = sum(e.master_storage.numel() * e.master_storage.element_size() for e in storages
+                if e.master_storage is not None)
+    return total + sum(e.working_shard.numel() * e.working_shard.element_size() for e in storages
+                       if e.working_shard is not None and e.working_shard is not e.master_storage)
 
 
 def main() -> None:
