@@ -204,8 +204,12 @@ class PartitionedStorage(ShardedStorage):
             at = self.layout.chunk_range(bucket, self.rank)[0] + slot.start - bucket.shard_offset
             view = full[at : at + slot.length].view(slot.shape).requires_grad_(master.requires_grad)
             # a swap, not ``master.data = view``: a view keeps its base (the master shard) alive through its autograd
-            # metadata, which ``.data`` does not replace
-            torch.utils.swap_tensors(master, view)
+            # metadata, which ``.data`` does not replace; where torch refuses the swap (a tensor something else still
+            # references), ``.data`` gives the same values and only keeps the shard's memory
+            try:
+                torch.utils.swap_tensors(master, view)
+            except RuntimeError:
+                master.data = view.detach()
         self.master_storage = None
         self.sharded.working_shard = full.new_empty(0)
         return full
