@@ -376,7 +376,11 @@ def measure_model(
             f"{class_path} is not a LightningModule: `--measure` runs the Trainer, so give a LightningModule with "
             "its own `train_dataloader` (wrap a plain nn.Module in one)."
         )
-    return measure_rank(lambda: cls(**(init_args or {})), world_size, **kwargs)
+
+    def build() -> Any:
+        return cls(**(init_args or {}))
+
+    return measure_rank(build, world_size, **kwargs)
 
 
 def pl_module_class() -> type:
@@ -403,7 +407,9 @@ def format_measured(result: "MeasuredRank") -> str:
         "|---|---|---|---|",
     ]
     for kind, value in result.model_states.items():
-        lines.append(f"| {kind} | {both_units(value)} | {both_units(expected[kind])} | {_ratio(value, expected[kind])} |")
+        lines.append(
+            f"| {kind} | {both_units(value)} | {both_units(expected[kind])} | {_ratio(value, expected[kind])} |"
+        )
     total, formula = result.model_states_bytes, result.expected_model_states_bytes
     lines.append(f"| **total** | {both_units(total)} | {both_units(formula)} | {_ratio(total, formula)} |")
     lines += [
@@ -428,7 +434,5 @@ def format_measured(result: "MeasuredRank") -> str:
     for kind, elements in result.traffic_elements.items():
         lines.append(f"| {kind} | {elements:,} | {result.traffic_calls.get(kind, 0):,} |")
     per_step = result.traffic_elements_per_step
-    lines.append(
-        f"| **total** | {per_step:,} ({_ratio(per_step, result.expected_traffic_elements)} of {factor}Ψ) | |"
-    )
+    lines.append(f"| **total** | {per_step:,} ({_ratio(per_step, result.expected_traffic_elements)} of {factor}Ψ) | |")
     return "\n".join(lines)

@@ -446,7 +446,11 @@ def agree_max(values: list[int], group: Optional[Group] = None) -> list[int]:
     """
     if not is_distributed():
         return list(values)
-    control = None if dist.get_backend() in ("gloo", SIMULATED_BACKEND) else job_group(("control",), lambda: make_group(backend="gloo"))
+    control = (
+        None
+        if dist.get_backend() in ("gloo", SIMULATED_BACKEND)
+        else job_group(("control",), lambda: make_group(backend="gloo"))
+    )
     tensor = torch.tensor(values, dtype=torch.int32)
     _count("control", tensor, group)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control)

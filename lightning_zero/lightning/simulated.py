@@ -262,7 +262,9 @@ def _result(
     mode = engine.precision.precision
     expected: float = expected_model_state_bytes(psi, shard, config.stage, mode)
     if config.offload_optimizer or config.offload_params:
-        expected = expected_offload_bytes(psi, shard, config.stage, mode, config.offload_optimizer, config.offload_params)[0]
+        expected = expected_offload_bytes(
+            psi, shard, config.stage, mode, config.offload_optimizer, config.offload_params
+        )[0]
     s = readings.states
     account = replace(readings.account, reference=start)
     return MeasuredRank(
@@ -289,4 +291,3 @@ def _result(
 def measured_world(result: MeasuredRank) -> str:
     """One line: which world was measured."""
     return f"rank 0 of {result.world_size} ranks, zero{result.stage}, {result.precision}, {result.steps} step(s)"
-
