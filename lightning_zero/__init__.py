@@ -10,7 +10,6 @@ Hugging Face directory, or ``lightning-zero export``) and, under other strategie
 files or a ``torch.save`` state dict, a tensor at a time.
 """
 
-from lightning_zero.memory import account as _account
 from lightning_zero import _moved
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
 from lightning_zero.checkpoints.export import ExportResult, export_pretrained
@@ -25,6 +24,7 @@ from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
 from lightning_zero.lightning.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.lightning.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy
+from lightning_zero.memory import account as _account
 from lightning_zero.pretrained.loading import LoadResult, load_pretrained
 from lightning_zero.shards.accounting import ModelStateBytes, expected_model_state_bytes, measure_model_states
 from lightning_zero.stage3.guard import ParameterNotGatheredError
