@@ -368,26 +368,18 @@ def measure_model(
 ) -> "MeasuredRank":
     """:func:`~lightning_zero.lightning.simulated.measure_rank` of ``class_path(**init_args)`` (a LightningModule with
     its own ``train_dataloader``), built under the Trainer's ``init_module`` as a zero3 run builds it."""
-    from lightning_zero.lightning.simulated import measure_rank  # the Trainer only when asked for
+    from lightning_zero.lightning.simulated import (  # the Trainer only when asked for
+        check_lightning_module_class,
+        measure_rank,
+    )
 
     cls = _import_class(class_path)
-    if not (inspect.isclass(cls) and issubclass(cls, pl_module_class())):
-        raise ValueError(
-            f"{class_path} is not a LightningModule: `--measure` runs the Trainer, so give a LightningModule with "
-            "its own `train_dataloader` (wrap a plain nn.Module in one)."
-        )
+    check_lightning_module_class(cls, class_path)
 
     def build() -> Any:
         return cls(**(init_args or {}))
 
     return measure_rank(build, world_size, **kwargs)
-
-
-def pl_module_class() -> type:
-    """Lightning's ``LightningModule`` class (imported when asked for)."""
-    from lightning.pytorch import LightningModule
-
-    return LightningModule
 
 
 def _ratio(measured: float, expected: float) -> str:

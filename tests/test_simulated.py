@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.gpt import GPT
 from lightning_zero.cli import main as cli
+from lightning_zero.comm import collectives
 from lightning_zero.estimate import expected_by_kind
 from lightning_zero.lightning.simulated import measure_rank
 
@@ -38,6 +39,13 @@ class SimGPT(GPT):
         return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1)
 
 
+@pytest.fixture
+def no_process_group():
+    """A Trainer test before may leave its (real) process group to the end of the process; a simulated world
+    needs a process without one."""
+    collectives.release_process_groups()
+
+
 def _refuse(what: str):
     def refuse(*args, **kwargs):
         raise AssertionError(f"{what} ran on a simulated rank")
@@ -48,6 +56,7 @@ def _refuse(what: str):
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("simulated")
+    collectives.release_process_groups()  # see `no_process_group`
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         # the checks across ranks must stand aside even when asked for
@@ -92,13 +101,23 @@ def test_nothing_is_written_and_no_process_group_is_left(measured):
     assert "stage 3's lockstep check" in result.standing_aside
 
 
-def test_disk_offload_cannot_be_simulated():
+def test_a_process_with_a_process_group_is_refused(no_process_group):
+    collectives.register_simulated_backend()
+    dist.init_process_group(collectives.SIMULATED_BACKEND, rank=0, world_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="already has a process group"):
+            measure_rank(SimGPT(), N)
+    finally:
+        collectives.release_process_groups()
+
+
+def test_disk_offload_cannot_be_simulated(no_process_group):
     with pytest.raises(ValueError, match="cannot be simulated"):
         measure_rank(SimGPT(), N, offload_optimizer="disk")
     assert not dist.is_initialized()
 
 
-def test_the_command_prints_one_json_object(capsys, tmp_path, monkeypatch):
+def test_the_command_prints_one_json_object(capsys, tmp_path, monkeypatch, no_process_group):
     monkeypatch.chdir(tmp_path)
     code = cli(["estimate", "--measure", "--json", "--model", "tests.test_simulated.SimGPT", "--init-args",
                 "{width: 64, depth: 1, vocab: 256}", "-n", "8"])
@@ -110,6 +129,8 @@ def test_the_command_prints_one_json_object(capsys, tmp_path, monkeypatch):
     assert data["traffic_elements_per_step"] >= 2 * data["params"] and data["peak_rss_bytes"] > 0
 
 
-def test_the_command_refuses_measure_without_a_model(capsys):
+def test_the_command_refuses_measure_without_a_model_or_a_lightning_module(capsys):
     assert cli(["estimate", "--measure", "--params", "1B", "-n", "64"]) == 2
     assert "--measure needs --model" in capsys.readouterr().err
+    assert cli(["estimate", "--measure", "--model", "torch.nn.Linear", "-n", "64"]) == 2
+    assert "not a LightningModule" in capsys.readouterr().err

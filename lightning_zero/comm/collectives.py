@@ -104,6 +104,11 @@ def simulated() -> bool:
     return is_initialized() and dist.get_backend() == SIMULATED_BACKEND
 
 
+def register_simulated_backend() -> None:
+    """Make ``init_process_group("fake", ...)`` available (torch registers the backend when its module is imported)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
 def world_size(group: Optional[Any] = None) -> int:
     """Ranks in ``group``; 1 without a process group."""
     return dist.get_world_size(_pg(group)) if dist.is_available() and dist.is_initialized() else 1

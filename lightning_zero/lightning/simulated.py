@@ -179,7 +179,7 @@ def measure_rank(
     per_node = devices_per_node or (8 if world_size % 8 == 0 else world_size)
     if world_size % per_node:
         raise ValueError(f"`devices_per_node={per_node}` does not divide the world of {world_size} ranks.")
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    collectives.register_simulated_backend()
 
     strategy = ZeroStrategy(
         stage=stage,  # type: ignore[arg-type]
@@ -217,6 +217,15 @@ def measure_rank(
     finally:
         collectives.release_process_groups()
     return _result(strategy, readings, config, precision, world_size, steps, start, peak)
+
+
+def check_lightning_module_class(cls: Any, name: str) -> None:
+    """Refuse a class that is not a LightningModule: the measurement runs the Trainer."""
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise ValueError(
+            f"{name} is not a LightningModule: `--measure` runs the Trainer, so give a LightningModule with its own "
+            "`train_dataloader` (wrap a plain nn.Module in one)."
+        )
 
 
 def _check_measurable(world_size: int, steps: int, config: ZeroConfig) -> None:
