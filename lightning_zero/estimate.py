@@ -389,10 +389,11 @@ def _ratio(measured: float, expected: float) -> str:
 def format_measured(result: "MeasuredRank") -> str:
     """The markdown ``lightning-zero estimate --measure`` prints: rank 0's measured figures beside the formula."""
     n = result.world_size
-    expected = expected_by_kind(result.params, n, result.stage, result.precision)
+    expected = expected_by_kind(result.params, result.shard_size, result.stage, result.precision)
+    sharded = f", sharded over {result.shard_size}" if result.shard_size != n else ""
     lines = [
-        f"Measured: rank 0 of {n} ranks (torch's fake process group), zero{result.stage}, {result.precision}, "
-        f"{result.params:,} trainable parameters, after optimizer step {result.steps}; "
+        f"Measured: rank 0 of {n} ranks{sharded} (torch's fake process group), zero{result.stage}, "
+        f"{result.precision}, {result.params:,} trainable parameters, after optimizer step {result.steps}; "
         f"{', '.join(result.standing_aside)} stood aside.",
         "",
         "| model states | measured | formula | measured / formula |",

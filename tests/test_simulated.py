@@ -134,3 +134,21 @@ def test_the_command_refuses_measure_without_a_model_or_a_lightning_module(capsy
     assert "--measure needs --model" in capsys.readouterr().err
     assert cli(["estimate", "--measure", "--model", "torch.nn.Linear", "-n", "64"]) == 2
     assert "not a LightningModule" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options, shard_size",
+    [({}, 1024), ({"shard_group_size": 8}, 8), ({"secondary_shard_group_size": 8}, 1024),
+     ({"tensor_parallel_size": 4}, 256)],
+    ids=["plain", "hybrid", "hpZ", "tensor-parallel"],
+)
+def test_1024_ranks_with_tensors_smaller_than_the_world(options, shard_size, no_process_group):
+    """Norms of 256 elements over 1024 ranks (most ranks hold padding only), and every group layout's groups made
+    at N = 1024: the states are still 16Ψ/k, the gradients reduce-scattered once."""
+    result = measure_rank(SimGPT(), 1024, **options)
+    assert result.shard_size == shard_size
+    # under tensor parallelism Ψ of the formulas is this rank's slices (and the replicated norms and embeddings)
+    assert (result.params < result.model_params) == ("tensor_parallel_size" in options)
+    expected = 16 * result.params / shard_size
+    assert expected <= result.model_states_bytes <= expected * 1.01
+    assert result.params <= result.traffic_elements["reduce_scatter"] <= result.params * 1.01

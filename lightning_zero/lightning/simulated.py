@@ -30,6 +30,7 @@ from lightning_zero.engine.simulated import STANDING_ASIDE, check_simulable
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy
 from lightning_zero.memory.account import EngineMemory, MemoryAccount, ProcessMemory
 from lightning_zero.shards.accounting import expected_model_state_bytes, expected_offload_bytes
+from lightning_zero.shards.slices import tensor_parallel_slice
 
 #: The kinds whose elements count twice in the paper's traffic column (an all-reduce moves its payload twice).
 DOUBLED = ("all_reduce", "control")
@@ -77,8 +78,13 @@ class MeasuredRank:
     """What rank 0 of a simulated world held and sent (bytes, elements), next to the formula."""
 
     params: int
-    """Ψ: trainable parameters of the whole model."""
+    """Ψ of the formulas: this rank's trainable parameters before sharding (under tensor parallelism its slices and
+    the replicated tensors; otherwise the whole model's)."""
+    model_params: int
+    """Trainable parameters of the whole model (tensor-parallel slices counted whole)."""
     world_size: int
+    shard_size: int
+    """k: the ranks each model state is sharded over (N, or the data-parallel or shard group's size)."""
     stage: int
     precision: str
     steps: int
@@ -131,6 +137,7 @@ class _StepReadings(pl.Callback):
         self.traffic: dict[str, Any] = {}
         self.account: Optional[MemoryAccount] = None
         self.params = 0
+        self.model_params = 0
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -143,7 +150,9 @@ class _StepReadings(pl.Callback):
         self.traffic = self.strategy.traffic.snapshot()
         self.states = engine.memory_parts()
         self.account = engine.memory.account()
-        self.params = sum(p.numel() for p in engine.store.params)  # the store is emptied at teardown
+        params = engine.store.params  # the store is emptied at teardown
+        self.params = sum(p.numel() for p in params)
+        self.model_params = sum(p.numel() * (s.size if (s := tensor_parallel_slice(p)) else 1) for p in params)
 
 
 def measure_rank(
@@ -267,18 +276,20 @@ def _result(
         raise RuntimeError("The simulated run stopped before its first optimizer step: see the messages above.")
     data_parallel = world_size // max(1, config.tensor_parallel_size)
     shard = data_parallel // max(1, engine.shard_groups.replicas)
-    psi = readings.params * max(1, config.tensor_parallel_size)
+    psi = readings.params
     mode = engine.precision.precision
     expected: float = expected_model_state_bytes(psi, shard, config.stage, mode)
-    if config.offload_optimizer or config.offload_params:
-        expected = expected_offload_bytes(
-            psi, shard, config.stage, mode, config.offload_optimizer, config.offload_params
-        )[0]
+    if config.offload_optimizer or config.offload_params:  # on a CPU the host is the device: both are counted
+        expected = sum(
+            expected_offload_bytes(psi, shard, config.stage, mode, config.offload_optimizer, config.offload_params)
+        )
     s = readings.states
     account = replace(readings.account, reference=start)
     return MeasuredRank(
         params=psi,
+        model_params=readings.model_params,
         world_size=world_size,
+        shard_size=shard,
         stage=config.stage,
         precision=precision,
         steps=steps,
