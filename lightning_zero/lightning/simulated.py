@@ -105,6 +105,7 @@ class MeasuredRank:
 
     @property
     def model_states_bytes(self) -> int:
+        """Model-state bytes after the last step, every kind."""
         return sum(self.model_states.values())
 
     @property
@@ -306,8 +307,3 @@ def _result(
         traffic_elements=dict(readings.traffic.get("elements", {})),
         traffic_calls=dict(readings.traffic.get("calls", {})),
     )
-
-
-def measured_world(result: MeasuredRank) -> str:
-    """One line: which world was measured."""
-    return f"rank 0 of {result.world_size} ranks, zero{result.stage}, {result.precision}, {result.steps} step(s)"
