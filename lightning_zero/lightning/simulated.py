@@ -181,7 +181,7 @@ def measure_rank(
         steps: optimizer steps; the figures are those of the last.
         devices_per_node: devices of one node (for ``shard_group_size="node"`` and hpZ); default 8 where it
             divides ``world_size``, else the whole world on one node.
-        accelerator: ``"cpu"`` or ``"gpu"``.
+        accelerator: the Trainer's; measured on ``"cpu"`` (the peak read is the host's resident memory).
         **options: :class:`~lightning_zero.ZeroConfig`'s options (``offload_optimizer=True``, ...).
     """
     config = ZeroConfig(stage=stage, **options)
