@@ -2,6 +2,7 @@
 
 lightning-zero fit|validate|test|predict --config cfg.yaml [--model pkg.Module] [--data pkg.DataModule] ...
 lightning-zero estimate (--params 1.5B | --model pkg.MyModule [--init-args '{"width": 512}']) -n 8 [--memory 80GiB]
+lightning-zero estimate --measure --model pkg.MyModule [--init-args ...] -n 1024 [--stage 3] [--json]
 lightning-zero inspect DIR [--verify] [--json] [--trust-code]
 lightning-zero consolidate DIR OUT.ckpt [--weights-only] [--dtype fp32|bf16|fp16] [--trust-code]
 """
@@ -20,7 +21,9 @@ from lightning_zero.checkpoints.storage import CheckpointError
 from lightning_zero.estimate import (
     build_on_meta,
     format_estimate,
+    format_measured,
     human_bytes,
+    measure_model,
     parse_bytes,
     parse_count,
     parse_init_args,
@@ -66,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_argument(parse_bytes),
         help="memory per device with its unit, e.g. 80GiB or 16GB, to find the largest model each stage fits",
     )
+    _add_measure_arguments(estimate)
     estimate.set_defaults(run=_estimate)
 
     inspect = commands.add_parser("inspect", help="summarize a sharded checkpoint directory")
@@ -96,6 +100,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_arguments(export)
     export.set_defaults(run=_export)
     return parser
+
+
+def _add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """``estimate --measure`` and its options."""
+    measure = parser.add_argument_group(
+        "measure", "run rank 0 of the world in this process on torch's fake process group, through the Trainer"
+    )
+    measure.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure rank 0 (needs --model: a LightningModule with its own train_dataloader)",
+    )
+    measure.add_argument("--json", action="store_true", help="with --measure: print one JSON object")
+    measure.add_argument("--steps", type=int, default=1, help="optimizer steps to run; the last is reported")
+    measure.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="the ZeRO stage (default 3)")
+    measure.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision (default bf16-mixed)")
+    measure.add_argument("--offload-optimizer", action="store_true", help="offload_optimizer=True (host memory)")
+    measure.add_argument("--offload-params", action="store_true", help="offload_params=True (host memory)")
+    measure.add_argument("--tensor-parallel", type=int, default=1, help="tensor_parallel_size (a model with a plan)")
+    measure.add_argument(
+        "--devices-per-node", type=int, help="devices of one node (default 8 where it divides -n, else -n)"
+    )
 
 
 def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -156,9 +182,36 @@ def _estimate(args: argparse.Namespace) -> None:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}.")
     _import_from_cwd()
+    if args.measure:
+        _measure(args)
+        return
     module = build_on_meta(args.model, args.init_args) if args.params is None else None
     params = args.params if module is None else sum(p.numel() for p in module.parameters() if p.requires_grad)
     print(format_estimate(params, args.world_size, args.memory, module))
+
+
+def _measure(args: argparse.Namespace) -> None:
+    """``estimate --measure``: rank 0 of the world, measured here (see ``lightning/simulated.py``)."""
+    if args.model is None:
+        raise ValueError("--measure needs --model pkg.module.Class (a LightningModule), not --params.")
+    options: dict[str, Any] = {}
+    if args.offload_optimizer:
+        options["offload_optimizer"] = True
+    if args.offload_params:
+        options["offload_params"] = True
+    if args.tensor_parallel != 1:
+        options["tensor_parallel_size"] = args.tensor_parallel
+    result = measure_model(
+        args.model,
+        args.init_args,
+        args.world_size,
+        stage=args.stage,
+        precision=args.precision,
+        steps=args.steps,
+        devices_per_node=args.devices_per_node,
+        **options,
+    )
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_measured(result))
 
 
 def _inspect(args: argparse.Namespace) -> None:

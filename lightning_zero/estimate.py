@@ -12,7 +12,7 @@ import importlib
 import inspect
 import math
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import yaml
@@ -33,6 +33,9 @@ from lightning_zero.shards.accounting import (
     number as _number,
 )
 from lightning_zero.stages import all_policies
+
+if TYPE_CHECKING:
+    from lightning_zero.lightning.simulated import MeasuredRank
 
 STRATEGIES = {"ddp": 0, **{policy.name: policy.stage for policy in all_policies()}}
 #: Columns of the offload tables: ``(stage, offload_params)``, all with ``offload_optimizer=True``.
@@ -341,3 +344,88 @@ def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
     for name, row in table.items():
         lines.append(f"| {name} | " + " | ".join(both_units(b) for b in row.values()) + " |")
     return lines
+
+
+def expected_by_kind(num_params: int, world_size: int, stage: int, precision: str) -> dict[str, float]:
+    """DESIGN.md's table split by kind (the keys of :attr:`MeasuredRank.model_states`): 16-bit or fp32 parameters and
+    gradients, fp32 masters (mixed precision only) and the optimizer's two states."""
+    param_b, grad_b, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
+    master_b = 4 if precision.endswith("-mixed") else 0
+    psi, n = float(num_params), float(world_size)
+    return {
+        "parameters": param_b * psi / (n if stage >= 3 else 1),
+        "gradients": grad_b * psi / (n if stage >= 2 else 1),
+        "fp32 masters": master_b * psi / n,
+        "optimizer states": (opt_b - master_b) * psi / n,
+    }
+
+
+def measure_model(
+    class_path: str,
+    init_args: Optional[dict[str, Any]],
+    world_size: int,
+    **kwargs: Any,
+) -> "MeasuredRank":
+    """:func:`~lightning_zero.lightning.simulated.measure_rank` of ``class_path(**init_args)`` (a LightningModule with
+    its own ``train_dataloader``), built under the Trainer's ``init_module`` as a zero3 run builds it."""
+    from lightning_zero.lightning.simulated import (  # the Trainer only when asked for
+        check_lightning_module_class,
+        measure_rank,
+    )
+
+    cls = _import_class(class_path)
+    check_lightning_module_class(cls, class_path)
+
+    def build() -> Any:
+        return cls(**(init_args or {}))
+
+    return measure_rank(build, world_size, **kwargs)
+
+
+def _ratio(measured: float, expected: float) -> str:
+    return f"{measured / expected:.3f}" if expected else "-"
+
+
+def format_measured(result: "MeasuredRank") -> str:
+    """The markdown ``lightning-zero estimate --measure`` prints: rank 0's measured figures beside the formula."""
+    n = result.world_size
+    expected = expected_by_kind(result.params, result.shard_size, result.stage, result.precision)
+    sharded = f", sharded over {result.shard_size}" if result.shard_size != n else ""
+    lines = [
+        f"Measured: rank 0 of {n} ranks{sharded} (torch's fake process group), zero{result.stage}, "
+        f"{result.precision}, {result.params:,} trainable parameters, after optimizer step {result.steps}; "
+        f"{', '.join(result.standing_aside)} stood aside.",
+        "",
+        "| model states | measured | formula | measured / formula |",
+        "|---|---|---|---|",
+    ]
+    for kind, value in result.model_states.items():
+        lines.append(
+            f"| {kind} | {both_units(value)} | {both_units(expected[kind])} | {_ratio(value, expected[kind])} |"
+        )
+    total, formula = result.model_states_bytes, result.expected_model_states_bytes
+    lines.append(f"| **total** | {both_units(total)} | {both_units(formula)} | {_ratio(total, formula)} |")
+    lines += [
+        "",
+        f"Peak resident memory above the level after imports: {both_units(result.peak_rss_bytes)} "
+        f"(model states + {both_units(result.peak_rss_bytes - total)}). At the highest reading "
+        f"({result.peak_at}):",
+        "",
+        "| part | bytes |",
+        "|---|---|",
+    ]
+    lines += [f"| {part} | {both_units(value)} |" for part, value in result.peak_parts.items()]
+    factor = result.expected_traffic_elements // max(1, result.params)
+    lines += [
+        "",
+        f"Elements rank 0 sent in step {result.steps} (all-gather outputs, reduce-scatter inputs, all-reduces "
+        f"counted twice), against {factor}Ψ = {result.expected_traffic_elements:,}:",
+        "",
+        "| collective | elements | calls |",
+        "|---|---|---|",
+    ]
+    for kind, elements in result.traffic_elements.items():
+        lines.append(f"| {kind} | {elements:,} | {result.traffic_calls.get(kind, 0):,} |")
+    per_step = result.traffic_elements_per_step
+    lines.append(f"| **total** | {per_step:,} ({_ratio(per_step, result.expected_traffic_elements)} of {factor}Ψ) | |")
+    return "\n".join(lines)

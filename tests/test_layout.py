@@ -101,3 +101,16 @@ def test_units_are_contiguous_and_never_share_a_bucket():
         assert all(start <= layout.offsets[i] and layout.offsets[i] + numels[i] <= end
                    for i in range(len(numels)) if units[i] == unit)
     assert seen[0] == 0 and seen[1:] == [3, 2, 1]  # backward order: the last registered unit first
+
+
+def test_a_rank_plans_its_own_pieces_not_every_ranks():
+    """At N = 4096 a rank's pieces are O(buckets) objects: planning every rank's would make millions (the layout
+    of a large world is sized for the model, not the world)."""
+    import sys
+
+    layout = plan_layout([100_000] * 50, [0] * 50, world_size=4096, bucket_size=8192 * 4096 // 100)
+    assert len(layout.buckets) >= 10
+    before = sys.getallocatedblocks()
+    mine = [layout.pieces(bucket, 7) for bucket in layout.buckets]
+    assert sys.getallocatedblocks() - before < 50 * len(layout.buckets)
+    assert sum(pc.length for pieces in mine for pc in pieces) <= layout.shard_size

@@ -45,6 +45,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: torch's process group that communicates nothing (``torch.distributed.Backend.FAKE``).
+SIMULATED_BACKEND = "fake"
+
+
 def _pg(group: Optional[Any]) -> Optional[Any]:
     """The ``torch.distributed`` process group behind ``group`` (a :class:`Group`, a process group or ``None``)."""
     return group.process_group if isinstance(group, Group) else group
@@ -93,6 +97,17 @@ def is_initialized() -> bool:
 def is_distributed(group: Optional[Any] = None) -> bool:
     """Whether a process group of more than one rank is there to talk to."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(_pg(group)) > 1
+
+
+def simulated() -> bool:
+    """Whether this process is one rank of a simulated world: torch's fake process group, whose collectives move
+    nothing and write no output (see [Note: one rank of a simulated world] in ``engine/simulated.py``)."""
+    return is_initialized() and dist.get_backend() == SIMULATED_BACKEND
+
+
+def register_simulated_backend() -> None:
+    """Make ``init_process_group("fake", ...)`` available (torch registers the backend when its module is imported)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
 def world_size(group: Optional[Any] = None) -> int:
@@ -387,6 +402,8 @@ def group_timeout() -> Optional[timedelta]:
 
 def make_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None) -> Any:
     """``dist.new_group`` with the default group's timeout (see [Note: a restarted torchrun attempt])."""
+    if simulated():  # a simulated world's groups are all fake, the CPU's control groups too
+        backend = None
     with restart_hint("a process group"):
         return dist.new_group(ranks, backend=backend, timeout=group_timeout())
 
@@ -435,7 +452,11 @@ def agree_max(values: list[int], group: Optional[Group] = None) -> list[int]:
     """
     if not is_distributed():
         return list(values)
-    control = None if dist.get_backend() == "gloo" else job_group(("control",), lambda: make_group(backend="gloo"))
+    control = (
+        None
+        if dist.get_backend() in ("gloo", SIMULATED_BACKEND)
+        else job_group(("control",), lambda: make_group(backend="gloo"))
+    )
     tensor = torch.tensor(values, dtype=torch.int32)
     _count("control", tensor, group)
     try:

@@ -29,7 +29,7 @@ from lightning_zero.activations.checkpointing import ActivationCheckpointing, ac
 from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.engine import module_state
+from lightning_zero.engine import module_state, simulated
 from lightning_zero.engine.amp import PrecisionMode
 from lightning_zero.engine.policies import group_sizes, policies_of
 from lightning_zero.engine.stepping import OptimizerSteps
@@ -99,6 +99,8 @@ class ZeroEngine(OptimizerSteps):
             )
         check_option_names(options)
         self.config = config if config is not None else ZeroConfig(**options)
+        if simulated.simulated():  # see [Note: one rank of a simulated world] in simulated.py
+            self.config = simulated.stand_aside(self.config)
         self.policies = policies_of(self.config)
         """What each component reads of the options (see [Note: one policy per component] in ``policies.py``)."""
         self.policy = self.policies.stage

@@ -32,6 +32,7 @@ from lightning_zero.checkpoints.shards import model_shards, optimizer_shards, pa
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.trust import torch_load
 from lightning_zero.comm import collectives
+from lightning_zero.engine import simulated
 from lightning_zero.process import user_calls
 from lightning_zero.shards.slices import tensor_parallel_slice
 
@@ -94,6 +95,7 @@ def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: W
     """Write ``checkpoint`` (``state_dict`` from :func:`model_state`, ``optimizer_states`` from
     :func:`optimizer_state`, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
     one file (rank 0); either appears complete or not at all."""
+    simulated.refuse_to_save()
     configs = pretrained_configs(engine.module)  # see [Note: configs recorded at save time] in export.py
     if engine.config.state_dict_type == "full":
         if configs:

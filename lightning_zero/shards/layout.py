@@ -29,7 +29,6 @@ launch one after the other even when groups interleave (decay / no-decay groups,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import accumulate
 from typing import Optional, Sequence
 
@@ -125,7 +124,7 @@ class FlatLayout:
 
     def pieces(self, bucket: Bucket, rank: int) -> list[Piece]:
         """The parts of parameters that fall in ``rank``'s chunk of ``bucket``, in flat order."""
-        return self._pieces[bucket.index][rank]
+        return self._pieces_of(rank)[bucket.index]
 
     def bucket_pieces(self, bucket: Bucket) -> list[tuple[int, int, int, int]]:
         """``(param, param_start, length, bucket_offset)`` for every parameter part inside ``bucket``."""
@@ -138,23 +137,27 @@ class FlatLayout:
             out.append((p, lo - self.offsets[p], hi - lo, lo - bucket.start))
         return out
 
-    @cached_property
-    def _pieces(self) -> list[list[list[Piece]]]:
-        table = []
-        for bucket in self.buckets:
-            per_rank = []
-            for rank in range(self.world_size):
-                c0, c1 = self.chunk_range(bucket, rank)
-                pieces = []
-                for p in bucket.params:
-                    lo, hi = max(self.offsets[p], c0), min(self.offsets[p] + self.numels[p], c1)
-                    if lo < hi:
-                        pieces.append(
-                            Piece(param=p, param_start=lo - self.offsets[p], length=hi - lo, chunk_offset=lo - c0)
-                        )
-                per_rank.append(pieces)
-            table.append(per_rank)
-        return table
+    def _pieces_of(self, rank: int) -> list[list[Piece]]:
+        """``rank``'s pieces of every bucket, computed once per rank asked for.
+
+        [Note: pieces are planned for the ranks that ask]
+        A rank asks for its own pieces (its optimizer's slots, its gradient shard), so the table is kept per rank
+        asked: O(buckets) objects, not O(buckets x N). Planned for every rank at once it held one list per bucket and
+        rank, about 2 million Python objects and 0.5 GB at N = 1024 for a 7.5B model.
+        """
+        cache: dict[int, list[list[Piece]]] = self.__dict__.setdefault("_pieces_by_rank", {})
+        if rank not in cache:
+            cache[rank] = [self._rank_pieces(bucket, rank) for bucket in self.buckets]
+        return cache[rank]
+
+    def _rank_pieces(self, bucket: Bucket, rank: int) -> list[Piece]:
+        c0, c1 = self.chunk_range(bucket, rank)
+        pieces = []
+        for p in bucket.params:
+            lo, hi = max(self.offsets[p], c0), min(self.offsets[p] + self.numels[p], c1)
+            if lo < hi:
+                pieces.append(Piece(param=p, param_start=lo - self.offsets[p], length=hi - lo, chunk_offset=lo - c0))
+        return pieces
 
 
 def plan_layout(

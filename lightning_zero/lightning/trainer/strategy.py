@@ -27,6 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.comm import collectives
 from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.engine.auto.facts import build_whole
 from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
@@ -285,6 +286,9 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         Lightning's: on the device, ``empty_init=True`` skipping the initializers (as ``ddp`` and ``deepspeed`` at
         stages 1-2)."""
         if not (self.policy.shards_params and empty_init):
+            # the recording of an earlier `init_module` ends before this context's own torch mode is entered (the
+            # Trainer enters this context around `configure_model`, then takes the recording inside it)
+            self._init_module.stop()
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -326,7 +330,8 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
                     f"lightning-zero: {self.engine.skipped_steps} optimizer step(s) skipped on every rank "
                     "for non-finite gradients (`nonfinite='skip'`)."
                 )
-            self.engine.teardown(gather=self._ranks_in_step)
+            # a simulated rank never holds the whole model (see [Note: one rank of a simulated world])
+            self.engine.teardown(gather=self._ranks_in_step and not collectives.simulated())
             account = self.engine.memory.account()
             if account is not None and self.engine.completed_steps:
                 rank_zero_info(f"lightning-zero: {account.describe()}")
