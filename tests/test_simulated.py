@@ -90,7 +90,11 @@ def test_the_first_step_sends_3_psi(measured):
 def test_the_peak_is_bounded_and_accounted(measured):
     result, _ = measured
     parts = result.peak_parts
-    assert parts["gathered units (pool)"] > 0 and parts["bucket buffers"] > 0
+    # the highest reading is the engine's (which one depends on the heap: with one step, the first gradient of its
+    # backward comes before any bucket buffer exists), and a gathered unit is alive at every one of them
+    assert result.peak_at in {"the end of setup", "the first gradient of a backward", "the end of a backward",
+                              "the end of an optimizer step"}, result.peak_at
+    assert parts["gathered units (pool)"] > 0
     assert result.model_states_bytes < result.peak_rss_bytes < 512 * 2**20
 
 
