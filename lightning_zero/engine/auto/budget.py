@@ -23,6 +23,7 @@ from typing import Optional, Union
 
 import torch
 
+from lightning_zero.memory.account import status_bytes
 from lightning_zero.memory.host_memory import give_back_free_heap
 from lightning_zero.shards.accounting import parse_bytes
 
@@ -78,13 +79,13 @@ class PeakMeter:
             gc.collect()
             give_back_free_heap()  # the level is what is in use, not what an earlier run freed
             _clear_high_water_mark()
-            self.level = _status_bytes("VmRSS") - held
+            self.level = status_bytes("VmRSS") - held
 
     def peak(self) -> int:
         """Bytes above the level at the start, at their highest since."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.level
-        return _status_bytes("VmHWM") - self.level
+        return status_bytes("VmHWM") - self.level
 
 
 def _clear_high_water_mark() -> None:
@@ -94,12 +95,3 @@ def _clear_high_water_mark() -> None:
             f.write("5")
     except OSError:
         pass
-
-
-def _status_bytes(key: str) -> int:
-    """``VmRSS`` or ``VmHWM`` of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
