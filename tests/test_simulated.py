@@ -95,7 +95,8 @@ def test_the_peak_is_bounded_and_accounted(measured):
     assert result.peak_at in {"the end of setup", "the first gradient of a backward", "the end of a backward",
                               "the end of an optimizer step"}, result.peak_at
     assert parts["gathered units (pool)"] > 0
-    assert result.model_states_bytes < result.peak_rss_bytes < 512 * 2**20
+    # no lower bound: in a process that has run other tests, glibc's free heap can hold this small rank whole
+    assert result.peak_rss_bytes < 512 * 2**20
 
 
 def test_nothing_is_written_and_no_process_group_is_left(measured):
