@@ -28,7 +28,7 @@ from lightning_zero.comm import collectives
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.simulated import STANDING_ASIDE, check_simulable
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy
-from lightning_zero.memory.account import EngineMemory, MemoryAccount, ProcessMemory
+from lightning_zero.memory.account import EngineMemory, MemoryAccount, ProcessMemory, reset_peak
 from lightning_zero.shards.accounting import expected_model_state_bytes, expected_offload_bytes
 from lightning_zero.shards.slices import tensor_parallel_slice
 
@@ -198,7 +198,7 @@ def measure_rank(
         **options,
     )
     readings = _StepReadings(strategy)
-    _reset_peak()
+    reset_peak()
     start = ProcessMemory.read()
     try:
         with tempfile.TemporaryDirectory(prefix="lightning-zero-measure-") as root, warnings.catch_warnings():
@@ -250,15 +250,6 @@ def _check_measurable(world_size: int, steps: int, config: ZeroConfig) -> None:
             "(`lightning-zero estimate --measure`), before any `init_process_group`."
         )
     check_simulable(config)
-
-
-def _reset_peak() -> None:
-    """Reset the process's resident high-water mark (``VmHWM``), where Linux allows it (``clear_refs`` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def _result(

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from lightning_zero.memory.account import status_bytes
+from lightning_zero.memory.account import reset_peak, status_bytes
 from lightning_zero.memory.host_memory import give_back_free_heap
 from lightning_zero.shards.accounting import parse_bytes
 
@@ -78,7 +78,7 @@ class PeakMeter:
         else:
             gc.collect()
             give_back_free_heap()  # the level is what is in use, not what an earlier run freed
-            _clear_high_water_mark()
+            reset_peak()
             self.level = status_bytes("VmRSS") - held
 
     def peak(self) -> int:
@@ -86,12 +86,3 @@ class PeakMeter:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.level
         return status_bytes("VmHWM") - self.level
-
-
-def _clear_high_water_mark() -> None:
-    """Set ``VmHWM`` to the current ``VmRSS`` (Linux 4.0 and later)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
