@@ -37,7 +37,6 @@ def test_the_engine_reads_its_parts_at_its_highest_point_and_they_add_up_to_the_
     assert reading.at in {"the end of setup", "the first gradient of a backward", "the end of a backward",
                           "the end of an optimizer step"}
     assert sum(reading.parts().values()) == reading.resident
-    assert reading.resident <= reading.peak
     # the model states are the live tensors' (after the step: the same as measured now)
     now = engine.memory_parts()
     measured = measure_model_states(model, [optimizer])

@@ -92,10 +92,11 @@ class GradientReducer:
         """qgZ: reduce each bucket as blockwise int8 by all-to-all, synchronously (see [Note: qgZ, the quantized
         reduce-scatter of gradients] in ``quantize.py``); ``None``: the exact reduce-scatter."""
         self.heap_pin = heap_pin
-        self.ledger: Optional[MemoryLedger] = None
-        """The engine's memory readings (see [Note: the account of a rank's memory] in ``memory/account.py``)."""
         """Taken at the first gradient of each backward (see [Note: the heap pin] in ``heap_pin.py``); ``None``:
         none."""
+        self.ledger: Optional[MemoryLedger] = None
+        """The engine's memory readings, one at the first gradient of each backward (see [Note: the account of a
+        rank's memory] in ``memory/account.py``)."""
         self.grad_shard: Optional[torch.Tensor] = None
         """This rank's reduced gradients (``None`` until the first reduction, after :meth:`clear`, and always with a
         ``sink``)."""
