@@ -183,8 +183,10 @@ def plot(records: list[Record], directory: Path = IMAGES) -> list[Path]:
         sizes = [r["Ψ (M)"] for r in rows]
         left.plot(sizes, [r["step (ms)"] for r in rows], marker="o", label=strategy)
         ratios = [r["step vs ddp"] for r in rows]
-        spread = [[v - r["per repeat"][0] for v, r in zip(ratios, rows)],
-                  [r["per repeat"][1] - v for v, r in zip(ratios, rows)]]
+        spread = [
+            [v - r["per repeat"][0] for v, r in zip(ratios, rows)],
+            [r["per repeat"][1] - v for v, r in zip(ratios, rows)],
+        ]
         right.errorbar(sizes, ratios, yerr=spread, marker="o", capsize=3, label=strategy)
     left.set(xlabel="parameters (millions)", ylabel="median step (ms)", title="Step time, N = 2")
     right.set(xlabel="parameters (millions)", ylabel="step / DDP's step", title="Against DDP (bars: the repeats)")
@@ -195,12 +197,22 @@ def plot(records: list[Record], directory: Path = IMAGES) -> list[Path]:
     for strategy in STRATEGIES:
         for size, style in ((25.5, "--"), (85.4, "-")):
             rows = [r for r in memory if r["strategy"] == strategy and r["Ψ (M)"] == size]
-            left.plot([r["N"] for r in rows], [r["whole peak"] for r in rows], style, marker="o",
-                      label=f"{strategy}, {size}M", color=f"C{STRATEGIES.index(strategy)}")
+            left.plot(
+                [r["N"] for r in rows],
+                [r["whole peak"] for r in rows],
+                style,
+                marker="o",
+                label=f"{strategy}, {size}M",
+                color=f"C{STRATEGIES.index(strategy)}",
+            )
         rows = [r for r in speed if r["strategy"] == strategy]
         right.plot([r["Ψ (M)"] for r in rows], [r["peak vs ddp"] for r in rows], marker="o", label=strategy)
-    left.set(xlabel="N (ranks)", ylabel="peak per rank above imports (MiB)", xticks=[2, 4],
-             title="Peak memory per rank (25.5M dashed, 85.4M solid)")
+    left.set(
+        xlabel="N (ranks)",
+        ylabel="peak per rank above imports (MiB)",
+        xticks=[2, 4],
+        title="Peak memory per rank (25.5M dashed, 85.4M solid)",
+    )
     right.set(xlabel="parameters (millions)", ylabel="peak / DDP's peak", title="Peak against DDP's, N = 2")
     right.legend()
     written.append(_save(fig, directory / "peak_memory.png"))
