@@ -183,3 +183,15 @@ def test_the_plots_are_drawn_from_the_records(tmp_path):
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (results.IMAGES / path.name).exists(), f"docs/images/{path.name} is not committed"
+
+
+def test_the_changelog_is_keep_a_changelog_and_names_only_files_that_exist():
+    # the release documents: one [Unreleased] section in Keep a Changelog's groups, and no path that has moved away
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "https://keepachangelog.com/en/1.1.0/" in text and "## [Unreleased]" in text
+    groups = re.findall(r"^### (\w+)", text, flags=re.MULTILINE)
+    assert groups == [g for g in ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security") if g in groups]
+    paths = re.findall(r"`([\w.-]+(?:/[\w.*-]*)+|[\w-]+\.(?:py|md|ya?ml|json|toml))`", text)
+    assert paths
+    missing = [p for p in paths if not any((base / p.rstrip("*")).exists() for base in (ROOT, ROOT / "lightning_zero"))]
+    assert not missing, f"CHANGELOG.md names paths that do not exist: {missing}"
