@@ -195,3 +195,19 @@ def test_the_changelog_is_keep_a_changelog_and_names_only_files_that_exist():
     assert paths
     missing = [p for p in paths if not any((base / p.rstrip("*")).exists() for base in (ROOT, ROOT / "lightning_zero"))]
     assert not missing, f"CHANGELOG.md names paths that do not exist: {missing}"
+
+
+def test_speed_table_writes_a_record_the_results_page_renders():
+    from benchmarks import results
+    from benchmarks.speed_table import record
+
+    records = [{**_record("ddp", [0.2, 0.3, 0.2], 8, 4, 1), "repeat": 0},
+               {**_record("zero1", [0.18, 0.2, 0.19], 6, 1, 1), "repeat": 0},
+               {**_record("ddp", [0.4, 0.4, 0.5], 8, 4, 1), "repeat": 1},
+               {**_record("zero1", [0.44, 0.42, 0.5], 6, 1, 1), "repeat": 1}]
+    header = dict.fromkeys(results.HEADER_KEYS, "as given")
+    made = json.loads(results.dumps_record(record(summarize(records), records, header)))
+    assert all(made["header"][key] for key in results.HEADER_KEYS) and len(made["raw"]) == 4
+    lines = results.render_record(made, 2)
+    zero1 = next(x for x in lines if x.startswith("| 2 | tiny | 1.0 | zero1 |"))
+    assert zero1.split(" | ")[6:8] == ["0.95–1.10", "0.90"]
