@@ -18,6 +18,6 @@
 Private modules: ``_model`` (the GPT sizes, data and LightningModules, around examples/gpt.py's ``GPT``),
 ``_worker`` (one rank of a GPT launch), ``_probes`` (what a rank measures), ``_peers`` (FSDP2, DeepSpeed),
 ``_report`` (compare's tables and plot), ``_construction_rank`` and ``_checkpoint_rank`` (one rank of
-``construction``, of ``checkpoint_io``), ``_zeropp_rank`` (one rank of ``zeropp_loss``). Raw outputs that RESULTS.md
-cites are in ``results/``.
+``construction``, of ``checkpoint_io``), ``_zeropp_rank`` (one rank of ``zeropp_loss``). ``results`` renders
+RESULTS.md, docs/results.md and the plots from the committed records in ``records/`` (one per question).
 """

@@ -10,7 +10,7 @@
         --variants ddp zero1 zero2 zero3 fsdp2 zero3:reduce_bucket_size=1000000
 
 ``states``: measured model-state bytes and peak memory per rank, and traffic per step, for ddp and zero1-3, next to
-DESIGN.md's table. Every (world size, strategy) is its own launch of gloo ranks on this machine
+the table in docs/stages.md. Every (world size, strategy) is its own launch of gloo ranks on this machine
 (tests/workers/measure.py), so that the peak resident memory of each run is its own; same seed, same data.
 
 ``account``: each strategy run as a user runs it (no allocator variable or setting in any process; one launch of

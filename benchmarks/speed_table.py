@@ -2,6 +2,7 @@
 
     python -m benchmarks.speed_table --out /tmp/speed_table       # the whole table
     python -m benchmarks.speed_table --sizes gpt19m --steps 4 --repeats 1 --no-memory   # one piece, to check it runs
+    python -m benchmarks.speed_table --record benchmarks/records/speed.json    # and the results page's record of it
 
 Step time at N = 2 on GPTs of 5.3M, 18.2M, 44.7M and 84.3M parameters (``small``, ``gpt19m``, ``gpt45m``,
 ``gpt85m`` of ``benchmarks/_model.py``), fp32 AdamW, clipping 1.0; peak resident memory at N = 4 on the 25.5M GPT
@@ -21,7 +22,10 @@ comparing on an idle machine; the counts hold on a busy one too.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from benchmarks import _report as report
 from benchmarks._model import SIZES
 from benchmarks.compare import arguments as compare_arguments
 from benchmarks.compare import compare, machine
+from benchmarks.results import dumps_record
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 STEP_SIZES = ["small", "gpt19m", "gpt45m", "gpt85m"]
@@ -44,6 +49,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="leave out the N = 4 memory runs")
     parser.add_argument("--out", default="/tmp/lightning_zero_speed_table")
+    parser.add_argument("--record", type=Path, help="also write the table as this results record (JSON; an existing "
+                        "record keeps its title, place and first paragraph, the rest is replaced)")
     return parser.parse_args(argv)
 
 
@@ -74,6 +81,64 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+RECORD_COLUMNS = ["N", "model", "Ψ (M)", "strategy", "step (ms)", "step vs ddp", "per repeat", "best step vs ddp",
+                  "peak vs ddp", "growth vs ddp", "faults / step", "faults vs ddp", "allocs / step", "copied / 4Ψ"]
+RECORD_FORMATS = {"N": "{:.0f}", "Ψ (M)": "{:.1f}", "step (ms)": "{:.0f}", "faults / step": "{:.0f}",
+                  "allocs / step": "{:.0f}", **{c: "{:.2f}" for c in RECORD_COLUMNS if "vs" in c or "/ 4Ψ" in c},
+                  "per repeat": "{:.2f}"}
+
+
+def _number(row: dict[str, Any], key: str) -> Any:
+    value = row.get(key)
+    return None if value is None else round(value, 2)
+
+
+def record_row(r: dict[str, Any]) -> list[Any]:
+    """One summary row as the numbers of a results record's table (``RECORD_COLUMNS``; ``None``: not applicable)."""
+    psi = r.get("params") or 0
+    spread = None if r.get("repeat_ratio_min") is None else [_number(r, "repeat_ratio_min"),
+                                                             _number(r, "repeat_ratio_max")]
+    return [r["world_size"], r["size"], round(psi / 1e6, 1), r["strategy"], round(r["step_median"] * 1e3),
+            _number(r, "step_median_vs_ddp"), spread, _number(r, "step_best_vs_ddp"), _number(r, "peak_memory_vs_ddp"),
+            _number(r, "peak_growth_vs_ddp"), round(r.get("faults", 0)), _number(r, "faults_vs_ddp"),
+            None if r.get("allocations") is None else round(r["allocations"]),
+            None if r.get("copied") is None or not psi else round(r["copied"] / (4 * psi), 2)]
+
+
+def run_header(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    """This run's record header: the commit checked out, today, this machine and torch, the command, the repeats."""
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or "not recorded"
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "torch": torch.__version__,
+            "command": " ".join(["python -m benchmarks.speed_table", *argv]),
+            "repeats": f"{args.repeats} interleaved repeats of {args.steps} steps ({args.warmup} of warm-up) per "
+                       "launch at N = 2"}
+
+
+def record(rows: list[dict[str, Any]], raw: list[dict[str, Any]], header: dict[str, str],
+           previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The results record of this run (see ``benchmarks/results.py``): its header, the table, and the raw launches."""
+    ok = sorted((r for r in rows if "error" not in r), key=lambda r: (r["world_size"], r.get("params") or 0))
+    failed = [f"{r['strategy']} at N = {r['world_size']}, {r['size']}: {str(r['error'])[:200]}" for r in rows
+              if "error" in r]
+    first = (previous or {}).get("parts", [{}])[0].get("text", [])
+    return {
+        "id": (previous or {}).get("id", "speed"),
+        "title": (previous or {}).get("title", "Step time and peak memory against DDP and FSDP2"),
+        "order": (previous or {}).get("order", 1),
+        "kind": (previous or {}).get("kind", "current"),
+        "header": header,
+        "source": "written by `python -m benchmarks.speed_table --record`; `raw` holds every launch's step times",
+        "parts": [{"text": first + [f"Failed: {line}." for line in failed],
+                   "table": {"columns": RECORD_COLUMNS, "formats": RECORD_FORMATS,
+                             "rows": [record_row(r) for r in ok]}}],
+        "raw": [{k: r.get(k) for k in ("world_size", "size_name", "strategy", "repeat", "params", "step_times",
+                                        "peak_memory", "peak_growth", "loss")} for r in raw],
+    }
+
+
 def _ratio(row: dict[str, Any], key: str) -> str:
     value = row.get(f"{key}_vs_ddp")
     return "–" if value is None else f"{value:.2f}"
@@ -97,6 +162,10 @@ def main(argv: list[str]) -> int:
     (Path(args.out) / "speed_table.md").write_text(text)
     report.write_json(Path(args.out) / "speed_table.json", {"machine": machine(), "rows": rows, "records": records})
     print("\n" + text)
+    if args.record:
+        previous = json.loads(args.record.read_text(encoding="utf-8")) if args.record.exists() else None
+        args.record.write_text(dumps_record(record(rows, records, run_header(args, argv), previous)), encoding="utf-8")
+        print(f"wrote {args.record}; now run `python -m benchmarks.results`")
     return 0
 
 

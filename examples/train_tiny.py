@@ -58,7 +58,7 @@ class CharLM(L.LightningModule):
 
 
 class MemoryReport(L.Callback):
-    """After the third backward, print the model-state bytes of each rank next to DESIGN.md's formula."""
+    """After the third backward, print the model-state bytes of each rank next to the formula in docs/stages.md."""
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step != 2 or getattr(self, "done", False):

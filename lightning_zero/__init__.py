@@ -10,7 +10,6 @@ Hugging Face directory, or ``lightning-zero export``) and, under other strategie
 files or a ``torch.save`` state dict, a tensor at a time.
 """
 
-from lightning_zero import _moved
 from lightning_zero.checkpoints.consolidate import consolidate, inspect_checkpoint, load_full_checkpoint
 from lightning_zero.checkpoints.export import ExportResult, export_pretrained
 from lightning_zero.checkpoints.storage import CheckpointError
@@ -30,7 +29,6 @@ from lightning_zero.shards.accounting import ModelStateBytes, expected_model_sta
 from lightning_zero.stage3.guard import ParameterNotGatheredError
 
 install()  # the strategy names and Lightning's hooks (see [Note: what importing the package does to Lightning])
-_moved.install()  # the module paths of earlier releases still import, with a DeprecationWarning
 _account.mark_imported()  # the level every account of this process's memory is read above
 
 __version__ = "0.1.0"

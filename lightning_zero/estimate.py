@@ -1,4 +1,4 @@
-"""Model-state memory per rank before running anything: DESIGN.md's table for a model and a world size.
+"""Model-state memory per rank before running anything: the table in docs/stages.md for a model and a world size.
 
 The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold
 the measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the
@@ -347,8 +347,8 @@ def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
 
 
 def expected_by_kind(num_params: int, world_size: int, stage: int, precision: str) -> dict[str, float]:
-    """DESIGN.md's table split by kind (the keys of :attr:`MeasuredRank.model_states`): 16-bit or fp32 parameters and
-    gradients, fp32 masters (mixed precision only) and the optimizer's two states."""
+    """The table in docs/stages.md split by kind (the keys of :attr:`MeasuredRank.model_states`): 16-bit or fp32
+    parameters and gradients, fp32 masters (mixed precision only) and the optimizer's two states."""
     param_b, grad_b, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
     master_b = 4 if precision.endswith("-mixed") else 0
     psi, n = float(num_params), float(world_size)

@@ -135,3 +135,79 @@ def test_check_speed_gives_compare_every_option_it_reads():
     given = vars(_compare_args(_arguments(["--repeats", "3"])))
     assert read and not read - set(given), sorted(read - set(given))
     assert given["world_sizes"] == [2] and given["clip"] == 1.0 and given["repeats"] == 3
+
+
+def test_the_results_pages_are_what_the_committed_records_render():
+    # benchmarks/RESULTS.md and docs/results.md are generated: a figure is changed in its record, never on the page
+    from benchmarks import results
+
+    for path, text in results.pages(results.load_records()).items():
+        assert path.read_text(encoding="utf-8") == text, (
+            f"{path.relative_to(ROOT)} is not what benchmarks/records/ renders; fix: edit the record and run "
+            "`python -m benchmarks.results`")
+
+
+def test_every_record_has_its_header_and_tables_whose_rows_fit_their_columns():
+    from benchmarks import results
+
+    records = results.load_records()
+    assert len({r["id"] for r in records}) == len(records) >= 10
+    assert {"speed", "memory"} <= {r["id"] for r in records}  # what the plots are drawn from
+    for record in records:
+        path = results.RECORDS / f"{record['id']}.json"
+        assert path.exists(), f"record {record['id']!r} is not in a file of its name"
+        assert path.read_text(encoding="utf-8") == results.dumps_record(record), f"{path.name}: rewrite it"
+        assert record["kind"] in ("current", "evidence") and all(record["header"][k] for k in results.HEADER_KEYS)
+        for part in record["parts"]:
+            table = part.get("table")
+            if table:
+                assert all(len(row) == len(table["columns"]) for row in table["rows"]), record["id"]
+                assert set(table.get("formats", {})) <= set(table["columns"]), record["id"]
+
+
+def test_a_table_cell_is_formatted_by_its_column():
+    from benchmarks.results import render_table
+
+    table = {"columns": ["strategy", "step (ms)", "per repeat"],
+             "formats": {"step (ms)": "{:,.0f}", "per repeat": "{:.2f}"},
+             "rows": [["ddp", 1163, [1.0, 1.0]], ["zero3", None, [0.91, 0.96]]]}
+    assert render_table(table)[2:] == ["| ddp | 1,163 | 1.00–1.00 |", "| zero3 | – | 0.91–0.96 |"]
+
+
+def test_the_plots_are_drawn_from_the_records(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import results
+
+    written = results.plot(results.load_records(), tmp_path)
+    assert sorted(p.name for p in written) == sorted(results.PLOTS)
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (results.IMAGES / path.name).exists(), f"docs/images/{path.name} is not committed"
+
+
+def test_the_changelog_is_keep_a_changelog_and_names_only_files_that_exist():
+    # the release documents: one [Unreleased] section in Keep a Changelog's groups, and no path that has moved away
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "https://keepachangelog.com/en/1.1.0/" in text and "## [Unreleased]" in text
+    groups = re.findall(r"^### (\w+)", text, flags=re.MULTILINE)
+    assert groups == [g for g in ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security") if g in groups]
+    paths = re.findall(r"`([\w.-]+(?:/[\w.*-]*)+|[\w-]+\.(?:py|md|ya?ml|json|toml))`", text)
+    assert paths
+    missing = [p for p in paths if not any((base / p.rstrip("*")).exists() for base in (ROOT, ROOT / "lightning_zero"))]
+    assert not missing, f"CHANGELOG.md names paths that do not exist: {missing}"
+
+
+def test_speed_table_writes_a_record_the_results_page_renders():
+    from benchmarks import results
+    from benchmarks.speed_table import record
+
+    records = [{**_record("ddp", [0.2, 0.3, 0.2], 8, 4, 1), "repeat": 0},
+               {**_record("zero1", [0.18, 0.2, 0.19], 6, 1, 1), "repeat": 0},
+               {**_record("ddp", [0.4, 0.4, 0.5], 8, 4, 1), "repeat": 1},
+               {**_record("zero1", [0.44, 0.42, 0.5], 6, 1, 1), "repeat": 1}]
+    header = dict.fromkeys(results.HEADER_KEYS, "as given")
+    made = json.loads(results.dumps_record(record(summarize(records), records, header)))
+    assert all(made["header"][key] for key in results.HEADER_KEYS) and len(made["raw"]) == 4
+    lines = results.render_record(made, 2)
+    zero1 = next(x for x in lines if x.startswith("| 2 | tiny | 1.0 | zero1 |"))
+    assert zero1.split(" | ")[6:8] == ["0.95–1.10", "0.90"]

@@ -142,7 +142,7 @@ def test_a_full_disk_mid_step_is_a_clear_error_and_the_last_checkpoint_is_intact
 
 
 def test_a_killed_process_leaves_no_file_behind(tmp_path):
-    code = ("import sys, torch, time; from lightning_zero.core import disk; "
+    code = ("import sys, torch, time; from lightning_zero.shards import disk; "
             f"t = disk.zeros(1 << 20, torch.float32, {str(tmp_path)!r}); t.fill_(1); print('ready', flush=True); "
             "time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -219,7 +219,7 @@ def test_a_truncated_offload_file_is_an_error_naming_it_not_a_bus_error(tmp_path
     """Another process of the same user truncates a live offload file through ``/proc/<pid>/fd`` (the descriptor
     ``mmap`` keeps): the next window read raises an error naming the file, instead of a ``SIGBUS`` on its pages.
     Run in a child, so that a bus error (the bug) fails the test instead of ending pytest."""
-    code = ("import os, torch; from lightning_zero.core import disk\n"
+    code = ("import os, torch; from lightning_zero.shards import disk\n"
             f"t = disk.zeros(1 << 20, torch.float32, {str(tmp_path)!r}); t.fill_(1); disk.evict([t], written=True)\n"
             "for fd in os.listdir('/proc/self/fd'):\n"
             "    try:\n        target = os.readlink(f'/proc/self/fd/{fd}')\n"

@@ -1,4 +1,4 @@
-"""The estimator prints DESIGN.md's table (the figures the measured bytes are held to in test_measure.py)."""
+"""The estimator prints the table in docs/stages.md (the figures the measured bytes are held to in test_measure.py)."""
 
 from __future__ import annotations
 

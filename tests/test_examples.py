@@ -177,7 +177,7 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
 def test_quick_start_demo(tmp_path):
     out = run(sys.executable, str(EXAMPLES / "train_tiny.py"), "--strategy", "zero2", "--devices", "2",
               "--max-steps", "4", cwd=tmp_path)
-    # each rank prints its measured model states next to DESIGN.md's formula: they agree within 5%
+    # each rank prints its measured model states next to the formula in docs/stages.md: they agree within 5%
     figures = re.findall(r"\[rank (\d)\] .*? model states ([\d.]+) MiB \(formula ([\d.]+) MiB", out)
     assert sorted(rank for rank, _, _ in figures) == ["0", "1"], out
     for _, measured, formula in figures:

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("lightning",),
     ("estimate",),
-    ("cli", "testing", "_moved"),
+    ("cli", "testing"),
     ("__init__",),
     ("__main__",),
 ]
@@ -71,7 +71,7 @@ def _imports(path: Path, typing_too: bool = True) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))
-            for alias in node.names:  # `from lightning_zero.core import collectives` imports a module
+            for alias in node.names:  # `from lightning_zero.comm import collectives` imports a module
                 full = f"{target}.{alias.name}"
                 found.append((node.lineno, full if _is_module(full) else target))
     return [(line, name) for line, name in found if name.split(".")[0] == "lightning_zero"]

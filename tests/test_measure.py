@@ -1,4 +1,4 @@
-"""Traffic and model-state bytes per rank, measured on live runs, against DESIGN.md's table.
+"""Traffic and model-state bytes per rank, measured on live runs, against the table in docs/stages.md.
 
 Ψ is the number of trainable parameters. Stages 1 and 2 must move Ψ elements by reduce-scatter and Ψ by all-gather
 per optimizer step (2Ψ, as DDP's all-reduce), stage 3 one more Ψ of all-gather (forward and backward: 3Ψ), and no

@@ -1,6 +1,6 @@
 """Rank 0 of a 64-rank world, measured in this process on torch's fake process group (``estimate --measure``).
 
-A GPT of a few million parameters under zero3 and bf16-mixed: its model states must be DESIGN.md's 16Ψ/N by kind,
+A GPT of a few million parameters under zero3 and bf16-mixed: its model states must be docs/stages.md's 16Ψ/N by kind,
 its traffic 3Ψ (the first step gathers every unit twice), no check that compares values across ranks may run, and
 nothing may be written or left behind (the process group is gone after).
 """

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def model_state_summary(engine: "ZeroEngine") -> str:
-    """One line: what each rank of ``engine`` holds, next to what DDP would hold (DESIGN.md's table, with the shard
+    """One line: what each rank of ``engine`` holds, next to what DDP would hold (docs/stages.md's table, with the shard
     group's size k in place of N under hybrid sharding; under tensor parallelism of this rank's slices, over the
     data dimension)."""
     config, groups = engine.config, engine.shard_groups

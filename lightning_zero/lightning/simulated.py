@@ -91,7 +91,7 @@ class MeasuredRank:
     model_states: dict[str, int]
     """Bytes by kind after the last step: ``parameters``, ``gradients``, ``fp32 masters``, ``optimizer states``."""
     expected_model_states_bytes: float
-    """DESIGN.md's table (16Ψ/N under zero3 mixed precision; with offload: the device's part)."""
+    """The table in docs/stages.md (16Ψ/N under zero3 mixed precision; with offload: the device's part)."""
     peak_rss_bytes: int
     """The process's resident high-water mark above the level when the measurement started."""
     peak_parts: dict[str, int]

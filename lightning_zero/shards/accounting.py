@@ -4,7 +4,7 @@
 Every tensor is counted once per storage, so views of one flat buffer (the working parameters) or a master shard
 that aliases the working buffer are not counted twice. ``grads`` covers full ``.grad`` tensors, the gradient shard
 and any master gradients alive at the moment of measurement; ``comm_buffers`` (the constant-size buckets, their
-high-water mark) are kept apart from the model states, as in DESIGN.md's table.
+high-water mark) are kept apart from the model states, as in docs/stages.md's table.
 With ``offload_optimizer``, ``host`` says how many of the model-state bytes are in host memory (the master shard,
 the gradient shard, which then exists only there, and the optimizer states), with ``offload_params`` also stage 3's
 working shard; the rest are on the device. The scratch chunks the reduced gradients pass through on their way to
@@ -115,7 +115,7 @@ def measure_model_states(module: torch.nn.Module, optimizers: Sequence[Optimizer
 
 
 def expected_model_state_bytes(num_params: int, world_size: int, stage: int, precision: str) -> float:
-    """DESIGN.md's table for Adam: bytes of model states per rank (``stage=0`` is DDP).
+    """The table in docs/stages.md for Adam: bytes of model states per rank (``stage=0`` is DDP).
 
     Mixed precision: 2Ψ params + 2Ψ grads + 12Ψ fp32 master/momentum/variance. ``32-true``: 4Ψ + 4Ψ + 8Ψ, the fp32
     parameters doubling as the master weights. ``bf16-true``: 2Ψ + 2Ψ + 4Ψ (bf16 momentum and variance).

@@ -3,7 +3,7 @@ rank, and the first that fits the budget.
 
 [Note: the predicted peak]
 A candidate's peak per rank is what stays for the whole run plus the larger of the two moments of a step:
-- what stays: the model states DESIGN.md's table gives for the stage and precision (``expected_model_state_bytes``;
+- what stays: the model states docs/stages.md's table gives for the stage and precision (``expected_model_state_bytes``;
   with offload ``expected_offload_bytes``: the device part where the budget is a GPU's, device and host together on
   CPU, where the device *is* the host, so that offloading there saves nothing and is never chosen for memory), with
   the gradients the engine holds between steps: the gradient shard (Ψ/N, kept from step to step), at stage 1 under
