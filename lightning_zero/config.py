@@ -220,22 +220,23 @@ class ZeroConfig:
     def _converted(self) -> dict[str, Any]:
         """The options whose given form is not the one read (see [Note: the options are converted once])."""
         converted = {name: _whole_number(name, getattr(self, name)) for name in ELEMENT_OPTIONS}
-        names = self.elementwise_optimizers
-        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"`elementwise_optimizers` must be a list of class names, got {names!r}.")
-        converted["elementwise_optimizers"] = tuple(names)
-        classes = self.unit_classes
-        if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
-            raise TypeError(f"`unit_classes` must be a list of module classes or class names, got {classes!r}.")
-        converted["unit_classes"] = tuple(classes)
-        blocks = self.activation_checkpointing
-        if not isinstance(blocks, bool):
-            if isinstance(blocks, (str, type)) or not all(isinstance(c, (str, type)) for c in blocks):
-                raise TypeError(
-                    "`activation_checkpointing` must be True/False or a list of block classes or class "
-                    f"names, got {blocks!r}."
-                )
-            converted["activation_checkpointing"] = tuple(blocks)
+        converted["elementwise_optimizers"] = _tuple_of(
+            self.elementwise_optimizers,
+            (str,),
+            f"`elementwise_optimizers` must be a list of class names, got {self.elementwise_optimizers!r}.",
+        )
+        converted["unit_classes"] = _tuple_of(
+            self.unit_classes,
+            (str, type),
+            f"`unit_classes` must be a list of module classes or class names, got {self.unit_classes!r}.",
+        )
+        if not isinstance(self.activation_checkpointing, bool):
+            converted["activation_checkpointing"] = _tuple_of(
+                self.activation_checkpointing,
+                (str, type),
+                "`activation_checkpointing` must be True/False or a list of block classes or class names, got "
+                f"{self.activation_checkpointing!r}.",
+            )
         converted["activation_partition_group"] = _check_group(self.activation_partition_group)
         path = self.offload_path
         if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -515,6 +516,17 @@ def _whole_number(name: str, value: Any) -> Any:
             raise ValueError(f"`{name}` must be a whole number of elements, got {value!r}.")
         return int(value)
     return value
+
+
+def _tuple_of(value: Any, kinds: tuple[type, ...], error: str) -> tuple[Any, ...]:
+    """``value``, a list or tuple of ``kinds`` (not one bare name or class), as a tuple; ``TypeError(error)``
+    otherwise."""
+    if isinstance(value, (str, type)) or not hasattr(value, "__iter__"):
+        raise TypeError(error)
+    items = tuple(value)
+    if not all(isinstance(item, kinds) for item in items):
+        raise TypeError(error)
+    return items
 
 
 def _check_positive_int(name: str, value: object, unit: str) -> None:
