@@ -45,36 +45,45 @@ class Option(NamedTuple):
 def options() -> dict[str, list[Option]]:
     """Every option, by group, in the order of ``OPTION_GROUPS``."""
     from lightning_zero.config import OPTION_GROUPS, ZeroConfig
-    from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
-    from lightning_zero.lightning.trainer.strategy import ZeroStrategy
 
-    fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
-    hints = typing.get_type_hints(ZeroConfig)
-    field_docs = _attribute_docs(ZeroConfig)
-    strategies = {cls: inspect.signature(cls).parameters for cls in (ZeroStrategy, ZeroFabricStrategy)}
-    strategy_hints = typing.get_type_hints(ZeroStrategy.__init__)
-    arg_docs = _args_docs(inspect.getdoc(ZeroStrategy) or "")
-    grouped: dict[str, list[Option]] = {}
-    for group, names in OPTION_GROUPS.items():
-        rows = grouped.setdefault(group, [])
-        for name in names:
-            if name in fields:
-                if name not in field_docs:
-                    raise SystemExit(f"ZeroConfig.{name} has no docstring: document it under the field.")
-                rows.append(_option(name, hints[name], fields[name].default, field_docs[name]))
-                continue
-            takers = [cls.__name__ for cls, params in strategies.items() if name in params]
-            if not takers or name not in arg_docs:
-                raise SystemExit(
-                    f"`{name}` in OPTION_GROUPS is neither a ZeroConfig field nor documented in ZeroStrategy's `Args:`."
-                )
-            who = " and ".join(f"``{t}``" for t in takers)
-            doc = f"{who} only. {arg_docs[name][:1].upper()}{arg_docs[name][1:]}"
-            rows.append(_option(name, strategy_hints[name], strategies[ZeroStrategy][name].default, doc))
-    listed = {name for names in OPTION_GROUPS.values() for name in names}
-    if set(fields) - listed:
-        raise SystemExit(f"ZeroConfig fields in no group of OPTION_GROUPS: {sorted(set(fields) - listed)}")
+    sources = _Sources()
+    grouped = {group: [sources.option(name) for name in names] for group, names in OPTION_GROUPS.items()}
+    unlisted = {f.name for f in dataclasses.fields(ZeroConfig)} - {o.name for rows in grouped.values() for o in rows}
+    if unlisted:
+        raise SystemExit(f"ZeroConfig fields in no group of OPTION_GROUPS: {sorted(unlisted)}")
     return grouped
+
+
+class _Sources:
+    """Where the options are documented: ``ZeroConfig``'s fields, and the strategies' signatures and ``Args:``."""
+
+    def __init__(self) -> None:
+        from lightning_zero.config import ZeroConfig
+        from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
+        from lightning_zero.lightning.trainer.strategy import ZeroStrategy
+
+        self.fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
+        self.hints = typing.get_type_hints(ZeroConfig)
+        self.field_docs = _attribute_docs(ZeroConfig)
+        self.strategies = {
+            cls.__name__: inspect.signature(cls).parameters for cls in (ZeroStrategy, ZeroFabricStrategy)
+        }
+        self.strategy_hints = typing.get_type_hints(ZeroStrategy.__init__)
+        self.arg_docs = _args_docs(inspect.getdoc(ZeroStrategy) or "")
+
+    def option(self, name: str) -> Option:
+        if name in self.fields:
+            if name not in self.field_docs:
+                raise SystemExit(f"ZeroConfig.{name} has no docstring: document it under the field.")
+            return _option(name, self.hints[name], self.fields[name].default, self.field_docs[name])
+        takers = [cls for cls, params in self.strategies.items() if name in params]
+        if not takers or name not in self.arg_docs:
+            raise SystemExit(
+                f"`{name}` in OPTION_GROUPS is neither a ZeroConfig field nor documented in ZeroStrategy's `Args:`."
+            )
+        doc = self.arg_docs[name]
+        doc = f"{' and '.join(f'``{t}``' for t in takers)} only. {doc[:1].upper()}{doc[1:]}"
+        return _option(name, self.strategy_hints[name], self.strategies["ZeroStrategy"][name].default, doc)
 
 
 def _option(name: str, hint: Any, default: Any, doc: str) -> Option:
