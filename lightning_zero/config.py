@@ -1,4 +1,4 @@
-"""Typed, validated options of the engine, defined once: :class:`ZeroConfig`. ``ZeroStrategy``,
+"""Typed, validated options of the engine, defined once: ``ZeroConfig``. ``ZeroStrategy``,
 ``ZeroFabricStrategy`` and ``ZeroEngine`` take them as keyword arguments and hand them here.
 
 Every option is checked when the strategy is constructed, so a bad value fails before any process is launched.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from difflib import get_close_matches
 from typing import Any, Callable, Literal, Optional, Union, overload
 
@@ -25,123 +25,227 @@ from lightning_zero.stages import STAGES, all_policies
 #: Stages this version implements.
 SUPPORTED_STAGES = STAGES
 
-#: Options that only stage 3 reads, with their defaults (``unit_classes`` also picks the blocks of
-#: ``activation_checkpointing=True`` at every stage).
-STAGE3_DEFAULTS: dict[str, Any] = {"unit_classes": (), "persistence_threshold": None, "prefetch_size": 5_000_000}
-
+#: Options that only stage 3 reads (``unit_classes`` also picks the blocks of ``activation_checkpointing=True`` at
+#: every stage): set to anything but their defaults below stage 3 they give a warning.
+STAGE3_OPTIONS = ("unit_classes", "persistence_threshold", "prefetch_size")
 
 #: A number of elements: an int, or a float with a whole value as YAML gives ``1e6`` (taken as the int 1000000).
 Elements = Union[int, float]
-#: The options that are numbers of elements (see :data:`Elements`).
+#: The options that are numbers of elements (see ``Elements``).
 ELEMENT_OPTIONS = ("reduce_bucket_size", "persistence_threshold", "prefetch_size", "host_mmap_threshold")
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """Options of the ZeRO engine, one line each."""
+    """The options of the ZeRO engine, each documented once, here.
+
+    ``ZeroStrategy``, ``ZeroFabricStrategy`` and ``ZeroEngine`` take them as keyword arguments by the same names;
+    LightningCLI reads their types from here, and docs/options.md and the README's table are generated from these
+    field docs (``python docs/_generate_options.py``), grouped as ``OPTION_GROUPS`` says. The first paragraph of
+    each field's doc is its line in the README's table.
+    """
 
     stage: int = 2
-    """Which model states are partitioned: 1 optimizer states, 2 also gradients, 3 also parameters."""
+    """Which model states are partitioned: 1 optimizer states (and fp32 master weights), 2 also gradients, 3 also
+    parameters.
+
+    ``ZeroStrategy`` also takes ``"auto"`` (``strategy="zero_auto"``): the stage is chosen at setup from
+    ``memory_budget`` ([zero_auto](zero_auto.md))."""
     reduce_bucket_size: Optional[Elements] = None
-    """Elements per bucket: each full gradient bucket is reduce-scattered, and the updated shards are all-gathered
-    bucket by bucket after the step. ``None``: chosen from the model, 1M to 4M elements (see [Note: the default bucket
+    """Elements per gradient bucket; ``None``: ``clamp(Ψ / 32, 1M, 4M)`` for an optimizer of Ψ parameters.
+
+    Each full gradient bucket is reduce-scattered, and the updated shards are all-gathered bucket by bucket after
+    the step. The default is 1M elements up to 32M parameters and 4M from 128M on (see [Note: the default bucket
     size] in ``shards/policy.py``)."""
     overlap_comm: bool = True
-    """Stage 2: launch each bucket's reduce-scatter asynchronously while backward goes on (under hybrid sharding, each
-    reduced chunk's all-reduce across the replicas too: see [Note: the replica all-reduce overlaps] in
-    ``buckets.py``)."""
+    """Stage 2: reduce each bucket asynchronously while backward continues.
+
+    Each bucket's reduce-scatter is launched as soon as the bucket is full; under hybrid sharding
+    (``shard_group_size``) each reduced chunk's all-reduce across the replicas is asynchronous too, waited for only
+    when its buffer is needed again (see [Note: the replica all-reduce overlaps] in ``buckets.py``)."""
     lockstep_check: Union[bool, Literal["strict"]] = True
-    """Stage 3: before each unit's forward and backward, every rank says which unit it is about to run (one small
-    CPU message per unit and pass, waited for at the next unit), so ranks whose control flow differs fail together
-    within one unit, naming it, instead of at the process group's timeout (see [Note: the lockstep check] in
-    ``stage3/lockstep.py``). ``"strict"``: each unit waits for every rank before it runs, also catching a divergence
-    before a collective of the model's own inside the unit (about 5% slower on two CPU ranks). ``False`` saves the
-    messages once the model's control flow is known to be the same on every rank."""
+    """Stage 3: ranks whose control flow differs fail together within one unit, naming it.
+
+    Before each unit's forward and backward, every rank says which unit it is about to run (one small CPU message
+    per unit and pass, waited for at the next unit, while prefetches come only from units every rank has seen
+    agree), so a divergence fails within one unit instead of at the process group's timeout (see [Note: the
+    lockstep check] in ``stage3/lockstep.py``). ``"strict"``: each unit waits for every rank before it runs, also
+    catching a divergence before a collective of the model's own inside the unit (e.g. ``SyncBatchNorm``), at some
+    cost in speed. ``False``: no messages, once the control flow is known to agree across ranks."""
     bucket_buffers: int = 2
-    """How many bucket-sized buffers may be in flight at once (constant memory: this times the bucket size)."""
+    """Bucket-sized buffers that may be in flight at once (memory: this times the bucket size)."""
     partition_whole_params: Optional[bool] = None
-    """Give each rank whole tensors instead of flat slices. ``None``: only for optimizers not known to be
+    """Give each rank whole tensors instead of flat slices; ``None``: only for optimizers not known to be
     elementwise (Adafactor, LAMB, anything unknown)."""
-    elementwise_optimizers: tuple[str, ...] = field(default_factory=tuple)
-    """Extra optimizer class names (``"mypkg.MyAdam"`` or ``"MyAdam"``) whose update is elementwise, so that they may
+    elementwise_optimizers: tuple[str, ...] = ()
+    """More optimizer class names (``"MyAdam"`` or ``"mypkg.MyAdam"``) whose update is elementwise, so that they may
     be stepped on flat slices."""
-    unit_classes: tuple[Union[type, str], ...] = STAGE3_DEFAULTS["unit_classes"]
-    """Stage 3: module classes (or class names) gathered as one unit; default: the children of ``nn.ModuleList`` and
-    ``nn.Sequential`` and every other module with parameters."""
-    persistence_threshold: Optional[Elements] = STAGE3_DEFAULTS["persistence_threshold"]
-    """Stage 3: units with at most this many elements join the root unit, gathered once per step. ``None``: 100,000
-    for every model (see [Note: one algorithm at every size] in ``stage3/plan.py``)."""
-    prefetch_size: Elements = STAGE3_DEFAULTS["prefetch_size"]
+    unit_classes: tuple[Union[type, str], ...] = ()
+    """Stage 3: module classes (or class names) gathered as one unit.
+
+    ``()``: the children of ``nn.ModuleList`` and ``nn.Sequential`` (the repeated blocks) and every other module
+    with parameters. A listed class is a unit whatever its size. At every stage, these are also the blocks
+    ``activation_checkpointing=True`` recomputes."""
+    persistence_threshold: Optional[Elements] = None
+    """Stage 3: units with at most this many elements join the root unit, gathered once per step.
+
+    ``None``: 100,000 elements for every model, except the blocks named in ``unit_classes``, which stay units (see
+    [Stage 3](stages.md#stage-3) and [Note: one algorithm at every size] in ``stage3/plan.py``)."""
+    prefetch_size: Elements = 5_000_000
     """Stage 3: elements of the next units that may be all-gathered ahead of their use (0 turns prefetch off)."""
     host_mmap_threshold: Optional[Elements] = None
-    """CPU runs on glibc, an escape hatch: fix the allocator's mmap threshold at this many bytes for the whole
-    process, so that freed tensors above it leave the process (lower peaks, more page faults and slower steps).
-    ``None`` or 0 (the default): glibc is left alone, as DDP has it (see [Note: no allocator setting decides speed
-    or memory] in ``memory/host_memory.py``)."""
+    """CPU runs on glibc, an escape hatch: fix glibc's mmap threshold at this many bytes for the whole process.
+
+    Freed tensors above it then leave the process, as ``MALLOC_MMAP_THRESHOLD_`` would make them (a threshold set
+    in the environment wins): lower peaks, more page faults and slower steps. ``None`` or 0 (the default): glibc is
+    left alone, as DDP has it (see [Note: no allocator setting decides speed or memory] in
+    ``memory/host_memory.py``)."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
-    """Checkpoints: ``"sharded"`` writes a directory, each rank its own pieces; ``"full"`` gathers one file on rank 0
-    in the form ``ddp`` writes."""
+    """Checkpoints: ``"sharded"``, a directory each rank writes its own pieces to; ``"full"``, one file written by
+    rank 0 in the form ``ddp`` writes.
+
+    ``"full"`` is refused with ``tensor_parallel_size > 1``: save sharded checkpoints and make one full file
+    afterwards with ``lightning-zero consolidate``."""
     activation_checkpointing: Union[bool, tuple[Union[type, str], ...]] = False
-    """Recompute blocks in backward: ``True`` for the repeated blocks (``unit_classes`` if set), or block classes."""
+    """Recompute blocks in backward: ``True`` for the repeated blocks (``unit_classes`` if set), or block classes
+    (or class names).
+
+    See [ZeRO-R](memory.md#zero-r-activations-and-buffers)."""
     activation_offload: bool = False
     """Pa+cpu: keep the checkpointed block inputs in (pinned) host memory until their recomputation."""
     activation_partition_group: Optional[Union[tuple[int, ...], tuple[tuple[int, ...], ...], Callable[[], Any]]] = None
-    """Pa: global ranks (or lists of them, or a callable returning a process group) holding identical activations."""
+    """Pa: global ranks holding identical activations, which they then share.
+
+    A list of ranks, a list of disjoint such lists, or a callable returning a process group; ``None``: the tensor
+    group under ``tensor_parallel_size``."""
     contiguous_checkpoints: bool = False
-    """MD: copy the checkpointed block inputs into one preallocated buffer, sized after the first step."""
+    """MD: copy the checkpointed block inputs into one buffer, preallocated after the first step."""
     offload_optimizer: Union[bool, Literal["disk"]] = False
-    """ZeRO-Offload: the master shard, the optimizer states and the optimizer step live in (pinned) host memory; the
-    device keeps the working parameters and gradients (see [Note: what lives where ...] in ``offload.py``).
-    ``"disk"`` (ZeRO-Infinity): the master shard and the optimizer states live in files under ``offload_path`` and the
-    step runs one bucket-sized window at a time (see [Note: what lives on disk] in ``disk.py``)."""
+    """ZeRO-Offload: master weights, optimizer states and the step in (pinned) host memory (``True``) or in files
+    (``"disk"``).
+
+    ``True``: the device keeps the working parameters and gradients (see [Offloading the
+    optimizer](offload.md#offloading-the-optimizer-to-the-cpu-zero-offload) and [Note: what lives where ...] in
+    ``offload.py``). ``"disk"`` (ZeRO-Infinity): the master weights and the optimizer states live in files under
+    ``offload_path`` and the step runs one bucket-sized window at a time (see [disk
+    offload](offload.md#past-host-memory-disk-offload-zero-infinity) and [Note: what lives on disk] in
+    ``disk.py``)."""
     offload_params: Union[bool, Literal["disk"]] = False
-    """Stage 3 only: each rank's working parameter shard lives in (pinned) host memory and units are uploaded as they
-    are gathered (see [Note: offloaded parameter shards] in ``params.py``); ``"disk"``: in a file under
-    ``offload_path``, read unit by unit as the units are gathered."""
+    """Stage 3 only: the parameter shards in (pinned) host memory (``True``) or in a file (``"disk"``).
+
+    ``True``: units are uploaded as they are gathered (see
+    [``offload_params``](offload.md#stage-3-parameters-in-host-memory-offload_params) and [Note: offloaded
+    parameter shards] in ``params.py``); ``"disk"``: a file under ``offload_path``, read unit by unit. Below stage 3
+    an error, not a warning: ignoring it would keep every parameter on the device."""
     offload_path: Optional[str] = None
-    """With ``offload_optimizer="disk"`` or ``offload_params="disk"``: a local directory for this rank's files (made
-    if missing; the files have no name, so nothing is left there on any exit: see [Note: the files have no name] in
-    ``disk.py``). ``None``: the system's temporary directory."""
+    """With a ``"disk"`` offload: the local directory of this rank's files; ``None``: the system's temporary
+    directory.
+
+    Made if missing; the files have no name, so nothing is left there on any exit (see [Note: the files have no
+    name] in ``disk.py``). An unwritable path or one that is not a directory is refused when the strategy is built;
+    a disk without room when the files are made (setup)."""
     shard_group_size: Optional[Union[int, Literal["node"]]] = None
-    """Hybrid sharding: shard model states over groups of this many ranks (``"node"``: the devices of one node) and
-    replicate them across the groups (see [Note: hybrid sharding and its traffic] in ``groups.py``). ``None``: all
-    ranks, the paper's N, on any number of nodes (with ``tensor_parallel_size``: the whole data dimension, which it
-    must divide). Must divide the world size."""
+    """Hybrid sharding: shard model states over groups of this many ranks (``"node"``: one node's devices) and
+    replicate them across the groups; ``None``: all ranks.
+
+    ``None`` is the paper's N, on any number of nodes (with ``tensor_parallel_size``: the whole data dimension,
+    which a size must divide). Must divide the world size (see [Many
+    nodes](parallelism.md#many-nodes-hybrid-sharding-shard_group_size) and [Note: hybrid sharding and its traffic]
+    in ``groups.py``)."""
     tensor_parallel_size: int = 1
-    """ZeRO with tensor parallelism: the ranks form a (data x tensor) mesh with this many ranks per tensor group;
-    ``configure_model`` gets it as ``self.device_mesh`` to parallelize its layers over ``"tensor_parallel"``, and ZeRO
-    shards over ``"data_parallel"`` (see [Note: ZeRO over the data dimension] in ``groups.py``). Must divide the
-    world size."""
+    """Ranks per tensor-parallel group of a (data x tensor) mesh; ZeRO shards over the data dimension.
+
+    ``configure_model`` gets the mesh as ``self.device_mesh`` to parallelize its layers over
+    ``"tensor_parallel"``, and ZeRO shards over ``"data_parallel"`` (``shard_group_size`` then splits that
+    dimension). Must divide the world size (see [ZeRO with tensor
+    parallelism](parallelism.md#zero-with-tensor-parallelism-tensor_parallel_size) and [Note: ZeRO over the data
+    dimension] in ``groups.py``)."""
     secondary_shard_group_size: Optional[int] = None
-    """Stage 3, hpZ (ZeRO++): after a unit's forward all-gather, each rank keeps a secondary copy of the unit sharded
-    over groups of this many consecutive ranks (a node's devices), so backward's re-gather stays inside that group;
-    the model states stay sharded over all ranks (unlike ``shard_group_size``). Costs Ψ/s working-dtype elements
-    per rank during backward (see [Note: hpZ, the secondary partition] in ``stage3/secondary.py``). ``None``: off
-    (one node, as on a single machine, gains nothing from it). Must divide the world size."""
+    """Stage 3, ZeRO++'s hpZ: backward's all-gathers stay inside groups of this many consecutive ranks (a node);
+    ``None``: off.
+
+    After a unit's forward all-gather, each rank keeps a secondary copy of the unit sharded over its group; the
+    model states stay sharded over all ranks (unlike ``shard_group_size``). Costs Ψ/s working-dtype elements per
+    rank during backward (see [ZeRO++](parallelism.md#zero-hpz-qwz-qgz) and [Note: hpZ, the secondary partition]
+    in ``stage3/secondary.py``); one node, as on a single machine, gains nothing from it. Must divide the world
+    size; an error below stage 3 and with hybrid sharding, tensor parallelism or ``offload_params``."""
     quantized_weights: bool = False
-    """Stage 3, qwZ (ZeRO++): the all-gathers of units for forward and backward send blockwise int8 codes and one fp32
-    scale per ``quantization_block_size`` elements, dequantized on arrival; masters, step and checkpoints stay exact
-    (see [Note: qwZ, the quantized all-gather of weights] in ``comm/quantize.py``)."""
+    """Stage 3, ZeRO++'s qwZ: the all-gathers of units send int8 codes.
+
+    The all-gathers for forward and backward send blockwise int8 codes and one fp32 scale per
+    ``quantization_block_size`` elements, dequantized on arrival; masters, step and checkpoints stay exact (see
+    [ZeRO++](parallelism.md#zero-hpz-qwz-qgz) and [Note: qwZ, the quantized all-gather of weights] in
+    ``comm/quantize.py``). An error below stage 3, with hybrid sharding and with tensor parallelism."""
     quantized_gradients: bool = False
-    """Stages 2 and 3, qgZ (ZeRO++): each gradient bucket is reduced by an all-to-all of blockwise int8 codes and
-    scales, dequantized and summed in fp32 on the rank that owns the chunk, instead of a reduce-scatter (see
-    [Note: qgZ, the quantized reduce-scatter of gradients] in ``comm/quantize.py``)."""
+    """Stages 2 and 3, ZeRO++'s qgZ: the gradients are reduced by an all-to-all of int8 codes.
+
+    Each gradient bucket is reduced by an all-to-all of blockwise int8 codes and scales, dequantized and summed in
+    fp32 on the rank that owns the chunk, instead of a reduce-scatter (synchronous: no overlap with backward; see
+    [ZeRO++](parallelism.md#zero-hpz-qwz-qgz) and [Note: qgZ, the quantized reduce-scatter of gradients] in
+    ``comm/quantize.py``). An error at stage 1, with hybrid sharding and with tensor parallelism."""
     quantization_block_size: int = 256
-    """qwZ and qgZ: elements per quantization block (one fp32 scale each)."""
+    """qwZ and qgZ: elements per quantization block, one fp32 scale each (bytes per element: 1 + 4 / block)."""
     shutdown_timeout: Optional[float] = 120.0
-    """The Trainer: seconds a rank may take to act on a SIGTERM it received before it ends itself with a message
-    naming where it is stuck (see [Note: a SIGTERM is acted on within a bound] in ``shutdown.py``); ``None``: no
-    bound. Set it above your longest step and checkpoint write."""
+    """The Trainer: seconds the ranks may take to act on a SIGTERM or SIGINT before each ends itself; ``None``: no
+    bound.
+
+    Each rank then ends (exit code 143 / 130) with a message naming the rank that did not arrive and where it is
+    stuck, whatever it is blocked in (see [Stopping a run](stopping.md) and [Note: a SIGTERM is acted on within a
+    bound] in ``shutdown.py``). Set it above your longest step and checkpoint write."""
     nonfinite: Optional[Literal["raise", "skip"]] = None
-    """What an optimizer step does when the global norm of its gradients is inf or NaN: ``"raise"`` stops every rank
-    with the step and rank, ``"skip"`` skips the update on every rank (counted in ``ZeroEngine.skipped_steps``);
-    ``None``: steps anyway, as DDP does. Under ``16-mixed`` the loss scaler already skips such steps (see [Note: the
-    non-finite guard] in ``engine/stepping.py``)."""
+    """What an optimizer step does when the global norm of its gradients is inf or NaN; ``None``: steps anyway, as
+    DDP does.
+
+    ``"raise"`` stops every rank, naming the step and the rank; ``"skip"`` skips the update on every rank (counted
+    in ``ZeroEngine.skipped_steps`` and the run summary). Reads the norm of ``gradient_clip_val`` when clipping by
+    norm; otherwise adds one 4-byte all-reduce per step. Under ``16-mixed`` the loss scaler already skips such
+    steps (see [Note: the non-finite guard] with the engine's step)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
-        for name in ELEMENT_OPTIONS:
-            object.__setattr__(self, name, _whole_number(name, getattr(self, name)))
+        # [Note: the options are converted once]
+        # The dataclass is frozen, and some values arrive in another form than the one the engine reads: ``1e6``
+        # from YAML, lists for tuples, a ``PathLike``. ``_converted`` checks those and returns them converted; this
+        # loop is the one write after construction. Every other check reads the converted values.
+        for name, value in self._converted().items():
+            object.__setattr__(self, name, value)
+        self._check_sizes()
+        self._check_flags()
+        self._check_offload()
+        self._check_activations()
+        self._check_secondary()
+        self._check_quantized()
+        self._warn_ignored()
+
+    def _converted(self) -> dict[str, Any]:
+        """The options whose given form is not the one read (see [Note: the options are converted once])."""
+        converted = {name: _whole_number(name, getattr(self, name)) for name in ELEMENT_OPTIONS}
+        converted["elementwise_optimizers"] = _tuple_of(
+            self.elementwise_optimizers,
+            (str,),
+            f"`elementwise_optimizers` must be a list of class names, got {self.elementwise_optimizers!r}.",
+        )
+        converted["unit_classes"] = _tuple_of(
+            self.unit_classes,
+            (str, type),
+            f"`unit_classes` must be a list of module classes or class names, got {self.unit_classes!r}.",
+        )
+        if not isinstance(self.activation_checkpointing, bool):
+            converted["activation_checkpointing"] = _tuple_of(
+                self.activation_checkpointing,
+                (str, type),
+                "`activation_checkpointing` must be True/False or a list of block classes or class names, got "
+                f"{self.activation_checkpointing!r}.",
+            )
+        converted["activation_partition_group"] = _check_group(self.activation_partition_group)
+        path = self.offload_path
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"`offload_path` must be a directory path, got {path!r}.")
+        converted["offload_path"] = None if path is None else os.fspath(path)
+        return converted
+
+    def _check_sizes(self) -> None:
+        """The options that are numbers: of elements, buffers, ranks and seconds."""
         if self.reduce_bucket_size is not None:
             _check_positive_int("reduce_bucket_size", self.reduce_bucket_size, "elements")
         _check_positive_int("bucket_buffers", self.bucket_buffers, "buffers")
@@ -153,41 +257,12 @@ class ZeroConfig:
                 )
             _check_positive_int("shard_group_size", self.shard_group_size, "ranks")
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size, "ranks")
-        if self.tensor_parallel_size > 1 and self.state_dict_type == "full":
-            raise ValueError(
-                "`state_dict_type='full'` writes one file of full tensors on rank 0, which holds only its "
-                "own tensor-parallel slices. With `tensor_parallel_size > 1` save sharded checkpoints "
-                "(the default) and make one full file afterwards with `lightning-zero consolidate`, which "
-                "joins the slices."
-            )
-        if not isinstance(self.overlap_comm, bool):
-            raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
-        if not isinstance(self.lockstep_check, bool) and self.lockstep_check != "strict":
-            raise TypeError(f"`lockstep_check` must be True, False or 'strict', got {self.lockstep_check!r}.")
-        self._check_offload()
-        if self.partition_whole_params not in (None, True, False):
-            raise TypeError(
-                f"`partition_whole_params` must be None, True or False, got {self.partition_whole_params!r}."
-            )
-        names = self.elementwise_optimizers
-        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"`elementwise_optimizers` must be a list of class names, got {names!r}.")
-        object.__setattr__(self, "elementwise_optimizers", tuple(names))
-        classes = self.unit_classes
-        if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
-            raise TypeError(f"`unit_classes` must be a list of module classes or class names, got {classes!r}.")
-        object.__setattr__(self, "unit_classes", tuple(classes))
         for name in ("persistence_threshold", "prefetch_size", "host_mmap_threshold"):
             value = getattr(self, name)
             if name in ("persistence_threshold", "host_mmap_threshold") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a number of elements >= 0, got {value!r}.")
-        if self.state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
-        self._check_activations()
-        if self.nonfinite not in (None, "raise", "skip"):
-            raise ValueError(f"`nonfinite` must be 'raise', 'skip' or None (step anyway), got {self.nonfinite!r}.")
         timeout = self.shutdown_timeout
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
@@ -195,17 +270,29 @@ class ZeroConfig:
             raise ValueError(
                 f"`shutdown_timeout` must be a positive number of seconds or None (no bound), got {timeout!r}."
             )
-        if self.offload_params and self.stage != 3:
-            # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
-            # device, which is what the user set it to avoid
-            raise ValueError(
-                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} "
-                "keeps full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
-                "`offload_optimizer=True` alone to offload the optimizer at this stage."
+
+    def _check_flags(self) -> None:
+        """The options that are one of a few values (bools, names), and the one checkpoint format tensor
+        parallelism cannot write."""
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"`overlap_comm` must be a bool, got {self.overlap_comm!r}.")
+        if not isinstance(self.lockstep_check, bool) and self.lockstep_check != "strict":
+            raise TypeError(f"`lockstep_check` must be True, False or 'strict', got {self.lockstep_check!r}.")
+        if self.partition_whole_params not in (None, True, False):
+            raise TypeError(
+                f"`partition_whole_params` must be None, True or False, got {self.partition_whole_params!r}."
             )
-        self._check_secondary()
-        self._check_quantized()
-        self._warn_ignored()
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {self.state_dict_type!r}.")
+        if self.tensor_parallel_size > 1 and self.state_dict_type == "full":
+            raise ValueError(
+                "`state_dict_type='full'` writes one file of full tensors on rank 0, which holds only its "
+                "own tensor-parallel slices. With `tensor_parallel_size > 1` save sharded checkpoints "
+                "(the default) and make one full file afterwards with `lightning-zero consolidate`, which "
+                "joins the slices."
+            )
+        if self.nonfinite not in (None, "raise", "skip"):
+            raise ValueError(f"`nonfinite` must be 'raise', 'skip' or None (step anyway), got {self.nonfinite!r}.")
 
     @property
     def on_disk(self) -> bool:
@@ -222,19 +309,24 @@ class ZeroConfig:
                     f"`{name}` must be a bool (True: host memory) or 'disk' (files under `offload_path`), "
                     f"got {value!r}."
                 )
+        if self.offload_params and self.stage != 3:
+            # not a warning like the other stage 3 options: ignoring it would silently keep every parameter on the
+            # device, which is what the user set it to avoid
+            raise ValueError(
+                f"`offload_params={self.offload_params!r}` offloads stage 3's parameter shards, but stage {self.stage} "
+                "keeps full parameters on every rank. Use `stage=3` (`strategy='zero3'`) with it, or "
+                "`offload_optimizer=True` alone to offload the optimizer at this stage."
+            )
         path = self.offload_path
         if path is None:
             return
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"`offload_path` must be a directory path, got {path!r}.")
-        object.__setattr__(self, "offload_path", os.fspath(path))
         if "disk" not in (self.offload_optimizer, self.offload_params):
             raise ValueError(
                 f"`offload_path={path!r}` is where `offload_optimizer='disk'` or `offload_params='disk'` "
                 "put their files, and neither is set. Set one of them to 'disk', or leave `offload_path` "
                 "out."
             )
-        existing = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        existing = os.path.abspath(os.path.expanduser(path))
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
@@ -311,18 +403,10 @@ class ZeroConfig:
         return size if size is not None else auto_bucket_elements(numel)
 
     def _check_activations(self) -> None:
-        blocks = self.activation_checkpointing
-        if not isinstance(blocks, bool):
-            if isinstance(blocks, (str, type)) or not all(isinstance(c, (str, type)) for c in blocks):
-                raise TypeError(
-                    "`activation_checkpointing` must be True/False or a list of block classes or class "
-                    f"names, got {blocks!r}."
-                )
-            object.__setattr__(self, "activation_checkpointing", tuple(blocks))
+        """The ZeRO-R options: bools, and set only with ``activation_checkpointing``."""
         for name in ("activation_offload", "contiguous_checkpoints"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
-        object.__setattr__(self, "activation_partition_group", _check_group(self.activation_partition_group))
         needs = [
             n
             for n in ("activation_offload", "activation_partition_group", "contiguous_checkpoints")
@@ -338,10 +422,12 @@ class ZeroConfig:
         """Warn about stage 3 options set at stage 1 or 2, where nothing reads them."""
         if self.stage == 3:
             return
+        defaults = {f.name: f.default for f in fields(self)}
         ignored = [
             name
-            for name, default in STAGE3_DEFAULTS.items()
-            if getattr(self, name) != default and not (name == "unit_classes" and self.activation_checkpointing is True)
+            for name in STAGE3_OPTIONS
+            if getattr(self, name) != defaults[name]
+            and not (name == "unit_classes" and self.activation_checkpointing is True)
         ]
         if ignored and launch_rank() == 0:  # every rank builds the strategy: one warning, not one per rank
             warnings.warn(
@@ -353,8 +439,43 @@ class ZeroConfig:
             )
 
 
+#: Every option the strategies take, by concern, in the order the docs list them: ``ZeroConfig``'s fields and the
+#: strategies' own (``memory_budget``, ``process_group_backend``, ``timeout``, ``start_method``, documented in their
+#: signatures). docs/options.md and the README's table are generated in this order (``docs/_generate_options.py``).
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "Stages": (
+        "stage",
+        "memory_budget",
+        "reduce_bucket_size",
+        "overlap_comm",
+        "bucket_buffers",
+        "partition_whole_params",
+        "elementwise_optimizers",
+        "state_dict_type",
+        "nonfinite",
+    ),
+    "Stage 3": ("unit_classes", "persistence_threshold", "prefetch_size", "lockstep_check"),
+    "Activations (ZeRO-R)": (
+        "activation_checkpointing",
+        "activation_offload",
+        "activation_partition_group",
+        "contiguous_checkpoints",
+    ),
+    "Offload": ("offload_optimizer", "offload_params", "offload_path"),
+    "Parallelism": (
+        "shard_group_size",
+        "tensor_parallel_size",
+        "secondary_shard_group_size",
+        "quantized_weights",
+        "quantized_gradients",
+        "quantization_block_size",
+    ),
+    "Process": ("process_group_backend", "timeout", "start_method", "shutdown_timeout", "host_mmap_threshold"),
+}
+
+
 def check_option_names(options: dict[str, Any]) -> None:
-    """Refuse options :class:`ZeroConfig` does not have, naming the ones it has (before the dataclass's bare error)."""
+    """Refuse options ``ZeroConfig`` does not have, naming the ones it has (before the dataclass's bare error)."""
     known = [f.name for f in fields(ZeroConfig)]
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -383,8 +504,8 @@ def elements(value: Elements) -> int: ...
 @overload
 def elements(value: Optional[Elements]) -> Optional[int]: ...
 def elements(value: Optional[Elements]) -> Optional[int]:
-    """An option of :data:`ELEMENT_OPTIONS` read from a :class:`ZeroConfig`, typed as the int ``__post_init__`` made
-    it (``1e6`` from YAML is ``1000000``; see :func:`_whole_number`)."""
+    """An option of ``ELEMENT_OPTIONS`` read from a ``ZeroConfig``, typed as the int ``__post_init__`` made
+    it (``1e6`` from YAML is ``1000000``; see ``_whole_number``)."""
     return None if value is None else int(value)
 
 
@@ -395,6 +516,17 @@ def _whole_number(name: str, value: Any) -> Any:
             raise ValueError(f"`{name}` must be a whole number of elements, got {value!r}.")
         return int(value)
     return value
+
+
+def _tuple_of(value: Any, kinds: tuple[type, ...], error: str) -> tuple[Any, ...]:
+    """``value``, a list or tuple of ``kinds`` (not one bare name or class), as a tuple; ``TypeError(error)``
+    otherwise."""
+    if isinstance(value, (str, type)) or not hasattr(value, "__iter__"):
+        raise TypeError(error)
+    items = tuple(value)
+    if not all(isinstance(item, kinds) for item in items):
+        raise TypeError(error)
+    return items
 
 
 def _check_positive_int(name: str, value: object, unit: str) -> None:

@@ -11,7 +11,7 @@ Under ``ZeroStrategy(tensor_parallel_size=t)`` (or Fabric's, or ``ZeroEngine``'s
         self.up = ColumnParallelLinear(width, 4 * width, group=tp)     # this rank: 4 * width / t output features
         self.down = RowParallelLinear(4 * width, width, group=tp)      # this rank: 4 * width / t input features
 
-A layer written by hand marks its sliced parameters with :func:`mark_tensor_parallel`; every unmarked parameter
+A layer written by hand marks its sliced parameters with ``mark_tensor_parallel``; every unmarked parameter
 is taken to be replicated over the tensor group (the same values and gradients on each of its ranks, as a
 LayerNorm between parallel layers is). DTensor parameters (``torch.distributed.tensor.parallel``) are not
 supported: ZeRO's flat buffers hold plain tensors.
@@ -19,9 +19,9 @@ supported: ZeRO's flat buffers hold plain tensors.
 [Note: Megatron's f and g]
 A column-parallel layer takes a replicated input and gives each rank a slice of the output features; a row-parallel
 layer takes those slices and sums the partial products over the tensor group. The two conjugate operators make the
-gradients right: ``f`` (:func:`copy_to_tensor_parallel`) is the identity forward and sums the input gradient over
+gradients right: ``f`` (``copy_to_tensor_parallel``) is the identity forward and sums the input gradient over
 the group backward (each rank computed the gradient through its own slice only); ``g``
-(:func:`reduce_from_tensor_parallel`) sums forward and is the identity backward. A replicated parameter then gets
+(``reduce_from_tensor_parallel``) sums forward and is the identity backward. A replicated parameter then gets
 the same gradient on every rank of the group, and a sliced one the gradient of its slice of the full tensor.
 """
 
@@ -44,7 +44,7 @@ from lightning_zero.shards.slices import mark_tensor_parallel, tensor_parallel_s
 
 
 def cut(full: Tensor, size: int, dim: int, parts: int = 1) -> list[Tensor]:
-    """The ``size`` slices of a whole tensor (see :class:`TensorParallelSlice`), as views where they can be."""
+    """The ``size`` slices of a whole tensor (see ``TensorParallelSlice``), as views where they can be."""
     blocks = full.chunk(parts, dim)
     if parts == 1:
         return list(full.chunk(size, dim))
@@ -52,7 +52,7 @@ def cut(full: Tensor, size: int, dim: int, parts: int = 1) -> list[Tensor]:
 
 
 def join(slices: Sequence[Tensor], dim: int, parts: int = 1) -> Tensor:
-    """The whole tensor of ``slices`` (every rank's, in rank order): the inverse of :func:`cut`."""
+    """The whole tensor of ``slices`` (every rank's, in rank order): the inverse of ``cut``."""
     pieces = [piece.chunk(parts, dim) for piece in slices]
     return torch.cat([torch.cat([p[q] for p in pieces], dim) for q in range(parts)], dim)
 
@@ -95,7 +95,7 @@ def reduce_from_tensor_parallel(x: Tensor, group: Optional[Any]) -> Tensor:
 class _GroupRef:
     """A process group held by a layer: deep copies of the module (EMA callbacks, ``copy.deepcopy(model)``) share it
     (a process group cannot be copied). ``counted``: the same group as a counted
-    :class:`~lightning_zero.comm.traffic.Group` of an engine, once :func:`count_tensor_parallel` bound it."""
+    ``Group`` of an engine, once ``count_tensor_parallel`` bound it."""
 
     def __init__(self, group: Optional[Any]) -> None:
         self.group = group
@@ -189,7 +189,7 @@ class ColumnParallelLinear(_ParallelLinear):
     """``nn.Linear(in_features, out_features)`` with its output features cut over ``group``: this rank computes
     ``out_features / t`` of them from the full (replicated) input. Its weight and bias are marked slices (dim 0).
 
-    Initialized as ``nn.Linear`` initializes the full layer (the bounds use the full fan-in); :meth:`from_linear`
+    Initialized as ``nn.Linear`` initializes the full layer (the bounds use the full fan-in); ``from_linear``
     takes this rank's slice of an existing layer instead.
     """
 
@@ -219,7 +219,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
 class RowParallelLinear(_ParallelLinear):
     """``nn.Linear(in_features, out_features)`` with its input features cut over ``group``: this rank multiplies its
-    ``in_features / t`` input features (a :class:`ColumnParallelLinear`'s output) and the partial products are summed
+    ``in_features / t`` input features (a ``ColumnParallelLinear``'s output) and the partial products are summed
     over the group. The weight is a marked slice (dim 1); the bias is replicated and added once, after the sum.
     """
 
@@ -250,7 +250,7 @@ def parallelize(module: nn.Module, tensor_group: Any, plan: dict[str, Any]) -> n
     """``torch.distributed.tensor.parallel.parallelize_module``'s plan, carried out with this module's plain-tensor
     layers (ZeRO's buffers hold plain tensors, not DTensors): every ``nn.Linear`` whose name matches a key of
     ``plan`` (``fnmatch`` wildcards, as torch's: ``"blocks.*.mlp.0"``) is replaced by its slice,
-    :class:`ColumnParallelLinear` for ``ColwiseParallel()`` and :class:`RowParallelLinear` for ``RowwiseParallel()``
+    ``ColumnParallelLinear`` for ``ColwiseParallel()`` and ``RowParallelLinear`` for ``RowwiseParallel()``
     (torch's defaults: replicated input and sharded output, sharded input and replicated output, local outputs).
     ``tensor_group``: the process group or the 1-D ``DeviceMesh`` (``self.device_mesh["tensor_parallel"]``).
     Returns ``module``; anything the plan names that this cannot carry out is refused before anything is replaced.
@@ -317,7 +317,7 @@ def warn_if_nothing_is_sliced(module: nn.Module, tensor_parallel_size: int) -> N
 def count_tensor_parallel(module: nn.Module, tensor: Group) -> None:
     """Count the collectives of ``module``'s parallel layers over ``tensor``'s process group in ``tensor``'s traffic
     (an engine does this at setup; see [Note: counted groups] in ``comm/traffic.py``). Layers over another group,
-    and :func:`copy_to_tensor_parallel` / :func:`reduce_from_tensor_parallel` called with a bare group, count
+    and ``copy_to_tensor_parallel`` / ``reduce_from_tensor_parallel`` called with a bare group, count
     nowhere."""
     for layer in module.modules():
         if isinstance(layer, _ParallelLinear) and layer.group is tensor.process_group:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,16 +128,97 @@ def test_every_option_is_in_both_options_tables() -> None:
         assert not missing, f"{path.relative_to(ROOT)}: options without a row in its table: {missing}"
 
 
-def test_the_site_builds_strictly(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as `mkdocs build --strict` writes it (built once for the tests that read it)."""
     if importlib.util.find_spec("mkdocs") is None:
         pytest.fail("mkdocs is not installed: run `pip install -e \".[docs]\"` (the dev extra includes it)")
+    out = tmp_path_factory.mktemp("site") / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(), check=False)
     assert result.returncode == 0, "mkdocs build --strict failed:\n" + result.stdout[-4000:] + result.stderr[-4000:]
-    api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
+    return out
+
+
+def test_the_site_builds_strictly(site: Path) -> None:
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
     absent = [name for name in lightning_zero.__all__ if f'id="{_defined_at(name)}"' not in api]
     assert not absent, f"public names missing from the API reference: {absent}"
+
+
+# [Note: the API reference shows what a user calls]
+# Inherited members where they are the class's own API (``ZeroEngine.step``), constructor signatures with their types,
+# and no internals: what the engine reads of its options (``policies``), where its parameters live (``store``), the
+# helpers the engine calls itself. Its docstrings are Markdown: a Sphinx role (":class:`X`") is shown as literal
+# text, so they write ``X`` instead.
+_SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|attr|mod|exc|data|obj):`")
+_INTERNALS = ("engine.engine.ZeroEngine.policies", "engine.engine.ZeroEngine.store", "config.ZeroConfig.bucket_elements",
+              "tensor_parallel.warn_if_nothing_is_sliced", "tensor_parallel.count_tensor_parallel")
+
+
+def test_no_page_shows_a_sphinx_role(site: Path) -> None:
+    found = []
+    for page in sorted(site.glob("**/*.html")):
+        text = html.unescape(re.sub(r"<[^>]+>", "`", page.read_text(encoding="utf-8")))  # <code> as a backtick
+        found += [f"{page.relative_to(site)}: {text[m.start():m.start() + 60]!r}" for m in _SPHINX_ROLE.finditer(text)]
+    assert not found, (f"{len(found)} Sphinx roles shown as literal text (write ``Name`` in the docstring; "
+                       "see [Note: the API reference shows what a user calls]):\n" + "\n".join(found[:40]))
+
+
+def test_the_api_reference_shows_inherited_members_and_signatures_not_internals(site: Path) -> None:
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert f'id="{_defined_at("ZeroEngine")}.step"' in api  # whether defined in the class or inherited
+    shown = [name for name in _INTERNALS if f'id="lightning_zero.{name}"' in api]
+    assert not shown, f"internals in the API reference: {shown}"
+    config = html.unescape(re.sub(r"<[^>]+>", "", _section(api, _defined_at("ZeroConfig"))))
+    assert "reduce_bucket_size: Optional[Elements] = None" in config  # the constructor's signature, with types
+    assert "default_factory" not in config and "STAGE3_DEFAULTS" not in config  # defaults as values
+
+
+def _section(page: str, anchor: str) -> str:
+    """The HTML of the entry ``anchor`` and its members, up to the next entry of the page."""
+    start = page.index(f'id="{anchor}"')
+    ids = re.finditer(r'id="(lightning_zero\.[\w.]+)"', page[start:])
+    end = next((m.start() for m in ids if not m.group(1).startswith(anchor)), len(page) - start)
+    return page[start:start + end]
+
+
+def _generator() -> Any:
+    spec = importlib.util.spec_from_file_location("_generate_options", ROOT / "docs" / "_generate_options.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_options_tables_are_generated_from_zeroconfig() -> None:
+    generator = _generator()
+    assert not generator.stale(), (f"options tables out of date in {generator.stale()}: run "
+                                   f"`{generator.COMMAND}` (they are written from ZeroConfig's field docs)")
+
+
+# [Note: no benchmark figure in an option's doc]
+# An option's doc says what it does; what it costs on one machine (1.05x DDP's step, 5% slower) changes with the
+# machine and the commit, and belongs to a docs page that names both (docs/options.md's notes, the results).
+_FIGURE = re.compile(r"\d(?:\.\d+)?x\b|\d(?:\.\d+)? ?%")
+
+
+def test_every_option_is_documented_once_in_one_group_without_figures() -> None:
+    import dataclasses
+
+    from lightning_zero.config import OPTION_GROUPS, ZeroConfig
+
+    fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(set(grouped)) == sorted(grouped), "an option in two groups of OPTION_GROUPS"
+    assert set(fields) <= set(grouped), f"ZeroConfig fields in no group: {set(fields) - set(grouped)}"
+    docs = _generator()._attribute_docs(ZeroConfig)
+    assert set(docs) == set(fields), f"ZeroConfig fields without a docstring: {set(fields) - set(docs)}"
+    figures = {name: _FIGURE.findall(doc) for name, doc in docs.items() if _FIGURE.search(doc)}
+    assert not figures, f"benchmark figures in field docs (see [Note: no benchmark figure ...] here): {figures}"
+    factories = [name for name, f in fields.items() if f.default is dataclasses.MISSING]
+    assert not factories, f"fields whose default is not a value the docs can show: {factories}"
 
 
 def _defined_at(name: str) -> str:
