@@ -44,7 +44,7 @@ class _Runtimes:
 
     def land(self) -> None:
         for runtime in self.runtimes:
-            runtime.land()
+            runtime.wait_for_unshard()
 
     def refresh(self) -> None:
         for runtime in self.runtimes:
