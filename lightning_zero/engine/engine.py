@@ -55,7 +55,7 @@ from lightning_zero.stage3.materialize import (
     warn_if_built_in_full,
 )
 from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
-from lightning_zero.stage3.plan import ROOT, UnitPlan
+from lightning_zero.stage3.plan import UnitPlan
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
 from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
 

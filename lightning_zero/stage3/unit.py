@@ -20,7 +20,7 @@ writes them; nothing if it is ``SHARDED``). The runtime's ``unshard``, ``wait_fo
 same verbs applied to a group (or to every group); the rest of the runtime is orchestration named for what it does
 (``before_use``, ``prefetch_root``, ``end_backward``, ``refresh``, ...). A storage's ``unshard_unit`` and
 ``reshard_unit`` are the same verbs for one storage's piece of a unit (``partitioned.py``). Each verb and each hook
-runs inside a profiler range named ``lightning_zero::<verb or hook> <unit name>`` (:func:`profiler_label`), so a
+runs inside a profiler range named ``lightning_zero::<verb or hook> <unit name>`` (``profiler_label``), so a
 trace of a step reads as its data path, unit by unit.
 
 [Note: a unit's state and the runtime's phase]
@@ -127,7 +127,7 @@ class UnitGroup:
         self.grads_seen = 0
         """Those whose gradient the current backward has produced (see :meth:`grad_arrived`)."""
         self.guarded_while_gathering = False
-        """Whether the parameters refuse reads until :meth:`wait_for_unshard` (a gather started between steps)."""
+        """Whether the parameters refuse reads until ``wait_for_unshard`` (a gather started between steps)."""
         self.handles: list[RemovableHandle] = []
         """The unit's hooks: its module's forward hooks and its parameters' gradient hooks."""
         # [Note: backward finds every unit gathered, the root too] in units.py: the root's hook on the model's output
@@ -154,7 +154,7 @@ class UnitGroup:
         gathered or a gather is in flight. Returns whether it started. ``compute``: for a forward or (``backward``)
         a backward, where ZeRO++ may gather from hpZ's secondary copies or as int8 (see
         ``PartitionedStorage.unshard_unit``); otherwise exact, from the primary shards. ``guarded``: the parameters
-        keep refusing reads until :meth:`wait_for_unshard` (user code may run before the unit's next use)."""
+        keep refusing reads until ``wait_for_unshard`` (user code may run before the unit's next use)."""
         if self.state is not UnitState.SHARDED:
             return False
         with profiler_label("unshard", self.name):
@@ -167,7 +167,7 @@ class UnitGroup:
 
     def wait_for_unshard(self) -> None:
         """``GATHERING -> GATHERED``: wait for the all-gathers in flight; nothing if the unit is gathered. Waiting for
-        an unshard never started raises :class:`IllegalUnitTransition`."""
+        an unshard never started raises ``IllegalUnitTransition``."""
         if self.state is UnitState.SHARDED:
             raise IllegalUnitTransition(
                 f"stage 3 unit '{self.name}': cannot wait for an unshard while sharded (only after unshard)."
@@ -252,7 +252,7 @@ class UnitGroup:
             runtime.reshard_after_use(self)
 
     def _hook_output(self, output: Any) -> bool:
-        """Hook :meth:`pre_backward` on every tensor of ``output`` that requires grad; returns whether one did."""
+        """Hook ``pre_backward`` on every tensor of ``output`` that requires grad; returns whether one did."""
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         for t in tensors:
             t.register_hook(self._pre_backward_hook)
@@ -277,7 +277,7 @@ class UnitGroup:
                 self._shared().reshard_after_use(self)
 
     def hook_module(self, module: nn.Module) -> None:
-        """Register the unit's forward hooks on ``module``: :meth:`pre_forward` and :meth:`post_forward`; the root's
+        """Register the unit's forward hooks on ``module``: ``pre_forward`` and ``post_forward``; the root's
         module is the whole model, where the engine unshards it itself: its post-forward hook only."""
         if not self.is_root:
             pre = eager_hook(self.pre_forward, "stage 3's pre-forward hook (gathers the unit)")
@@ -287,7 +287,7 @@ class UnitGroup:
         self.handles.append(module.register_forward_hook(post))
 
     def watch_grad(self, param: Tensor) -> None:
-        """Register :meth:`post_backward` as ``param``'s gradient hook, and count its gradient among those a backward
+        """Register ``post_backward`` as ``param``'s gradient hook, and count its gradient among those a backward
         produces."""
         self.expect_grad()
         hook = eager_hook(self.post_backward, "stage 3's gradient hook (frees the unit)")

@@ -177,7 +177,7 @@ class UnitRuntime:
         group.reshard()
 
     def reshard_after_use(self, group: UnitGroup) -> None:
-        """A unit's hook is done with it: reshard it, except the root (kept until :meth:`end_step`) and anything
+        """A unit's hook is done with it: reshard it, except the root (kept until ``end_step``) and anything
         while ``SUMMONED``."""
         if not group.is_root and self.phase is not TrainingPhase.SUMMONED:
             self.reshard(group)
