@@ -234,10 +234,10 @@ class UnitGroup:
         with profiler_label("post_forward", self.name):
             runtime = self._shared()
             if self.is_root:
-                if not _in_backward() and runtime.phase is not TrainingPhase.SUMMONED:
+                if not in_backward() and runtime.phase is not TrainingPhase.SUMMONED:
                     self._hook_output(output)
                 return
-            if _in_backward():
+            if in_backward():
                 if runtime.phase is TrainingPhase.RECOMPUTE:
                     runtime.phase = TrainingPhase.BACKWARD
                 return  # recomputation under activation checkpointing: backward needs the parameters next
@@ -330,6 +330,6 @@ class UnitGroup:
             storage.drop_secondary(self.index)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd is running a backward on this thread (see [Note: a unit's state and the runtime's phase])."""
     return torch._C._current_graph_task_id() != -1

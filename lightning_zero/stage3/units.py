@@ -75,7 +75,7 @@ from torch import nn
 from lightning_zero.comm import collectives
 from lightning_zero.stage3.lockstep import LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
-from lightning_zero.stage3.unit import FORWARD, TrainingPhase, UnitGroup, UnitState, _in_backward, profiler_label
+from lightning_zero.stage3.unit import FORWARD, TrainingPhase, UnitGroup, UnitState, in_backward, profiler_label
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedStorage
@@ -269,7 +269,7 @@ class UnitRuntime:
     def enter_forward(self) -> bool:
         """At a unit's forward: the phase it runs in (see [Note: a unit's state and the runtime's phase] in
         ``unit.py``); returns whether it is a recomputation inside backward."""
-        recompute = _in_backward()
+        recompute = in_backward()
         if self.phase is not TrainingPhase.SUMMONED:
             self.phase = TrainingPhase.RECOMPUTE if recompute else TrainingPhase.FORWARD
         return recompute

@@ -42,7 +42,7 @@ class _Runtimes:
     def __init__(self, runtimes: Sequence[Any]) -> None:
         self.runtimes = list(runtimes)
 
-    def land(self) -> None:
+    def wait_for_unshard(self) -> None:
         for runtime in self.runtimes:
             runtime.wait_for_unshard()
 
