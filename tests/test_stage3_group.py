@@ -1,7 +1,7 @@
 """Unit tests of stage 3's unit group (``stage3/unit.py``, :class:`UnitGroup`) and of one unit's buffer in one storage
 (``stage3/buffer.py``, :class:`UnitBuffer`), in one process.
 
-The storage is a stand-in that lends its buffer memory at a gather and takes it back at a release, as
+The storage is a stand-in that lends its buffer memory at an unshard and takes it back at a reshard, as
 :class:`~lightning_zero.stage3.partitioned.PartitionedStorage` does, with no collective: what is tested is the group's
 and the buffer's own bookkeeping (memory from the pool, the guard, gradient counting, gathers in flight).
 """
@@ -23,7 +23,7 @@ SHAPES = [(3, 4), (5,)]
 
 
 class _Storage:
-    """A storage with one unit's buffer: a gather lends it memory (one work handle), a release takes it back."""
+    """A storage with one unit's buffer: an unshard lends it memory (one work handle), a reshard takes it back."""
 
     def __init__(self, unit: int, pool: BlockPool) -> None:
         self.unit = unit
@@ -37,12 +37,12 @@ class _Storage:
     def unit_buffer(self, unit: int) -> UnitBuffer | None:
         return self.buffer if unit == self.unit else None
 
-    def gather_unit(self, unit: int) -> list[LoggedWork]:
+    def unshard_unit(self, unit: int) -> list[LoggedWork]:
         self.log.append(f"gather {unit}")
         self.buffer.lend()
         return [LoggedWork(self.log)]
 
-    def release_unit(self, unit: int) -> None:
+    def reshard_unit(self, unit: int) -> None:
         self.log.append(f"release {unit}")
         self.buffer.take_back()
 
@@ -82,23 +82,23 @@ def test_a_group_counts_its_buffers_and_guards_them_while_a_gather_is_in_flight(
     group = UnitGroup(2, "blocks.1", storages)
     assert group.buffers == [storages[0].buffer, storages[1].buffer]
     assert group.numel == 2 * 18 and group.gathered_bytes == 0
-    group.start_gather(guarded=True)
+    group.unshard(guarded=True)
     assert group.gathered_bytes == 2 * 18 * 4
     assert all(guard.is_released(p) for s in storages[:2] for p in s.params)  # held, not yet readable
-    group.wait()
+    group.wait_for_unshard()
     assert not any(guard.is_released(p) for s in storages[:2] for p in s.params)
-    group.free()
+    group.reshard()
     assert group.state is UnitState.SHARDED and group.gathered_bytes == 0
 
 
-def test_free_lands_a_gather_in_flight_first_and_does_nothing_when_sharded():
+def test_reshard_waits_for_a_gather_in_flight_first_and_does_nothing_when_sharded():
     storage = _Storage(1, BlockPool(torch.device("cpu")))
     group = UnitGroup(1, "blocks.0", [storage])
-    group.free()
+    group.reshard()
     assert storage.log == []
-    assert group.gather(wait=False) and group.state is UnitState.GATHERING
-    assert not group.gather(wait=False)  # already in flight: no second gather
-    group.free()
+    assert group.unshard() and group.state is UnitState.GATHERING
+    assert not group.unshard()  # already in flight: no second gather
+    group.reshard()
     assert group.state is UnitState.SHARDED and storage.log == ["gather 1", "wait", "release 1"]
 
 

@@ -42,7 +42,7 @@ def _storage(offloaded: bool = False) -> tuple[ShardedParams, FlatLayout, Tensor
 
 def _gather(storage: ShardedParams, unit: int) -> None:
     """Gather ``unit`` and wait for it."""
-    for work in storage.gather(unit):
+    for work in storage.unshard(unit):
         collectives.wait(work, f"gather unit {unit}")
 
 
@@ -72,7 +72,7 @@ def test_gather_gives_each_parameter_its_values_in_its_units_buffer():
             assert p.shape == SHAPES[j] and torch.equal(p.detach(), _expected(layout, flat, j)), j
             assert p.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view, no copy
     assert storage.gathered_bytes == 4 * sum(storage.unit_numel(u) for u in (0, 2, 3))
-    assert storage.gather(1) == [] and storage.gathered_bytes == 4 * sum(storage.unit_numel(u) for u in (0, 2, 3))
+    assert storage.unshard(1) == [] and storage.gathered_bytes == 4 * sum(storage.unit_numel(u) for u in (0, 2, 3))
 
 
 def test_release_frees_the_memory_and_guards_the_parameters():
@@ -80,7 +80,7 @@ def test_release_frees_the_memory_and_guards_the_parameters():
     for unit in (0, 2):
         storage.attach_views(unit)
         _gather(storage, unit)
-    storage.release(0)
+    storage.reshard(0)
     assert storage.gathered_bytes == 4 * storage.unit_numel(2)
     assert storage.buffers[0].untyped_storage().nbytes() == 0
     released = storage.params[_unit_params(0)[0]]
@@ -88,8 +88,8 @@ def test_release_frees_the_memory_and_guards_the_parameters():
     with pytest.raises(guard.ParameterNotGatheredError):
         released.sum()
     assert not guard.is_released(storage.params[_unit_params(2)[0]])  # the other unit is untouched
-    storage.release(0)  # releasing a released unit changes nothing
-    storage.release(1)  # nor does a unit without parameters here
+    storage.reshard(0)  # releasing a released unit changes nothing
+    storage.reshard(1)  # nor does a unit without parameters here
     assert storage.gathered_bytes == 4 * storage.unit_numel(2)
 
 
@@ -97,7 +97,7 @@ def test_a_second_gather_reads_the_shard_as_it_is_now():
     storage, layout, _ = _storage()
     storage.attach_views(2)
     _gather(storage, 2)
-    storage.release(2)
+    storage.reshard(2)
     updated = _flat_values(layout, 1)  # an optimizer step wrote the shard in place
     storage.working_shard.copy_(shard_of(layout, updated, 0))
     _gather(storage, 2)
@@ -119,5 +119,5 @@ def test_an_offloaded_shard_is_uploaded_at_each_gather():
         j = _unit_params(3)[0]
         assert torch.equal(storage.params[j].detach(), _expected(layout, flat, j))
         assert storage.working_shard.data_ptr() != storage.buffers[3].data_ptr()
-        storage.release(3)
+        storage.reshard(3)
     assert storage.gathered_bytes == 0

@@ -4,7 +4,8 @@ one process.
 A world of one rank: the all-gathers are copies, so what is tested is the bookkeeping. The store: evaluation under
 stage 3 keeps the weights in the store alone (no optimizer object of any kind exists), and optimizers set up later
 (Fabric's ``setup_module`` then ``setup_optimizers``) take them over and step exactly as a plain optimizer does. The
-units: every move of :class:`Unit` that its state does not allow raises, and the runtime's phase follows the pass.
+units: ``unshard``, ``wait_for_unshard`` and ``reshard`` move a ``UnitGroup`` through its states and do nothing where
+there is nothing to do, waiting for an unshard never started raises, and the runtime's phase follows the pass.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from lightning_zero import ZeroEngine
 from lightning_zero.shards.optimizer import StepPhase
-from lightning_zero.stage3.unit import IllegalUnitTransition, TrainingPhase, Unit, UnitState
+from lightning_zero.stage3.unit import IllegalUnitTransition, TrainingPhase, UnitGroup, UnitState
 from tests.fake_work import LoggedWork
 
 
@@ -97,17 +98,17 @@ def test_a_zero_grad_of_the_store_makes_a_reduced_optimizer_reduce_again():
 
 
 class _Storage:
-    """What a :class:`Unit` uses of a storage: it gathers (one work handle), releases, and asks for its buffer."""
+    """What a ``UnitGroup`` uses of a storage: it unshards (one work handle), reshards, and asks for its buffer."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
 
-    def gather_unit(self, unit: int) -> list[LoggedWork]:
-        self.log.append(f"gather {unit}")
+    def unshard_unit(self, unit: int) -> list[LoggedWork]:
+        self.log.append(f"unshard {unit}")
         return [LoggedWork(self.log)]
 
-    def release_unit(self, unit: int) -> None:
-        self.log.append(f"release {unit}")
+    def reshard_unit(self, unit: int) -> None:
+        self.log.append(f"reshard {unit}")
 
     def unit_buffer(self, unit: int) -> None:
         return None  # no buffer of its own: the log stands for the gathers and frees
@@ -115,46 +116,42 @@ class _Storage:
 
 def test_a_unit_moves_sharded_gathering_gathered_and_back():
     storage = _Storage()
-    unit = Unit(1, "blocks.0", [storage])
+    unit = UnitGroup(1, "blocks.0", [storage])
     assert unit.state is UnitState.SHARDED and not unit.gathered
-    unit.start_gather()
+    assert unit.unshard()
     assert unit.state is UnitState.GATHERING and unit.gathered and len(unit.pending) == 1
-    unit.wait()
+    unit.wait_for_unshard()
     assert unit.state is UnitState.GATHERED and unit.pending == []
-    unit.regather()
-    assert unit.state is UnitState.GATHERING
-    unit.wait()
-    unit.release()
+    unit.reshard()
     assert unit.state is UnitState.SHARDED
-    assert storage.log == ["gather 1", "wait", "gather 1", "wait", "release 1"]
+    assert unit.unshard()
+    unit.reshard()  # a gather in flight is waited for before its buffers go
+    assert unit.state is UnitState.SHARDED
+    assert storage.log == ["unshard 1", "wait", "reshard 1", "unshard 1", "wait", "reshard 1"]
 
 
 @pytest.mark.parametrize("state, move", [
-    (UnitState.SHARDED, "wait"), (UnitState.SHARDED, "release"), (UnitState.SHARDED, "regather"),
-    (UnitState.GATHERING, "start_gather"), (UnitState.GATHERING, "release"), (UnitState.GATHERING, "regather"),
-    (UnitState.GATHERED, "start_gather"), (UnitState.GATHERED, "wait"),
+    (UnitState.SHARDED, "reshard"), (UnitState.GATHERING, "unshard"),
+    (UnitState.GATHERED, "unshard"), (UnitState.GATHERED, "wait_for_unshard"),
 ])
-def test_an_illegal_unit_move_raises_and_changes_nothing(state, move):
+def test_a_verb_with_nothing_to_do_does_nothing(state, move):
     storage = _Storage()
-    unit = Unit(2, "blocks.1", [storage])
+    unit = UnitGroup(2, "blocks.1", [storage])
     if state is not UnitState.SHARDED:
-        unit.start_gather()
+        unit.unshard()
     if state is UnitState.GATHERED:
-        unit.wait()
+        unit.wait_for_unshard()
     log = list(storage.log)
-    with pytest.raises(IllegalUnitTransition, match=f"'blocks.1'.*while {state.value}"):
-        getattr(unit, move)()
+    getattr(unit, move)()
     assert unit.state is state and storage.log == log
 
 
-def test_drain_waits_for_a_prefetch_without_raising():
+def test_waiting_for_an_unshard_never_started_raises_and_changes_nothing():
     storage = _Storage()
-    unit = Unit(0, "", [storage])
-    unit.drain()
-    assert unit.state is UnitState.SHARDED
-    unit.start_gather()
-    unit.drain()
-    assert unit.state is UnitState.GATHERED and storage.log == ["gather 0", "wait"]
+    unit = UnitGroup(2, "blocks.1", [storage])
+    with pytest.raises(IllegalUnitTransition, match="'blocks.1'.*while sharded"):
+        unit.wait_for_unshard()
+    assert unit.state is UnitState.SHARDED and storage.log == []
 
 
 def test_the_runtime_phase_follows_forward_backward_and_summoned():

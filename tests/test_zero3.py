@@ -75,7 +75,8 @@ def test_ranks_given_different_numbers_of_batches_fail_with_the_likely_cause_and
 
 
 def test_lockstep_check_names_each_ranks_unit_and_what_was_skipped():
-    from lightning_zero.stage3.lockstep import BACKWARD, FORWARD, LockstepCheck
+    from lightning_zero.stage3.lockstep import LockstepCheck
+    from lightning_zero.stage3.unit import BACKWARD, FORWARD
 
     check = LockstepCheck(["<root>", "blocks.0", "blocks.1", "blocks.2", "ln_f"])  # no process group: no check
     order = [0, 1, 2, 3, 4]

@@ -55,7 +55,7 @@ from lightning_zero.stage3.materialize import (
     warn_if_built_in_full,
 )
 from lightning_zero.stage3.partitioned import PartitionedStorage, move_units
-from lightning_zero.stage3.plan import ROOT, UnitPlan
+from lightning_zero.stage3.plan import UnitPlan
 from lightning_zero.stage3.units import UnitRuntime, warn_if_units_compiled_inside
 from lightning_zero.tensor_parallel import count_tensor_parallel, warn_if_nothing_is_sliced
 
@@ -199,7 +199,7 @@ class ZeroEngine(OptimizerSteps):
                 "`fabric.setup_optimizers(...)` (or `fabric.setup(model, *optimizers)`) in one call."
             )
         assert self.runtime is not None
-        self.runtime.release_all(include_root=True)
+        self.runtime.reshard_all(include_root=True)
         self.runtime.remove()
         source = self.store.storages[0]
         assert isinstance(source, PartitionedStorage)
@@ -281,7 +281,7 @@ class ZeroEngine(OptimizerSteps):
         """Stage 3: gather the root unit (the module's own and shared parameters) for the step; the module's forward
         does it too, so only code that reads those parameters before any forward needs to call it."""
         if self.runtime is not None:
-            self.runtime.gather(ROOT)
+            self.runtime.unshard(self.runtime.root)
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()`` (scaled under ``16-mixed``), then :meth:`finish_backward`."""
@@ -384,7 +384,7 @@ class ZeroEngine(OptimizerSteps):
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
             if gather:
-                failure = _attempt(lambda: runtime.release_all(include_root=True))
+                failure = _attempt(lambda: runtime.reshard_all(include_root=True))
             runtime.remove()
         if self._root_hook is not None:
             self._root_hook.remove()

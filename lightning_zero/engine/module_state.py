@@ -153,9 +153,9 @@ def _gathered(engine: "ZeroEngine", unit: int) -> Iterator[None]:
     runtime = engine.runtime
     assert runtime is not None
     before = runtime.units[unit].gathered
-    runtime.gather(unit)
+    runtime.unshard(runtime.units[unit])
     try:
         yield
     finally:
         if not before:
-            runtime.release_now(unit)
+            runtime.reshard(runtime.units[unit])

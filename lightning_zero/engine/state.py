@@ -161,7 +161,7 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
     for storage in engine.store.storages:  # a host master may be the host parameter shard an upload still reads
         storage.settle()
     if engine.runtime is not None:  # a gather started after the last step may still read the shards written below
-        engine.runtime.land()
+        engine.runtime.wait_for_unshard()
     dest = model_shards(engine.module, engine.store.storages, full_copies=True)
     if is_directory(checkpoint):
         check_tensor_parallel(

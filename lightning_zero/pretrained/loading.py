@@ -224,7 +224,7 @@ def fill_shards(
     for storage in storages:  # a host master may be the host parameter shard an upload still reads (params.py)
         storage.settle()
     if runtime is not None:  # a gather started after the last step may still read the shards written below
-        runtime.land()
+        runtime.wait_for_unshard()
     dest = model_shards(root, list(storages), full_copies=True)
     done: set[int] = set()
     with torch.no_grad():

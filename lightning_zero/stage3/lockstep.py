@@ -13,20 +13,20 @@ to run and, from the recorded forward order, the units a rank skipped. Evaluatio
 counted in the engine's ``traffic`` (control messages, not payload).
 
 [Note: a check is waited for one unit late]
-Waiting for each check where it is sent would make every unit a barrier: each rank would wait for the slowest at
-every unit, in every pass (measured at 8% of zero3's step time on two CPU ranks). So a check is waited for at
-the next hook instead (``UnitRuntime._catch_up`` in ``units.py``), one unit's compute later, and the collectives
-that depend on it wait with it: what a hook prefetches comes from the *verified* previous unit (its successors in
-the recorded order), never from the unit the hook is about to run; at the end of a pass nothing more is prefetched
-from it (:meth:`UnitRuntime.settle`). A hook whose unit is not already gathered by such a prefetch, or that starts a
-pass, waits for its own check before it gathers (its gather depends on this rank's control flow alone), and so does
-any reduce-scatter (before it is launched) and every runtime call between steps.
-So every data collective a rank issues follows from checks that every rank has seen agree, and when two ranks
-diverge, what each has in flight was issued by all of them alike: they wait for it (it completes) and fail at most
-one unit after the divergence, with the same error. At most one check is in flight per rank, sent only once the one
-before agreed. What is given up: a unit's forward runs before its check is compared, so a collective of the user's
-own inside the diverging unit (``SyncBatchNorm``, a tensor-parallel layer whose peers diverged) meets its mismatch
-before the check does; ``lockstep_check="strict"`` waits at every hook, as before.
+Waiting for each check where it is sent would make every unit a barrier: each rank would wait for the slowest at every
+unit, in every pass (measured at 8% of zero3's step time on two CPU ranks). So a check is waited for at the next hook
+instead (``UnitRuntime._wait_for_previous_check`` in ``units.py``), one unit's compute later, and the collectives that
+depend on it wait with it: what a hook prefetches comes from the *verified* previous unit (its successors in the
+recorded order), never from the unit the hook is about to run; at the end of a pass nothing more is prefetched from it
+(``UnitRuntime._end_check``). A hook whose unit is not already gathered by such a prefetch, or that starts a pass, waits
+for its own check before it gathers (its gather depends on this rank's control flow alone), and so does any
+reduce-scatter (before it is launched) and every runtime call between steps. So every data collective a rank issues
+follows from checks that every rank has seen agree, and when two ranks diverge, what each has in flight was issued by
+all of them alike: they wait for it (it completes) and fail at most one unit after the divergence, with the same error.
+At most one check is in flight per rank, sent only once the one before agreed. What is given up: a unit's forward runs
+before its check is compared, so a collective of the user's own inside the diverging unit (``SyncBatchNorm``, a
+tensor-parallel layer whose peers diverged) meets its mismatch before the check does; ``lockstep_check="strict"`` waits
+at every hook, as before.
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from lightning_zero.comm import collectives
-
-FORWARD, RECOMPUTE, BACKWARD = 0, 1, 2
-_PASSES = {FORWARD: "forward", RECOMPUTE: "recomputed forward", BACKWARD: "backward"}
+from lightning_zero.stage3.unit import FORWARD, TrainingPhase
 
 
 class RanksOutOfStepError(RuntimeError):
@@ -67,13 +65,14 @@ class LockstepCheck:
         """Whether a check was sent and not waited for."""
         return self._in_flight is not None
 
-    def start(self, unit: int, phase: int, forward_order: Sequence[int]) -> None:
-        """Collective: send this rank's next unit to every rank (after the check before it was waited for)."""
+    def start(self, unit: int, phase: TrainingPhase, forward_order: Sequence[int]) -> None:
+        """Collective: send this rank's next unit (its index in the plan) and pass to every rank (after the check
+        before it was waited for)."""
         if self.group is None:
             return
         assert self._in_flight is None, "one lockstep check in flight at a time"
         position = forward_order.index(unit) if unit in forward_order else -1
-        self._in_flight = collectives.PendingPositions([phase, unit, position], self.group)
+        self._in_flight = collectives.PendingPositions([int(phase), unit, position], self.group)
 
     def finish(self, forward_order: Sequence[int]) -> None:
         """Wait for the check in flight (if any); raise on every rank if any rank sent another unit or pass.
@@ -88,7 +87,7 @@ class LockstepCheck:
     def describe(self, rows: list[list[int]], forward_order: Sequence[int]) -> str:
         """What each rank was about to run, and which units a rank skipped (see :meth:`skipped`)."""
         doing = "; ".join(
-            f"rank {r}: the {_PASSES.get(phase, 'pass')} of stage 3 unit '{self.names[unit]}'"
+            f"rank {r}: the {_described(phase)} of stage 3 unit '{self.names[unit]}'"
             for r, (phase, unit, _) in enumerate(rows)
         )
         message = f"ZeRO stage 3: the ranks ran different units at the same point of the step ({doing})."
@@ -111,3 +110,11 @@ class LockstepCheck:
             return ""
         text = "; ".join(parts)
         return f"{text[0].upper()}{text[1:]} (in the order of the first step's forward)."
+
+
+def _described(phase: int) -> str:
+    """A pass received from a rank, in words (see ``TrainingPhase`` in ``unit.py``)."""
+    try:
+        return TrainingPhase(phase).described
+    except ValueError:
+        return "pass"

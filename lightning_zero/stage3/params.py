@@ -4,7 +4,7 @@
 Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per storage of the engine's parameter store (see
 ``shards/store.py``), in the working dtype, covering the unit's adjacent buckets of the layout. Its parameters are
 views of that buffer from setup on; between uses the buffer's storage holds zero bytes, so the parameters keep their
-shapes but hold no memory. A gather lends the storage a block of the pool and a release takes it back (see [Note:
+shapes but hold no memory. An unshard lends the storage a block of the pool and a reshard takes it back (see [Note:
 the engine owns its memory] in ``pool.py``): no allocation per gather. The only persistent copy of the values is the
 working shard (this rank's chunk of every bucket, 2Ψ/N under mixed precision), which aliases the master shard when
 the working and master dtypes are the same.
@@ -93,8 +93,9 @@ class ShardedParams:
         offsets = [self.layout.offsets[j] - start for j, u in enumerate(self.layout.param_units) if u == unit]
         self._live_bytes += self.units[unit].attach_views(offsets)
 
-    def gather(self, unit: int, quantize_block: Optional[int] = None, verified: bool = False) -> list[Any]:
-        """Give ``unit``'s buffer its memory back and all-gather the shards into it; returns the work handles. With
+    def unshard(self, unit: int, quantize_block: Optional[int] = None, verified: bool = False) -> list[Any]:
+        """Give ``unit``'s buffer its memory back and start the all-gathers of the shards into it (see [Note: one
+        vocabulary for stage 3] in ``unit.py``); returns the work handles. With
         ``quantize_block``, as blockwise int8 (qwZ: see [Note: qwZ, the quantized all-gather of weights] in
         ``comm/quantize.py``). ``verified``: the lockstep check matched this gather on every rank (see
         :func:`~lightning_zero.comm.collectives.all_gather`)."""
@@ -136,8 +137,8 @@ class ShardedParams:
             torch.cuda.synchronize(self.device)
             self._uploads_pending = False
 
-    def release(self, unit: int) -> None:
-        """Free ``unit``'s gathered memory."""
+    def reshard(self, unit: int) -> None:
+        """Free ``unit``'s gathered memory (back to the pool)."""
         if unit in self.units:
             self._live_bytes -= self.units[unit].take_back()
 

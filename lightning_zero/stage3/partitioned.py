@@ -100,7 +100,7 @@ class PartitionedStorage(ShardedStorage):
         if self.sharded.working_shard is not self.master_storage:
             self._copy_pieces(buckets, self.sharded.working_shard)
         self.sharded.attach_views(unit)
-        self.sharded.release(unit)
+        self.sharded.reshard(unit)
 
     def gather_master_unit(self, unit: int) -> Tensor:
         """``unit``'s master values, all-gathered whole into a new tensor on the device (a collective; every rank
@@ -125,14 +125,15 @@ class PartitionedStorage(ShardedStorage):
             collectives.wait(work, "gather a stage 3 unit's master values")
         return full
 
-    def gather_unit(self, unit: int, compute: bool = False, backward: bool = False) -> list[Any]:
-        """All-gather ``unit`` (asynchronous work handles). For ``compute`` (a forward, or ``backward`` and its
+    def unshard_unit(self, unit: int, compute: bool = False, backward: bool = False) -> list[Any]:
+        """Start the all-gathers of this storage's piece of ``unit`` (asynchronous work handles; see [Note: one
+        vocabulary for stage 3] in ``unit.py``). For ``compute`` (a forward, or ``backward`` and its
         recomputations) ZeRO++ applies: in backward from hpZ's secondary copy inside the secondary group where one is
         kept, otherwise from the primary shards as blockwise int8 under qwZ (see ``secondary.py`` and
         ``comm/quantize.py``); otherwise exact, from the primary shards."""
         if compute and backward and self.secondary is not None and self.secondary.has(unit):
             return self.secondary.gather(unit, self.sharded.allocate(unit), self.gathers_verified)
-        return self.sharded.gather(unit, self.weight_block if compute else None, self.gathers_verified)
+        return self.sharded.unshard(unit, self.weight_block if compute else None, self.gathers_verified)
 
     def keep_secondary(self, unit: int) -> None:
         """hpZ: keep this rank's secondary piece of the gathered ``unit`` (no-op without hpZ)."""
@@ -144,9 +145,9 @@ class PartitionedStorage(ShardedStorage):
         if self.secondary is not None:
             self.secondary.drop_all() if unit is None else self.secondary.drop(unit)
 
-    def release_unit(self, unit: int) -> None:
-        """Free ``unit``'s gathered memory."""
-        self.sharded.release(unit)
+    def reshard_unit(self, unit: int) -> None:
+        """Free this storage's piece of ``unit`` (its gathered memory, back to the pool)."""
+        self.sharded.reshard(unit)
 
     def unit_numel(self, unit: int) -> int:
         return self.sharded.unit_numel(unit)
@@ -166,7 +167,7 @@ class PartitionedStorage(ShardedStorage):
         in host memory or on disk (``offload_optimizer``) they stay there and are only read.
         """
         for unit in list(self.sharded.units):
-            self.sharded.release(unit)
+            self.sharded.reshard(unit)
         self.sharded.pool.clear()
         self.drop_secondary()
         if gather and not any(p.is_meta for p in self.params):  # meta: setup failed before materializing

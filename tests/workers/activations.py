@@ -43,7 +43,7 @@ class Probe(L.Callback):
         if getattr(strategy, "runtime", None) is None:
             return
         for engine in strategy.storages:
-            original = engine.gather_unit
+            original = engine.unshard_unit
 
             def counted(unit: int, *args: Any, original: Any = original, **kwargs: Any) -> Any:
                 if self.in_backward:
@@ -52,7 +52,7 @@ class Probe(L.Callback):
                     self.step_gathers[-1][unit] += 1
                 return original(unit, *args, **kwargs)
 
-            engine.gather_unit = counted
+            engine.unshard_unit = counted
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx % trainer.accumulate_grad_batches == 0:  # a step's first micro-batch: the one before is over

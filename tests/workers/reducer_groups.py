@@ -100,10 +100,10 @@ def run_params(groups: ShardGroups) -> dict[str, Tensor]:
     gathered = {}
     for unit in sorted(set(UNITS)):
         storage.attach_views(unit)
-        for work in storage.gather(unit):
+        for work in storage.unshard(unit):
             collectives.wait(work, f"gather unit {unit}")
         gathered.update({j: params[j].detach().clone() for j in range(len(NUMELS)) if UNITS[j] == unit})
-        storage.release(unit)
+        storage.reshard(unit)
     return gathered
 
 

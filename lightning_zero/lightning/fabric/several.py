@@ -42,9 +42,9 @@ class _Runtimes:
     def __init__(self, runtimes: Sequence[Any]) -> None:
         self.runtimes = list(runtimes)
 
-    def land(self) -> None:
+    def wait_for_unshard(self) -> None:
         for runtime in self.runtimes:
-            runtime.land()
+            runtime.wait_for_unshard()
 
     def refresh(self) -> None:
         for runtime in self.runtimes:
