@@ -136,7 +136,7 @@ class ZeroConfig:
     """What an optimizer step does when the global norm of its gradients is inf or NaN: ``"raise"`` stops every rank
     with the step and rank, ``"skip"`` skips the update on every rank (counted in ``ZeroEngine.skipped_steps``);
     ``None``: steps anyway, as DDP does. Under ``16-mixed`` the loss scaler already skips such steps (see [Note: the
-    non-finite guard] in ``engine/stepping.py``)."""
+    non-finite guard] in ``engine/engine.py``)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)
