@@ -625,8 +625,8 @@ class ZeroEngine:
         return {key: value for key, value in checkpoint.items() if key not in state.INTERNAL_KEYS}
 
     def load_model_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the model part of ``checkpoint`` (read by ``state.read``, or a dict holding a full ``state_dict``)
-        into this rank's shards, then refresh the working parameters (a collective)."""
+        """Load the model part of ``checkpoint`` (what ``lightning_zero.engine.state.read`` returned, or the dict of a
+        full file) into this rank's shards, then refresh the working parameters (a collective)."""
         state.load_model(self, checkpoint, strict)
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
