@@ -115,7 +115,7 @@ class ZeroEngine:
             self.config = simulated.stand_aside(self.config)
         # what each component reads of the options (see [Note: one policy per component] in policies.py)
         self.policies = policies_of(self.config)
-        self.policy = self.policies.stage
+        self.policy = self.policies.stage  # what the stage partitions (see stages.py)
         self.precision = precision if isinstance(precision, PrecisionMode) else PrecisionMode(precision)
         """The precision mode: autocast, the loss scaler of ``16-mixed``, the working and master dtypes."""
         self.device = device if device is not None else _default_device()
