@@ -24,7 +24,6 @@ from gpt import GPT, ShakespeareData  # examples/gpt.py, next to this file
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import ZeroEngine, sharded_construction
-from lightning_zero.engine import state as engine_state
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,10 +76,9 @@ def main() -> None:
                 break
         epoch += 1
 
-    checkpoint = {"state_dict": engine_state.model_state(engine),
-                  "optimizer_states": [engine_state.optimizer_state(engine, optimizer)],
-                  "global_step": step, "hyper_parameters": dict(model.hparams)}  # what generate.py rebuilds from
-    engine_state.save(engine, checkpoint, Path(args.out), writer="engine")
+    checkpoint = engine.checkpoint_entries()  # the model's and every optimizer's states
+    checkpoint.update(global_step=step, hyper_parameters=dict(model.hparams))  # what generate.py rebuilds from
+    engine.save_checkpoint(checkpoint, Path(args.out))
     engine.teardown()  # full fp32 weights back in the module (a collective)
     if dist.get_rank() == 0:
         print(f"saved {args.out}", flush=True)

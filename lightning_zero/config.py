@@ -199,7 +199,7 @@ class ZeroConfig:
     ``"raise"`` stops every rank, naming the step and the rank; ``"skip"`` skips the update on every rank (counted
     in ``ZeroEngine.skipped_steps`` and the run summary). Reads the norm of ``gradient_clip_val`` when clipping by
     norm; otherwise adds one 4-byte all-reduce per step. Under ``16-mixed`` the loss scaler already skips such
-    steps (see [Note: the non-finite guard] with the engine's step)."""
+    steps (see [Note: the non-finite guard] in ``engine/engine.py``)."""
 
     def __post_init__(self) -> None:
         _check_stage(self.stage)

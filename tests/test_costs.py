@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroEngine
+from lightning_zero.engine import engine as engine_module
 from lightning_zero.memory import host_memory
-from lightning_zero.engine import stepping
 
 
 def _model() -> nn.Module:
@@ -66,7 +66,7 @@ def test_the_host_heap_is_given_back_after_setup_and_the_first_step_only(monkeyp
     # one trim after setup and one after the first optimizer step; a trim per step would fault every step's
     # activations back in (see [Note: the engine gives back what its setup left behind] in memory/host_memory.py)
     trims = []
-    monkeypatch.setattr(stepping, "give_back_free_heap", lambda: trims.append(len(spent)) or True)
+    monkeypatch.setattr(engine_module, "give_back_free_heap", lambda: trims.append(len(spent)) or True)
     spent: list[dict] = []
     model = _model()
     engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], stage=3)

@@ -63,3 +63,23 @@ def test_engine_checkpoint_resumes_under_the_trainer(stage, tmp_path):
     assert_losses_close(model.losses, losses, 1e-6)  # it went on from the saved step, not from 0
     trainer.strategy.teardown()
     assert_params_close(dict(model.state_dict()), expected, 1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_resumes_its_own_checkpoint_with_its_methods(stage, tmp_path):
+    # `checkpoint_entries` + `save_checkpoint`, then `load_checkpoint` into a fresh engine: the same further steps
+    path = tmp_path / "engine.ckpt"
+    L.seed_everything(0)
+    model = TinyLM(scheduler=False)
+    engine = ZeroEngine(model, [model.configure_optimizers()], stage=stage, device=torch.device("cpu"))
+    _engine_steps(engine, model, SAVED_STEPS)
+    engine.save_checkpoint({**engine.checkpoint_entries(), "global_step": SAVED_STEPS}, path)
+    _engine_steps(engine, model, MORE_STEPS)
+    engine.teardown()
+    resumed = TinyLM(scheduler=False)
+    again = ZeroEngine(resumed, [resumed.configure_optimizers()], stage=stage, device=torch.device("cpu"))
+    assert again.load_checkpoint(path) == {"global_step": SAVED_STEPS}
+    _engine_steps(again, resumed, MORE_STEPS)
+    again.teardown()
+    assert_losses_close(resumed.losses, model.losses[SAVED_STEPS:], 1e-6)
+    assert_params_close(dict(resumed.state_dict()), dict(model.state_dict()), 1e-6)

@@ -1,4 +1,4 @@
-"""The non-finite guard (``nonfinite=``, see [Note: the non-finite guard] in lightning_zero/engine/stepping.py): a NaN
+"""The non-finite guard (``nonfinite=``, see [Note: the non-finite guard] in lightning_zero/engine/engine.py): a NaN
 loss on one rank at a chosen step (tests/workers/nonfinite.py) raises on every rank, is skipped on every rank as a
 DDP loop that skips it, or (the default) writes NaN weights as DDP does."""
 

@@ -188,7 +188,7 @@ def test_the_scan_sees_the_package_notes():
     found = all_mentions()
     defined = {(m.title, m.path) for m in found if m.defines}
     assert ("hybrid sharding and its traffic", "lightning_zero/comm/groups.py") in defined
-    assert ("the order of one optimizer step", "lightning_zero/engine/stepping.py") in defined
+    assert ("the order of one optimizer step", "lightning_zero/engine/engine.py") in defined
     assert len(defined) > 50 and sum(not m.defines for m in found) > 100
 
 

@@ -61,7 +61,7 @@ def measured(tmp_path_factory):
         mp.chdir(cwd)
         # the checks across ranks must stand aside even when asked for
         mp.setattr("lightning_zero.stage3.lockstep.LockstepCheck.start", _refuse("the lockstep check"))
-        mp.setattr("lightning_zero.engine.stepping.global_grad_norm", _refuse("the non-finite guard"))
+        mp.setattr("lightning_zero.engine.engine.global_grad_norm", _refuse("the non-finite guard"))
         result = measure_rank(SimGPT(), N, stage=3, precision="bf16-mixed", lockstep_check="strict",
                               nonfinite="raise")
     return result, cwd

@@ -6,12 +6,12 @@ Client code calls the module's own methods around the step: LitGPT's ``load_chec
 weights the optimizer steps on are the master shards, so both are redirected there by hooks on the set-up module
 (the hooks are the module's own: Fabric's wrapper and the LightningModule reach them unchanged):
 
-- ``load_state_dict``: a pre-hook takes the managed parameters' entries out of the dict, checks their shapes
-  (a mismatch joins torch's own "Error(s) in loading state_dict"), writes each rank's pieces into its master shards
-  (``engine_state.load_model``, as a full checkpoint file loads), and refreshes the working parameters (a collective:
-  every rank calls it, as every rank calls it under ``ddp``). Buffers and parameters no optimizer holds load as torch
-  loads them. A post-hook takes the handled names out of ``missing_keys``, so ``strict`` means what it means under
-  ``ddp``.
+- ``load_state_dict``: a pre-hook takes the managed parameters' entries out of the dict, checks their shapes (a mismatch
+  joins torch's own "Error(s) in loading state_dict"), writes each rank's pieces into its master shards
+  (``ZeroEngine.load_model_state``, as a full checkpoint file loads), and refreshes the working parameters (a
+  collective: every rank calls it, as every rank calls it under ``ddp``). Buffers and parameters no optimizer holds load
+  as torch loads them. A post-hook takes the handled names out of ``missing_keys``, so ``strict`` means what it means
+  under ``ddp``.
 - ``state_dict`` (stage 3 only; stages 1 and 2 hold every parameter whole): the parameters' entries are filled
   after torch's walk, one unit at a time: gathered (a collective), copied to host memory, released. A device never
   holds more than one unit; the values are the working parameters (fp32 in ``32-true``; the fp32 masters of mixed
@@ -21,22 +21,35 @@ weights the optimizer steps on are the master shards, so both are redirected the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lightning_zero.checkpoints.shards import Shard
-from lightning_zero.engine.state import load_model
 from lightning_zero.process import user_calls
+from lightning_zero.shards.store import ParameterStore
+from lightning_zero.stage3.units import UnitRuntime
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.engine import ZeroEngine
+
+class ShardedModule(Protocol):
+    """What the hooks read of the engine, when they run (stage 3's store and runtime change when Fabric adds the
+    optimizers after the module): a ``ZeroEngine``."""
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def store(self) -> ParameterStore: ...
+    @property
+    def runtime(self) -> Optional[UnitRuntime]: ...
+    @property
+    def torn_down(self) -> bool: ...
+    def load_model_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None: ...
 
 
-def attach(engine: "ZeroEngine") -> list[Any]:
+def attach(engine: ShardedModule) -> list[Any]:
     """Install the hooks of [Note: the module's own state dict methods after setup]; returns their handles."""
     module = engine.module
     keys: dict[str, list[str]] = {"handled": [], "given": []}
@@ -54,7 +67,7 @@ def attach(engine: "ZeroEngine") -> list[Any]:
 
 
 # ---------------------------------------------------------------------- load
-def _load_pre_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
+def _load_pre_hook(engine: ShardedModule, keys: dict[str, list[str]]) -> Any:
     def hook(
         module: nn.Module,
         state_dict: dict[str, Any],
@@ -84,12 +97,12 @@ def _load_pre_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
         if wrong:
             error_msgs.extend(wrong)
             return
-        load_model(engine, {"state_dict": given}, strict=False)  # into the shards, then the working parameters
+        engine.load_model_state({"state_dict": given}, strict=False)  # into the shards, then the working parameters
 
     return hook
 
 
-def _managed_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:
+def _managed_shapes(engine: ShardedModule) -> dict[str, tuple[int, ...]]:
     """The whole shape of every parameter an optimizer holds, under each of its names (a tensor-parallel slice: the
     joined tensor's)."""
     managed = {id(p) for p in engine.store.params}
@@ -100,7 +113,7 @@ def _managed_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:
     }
 
 
-def _load_post_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
+def _load_post_hook(engine: ShardedModule, keys: dict[str, list[str]]) -> Any:
     """Torch reports the entries the pre-hook took out as missing: keep only those the dict really lacked."""
 
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
@@ -115,7 +128,7 @@ def _load_post_hook(engine: "ZeroEngine", keys: dict[str, list[str]]) -> Any:
 
 
 # ---------------------------------------------------------------------- save
-def _save_pre_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
+def _save_pre_hook(engine: ShardedModule, streaming: list[bool]) -> Any:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         # torch's walk leaves guarded placeholders (the released parameters' `detach()`); the post-hook fills them
         streaming.append(not keep_vars and module is engine.module and engine.runtime is not None)
@@ -123,7 +136,7 @@ def _save_pre_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
     return hook
 
 
-def _save_post_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
+def _save_post_hook(engine: ShardedModule, streaming: list[bool]) -> Any:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         if not streaming.pop():
             return
@@ -137,7 +150,7 @@ def _save_post_hook(engine: "ZeroEngine", streaming: list[bool]) -> Any:
     return hook
 
 
-def _entries_by_unit(engine: "ZeroEngine", prefix: str) -> dict[int, list[tuple[str, Tensor]]]:
+def _entries_by_unit(engine: ShardedModule, prefix: str) -> dict[int, list[tuple[str, Tensor]]]:
     """The managed parameters under each of their names, grouped by stage 3 unit (in unit order)."""
     units = engine.store.param_units()
     out: dict[int, list[tuple[str, Tensor]]] = {}
@@ -148,7 +161,7 @@ def _entries_by_unit(engine: "ZeroEngine", prefix: str) -> dict[int, list[tuple[
 
 
 @contextmanager
-def _gathered(engine: "ZeroEngine", unit: int) -> Iterator[None]:
+def _gathered(engine: ShardedModule, unit: int) -> Iterator[None]:
     """``unit`` gathered inside (a collective); released after unless it was gathered before."""
     runtime = engine.runtime
     assert runtime is not None

@@ -27,20 +27,29 @@ match).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoints import full
 from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import ShardGroups
 from lightning_zero.shards.optimizer import ShardedOptimizer
 from lightning_zero.shards.optimizer_support import user_class
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.engine import ZeroEngine
+
+class Releasable(Protocol):
+    """What a release reads and changes of an engine (a ``ZeroEngine``)."""
+
+    optimizers: list[ShardedOptimizer]
+
+    @property
+    def shard_groups(self) -> ShardGroups: ...
+    def sharded(self, optimizer: Optimizer) -> ShardedOptimizer: ...
+    def teardown(self, gather: bool = True) -> None: ...
 
 
-def release(engine: ZeroEngine) -> None:
+def release(engine: Releasable) -> None:
     """Tear ``engine`` down and give its optimizers back their parameter groups and state (a collective)."""
     states = [_canonical_state(engine, sharded) for sharded in engine.optimizers]
     engine.teardown(gather=True)
@@ -54,14 +63,14 @@ def states_of(optimizers: Sequence[Optimizer]) -> list[tuple[Optimizer, dict[str
     return [(optimizer, optimizer.state_dict()) for optimizer in optimizers if optimizer.state]
 
 
-def load_states(engine: ZeroEngine, states: Sequence[tuple[Optimizer, dict[str, Any]]]) -> None:
+def load_states(engine: Releasable, states: Sequence[tuple[Optimizer, dict[str, Any]]]) -> None:
     """Load the states kept by :func:`states_of` into ``engine``'s shards of their optimizers."""
     for optimizer, state in states:
         optimizer.state.clear()  # keyed by the module's parameters, which the optimizer no longer steps
         full.load_optimizer_state(engine.sharded(optimizer), state)
 
 
-def _canonical_state(engine: ZeroEngine, sharded: ShardedOptimizer) -> dict[str, Any]:
+def _canonical_state(engine: Releasable, sharded: ShardedOptimizer) -> dict[str, Any]:
     """The optimizer's state in ``Optimizer.state_dict()`` form on every rank (``{}`` if it has none)."""
     stepped = collectives.broadcast_object(bool(sharded.optimizer.state))
     if not stepped:

@@ -1,4 +1,8 @@
-"""A :class:`~lightning_zero.engine.engine.ZeroEngine`'s states to and from checkpoints, without Lightning.
+"""An engine's states to and from checkpoints, without Lightning: the code behind ``ZeroEngine``'s checkpoint methods
+(``save_checkpoint``, ``load_checkpoint``, ...), which the Trainer's and Fabric's adapters call.
+
+The functions take the engine as an :class:`EngineStates`, the few attributes they read: a ``ZeroEngine``, or
+Fabric's group of several engines seen as one (see [Note: several models in one checkpoint] in ``several.py``).
 
 [Note: one checkpoint format for every way in]
 The Trainer's checkpoint hooks, Fabric's ``save``/``load`` and a plain loop all write Lightning's checkpoint dict:
@@ -12,8 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import Any, Literal, Optional, Protocol, Sequence
 
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoints.errors import agree_on_failure
@@ -32,12 +37,14 @@ from lightning_zero.checkpoints.shards import model_shards, optimizer_shards, pa
 from lightning_zero.checkpoints.storage import KEY, check_files, read_meta, save_file, save_sharded
 from lightning_zero.checkpoints.trust import torch_load
 from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import simulated
+from lightning_zero.engine.amp import PrecisionMode
 from lightning_zero.process import user_calls
+from lightning_zero.shards.optimizer import ShardedOptimizer
 from lightning_zero.shards.slices import tensor_parallel_slice
-
-if TYPE_CHECKING:
-    from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.shards.store import ShardedStorage
 
 Writer = Literal["trainer", "fabric", "engine"]
 #: Why the Trainer's and Fabric's ``save`` refuse ``storage_options``.
@@ -52,7 +59,48 @@ STORAGE_OPTIONS_ERROR = (
 INTERNAL_KEYS = (KEY, "state_dict", "optimizer_states")
 
 
-def model_state(engine: "ZeroEngine") -> dict[str, Any]:
+class _Storages(Protocol):
+    """The engine's parameter store, as the format reads it."""
+
+    @property
+    def storages(self) -> Sequence[ShardedStorage]:
+        """One storage per layout, in the engine's order."""
+        ...
+
+
+class _Runtime(Protocol):
+    """Stage 3's unit runtime, as a load uses it."""
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the gathers in flight (they may read the shards a load writes)."""
+        ...
+
+    def refresh(self) -> None:
+        """Fill the gathered units again from the shards."""
+        ...
+
+
+class EngineStates(Protocol):
+    """What the checkpoint functions read of an engine (``ZeroEngine`` has all of it)."""
+
+    @property
+    def config(self) -> ZeroConfig: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def precision(self) -> PrecisionMode: ...
+    @property
+    def shard_groups(self) -> ShardGroups: ...
+    @property
+    def store(self) -> _Storages: ...
+    @property
+    def optimizers(self) -> list[ShardedOptimizer]: ...
+    @property
+    def runtime(self) -> Optional[_Runtime]: ...
+    def sharded(self, optimizer: Optimizer) -> ShardedOptimizer: ...
+
+
+def model_state(engine: EngineStates) -> dict[str, Any]:
     """``"sharded"``: this rank's pieces (``Shard``) of every entry; ``"full"``: full weights in the master precision
     (fp32 under mixed precision) on rank 0 (a collective, checked: see [Note: a collective called on one rank])."""
     user_calls.check_every_rank_calls(user_calls.SAVE)
@@ -65,7 +113,7 @@ def model_state(engine: "ZeroEngine") -> dict[str, Any]:
     return model_shards(engine.module, engine.store.storages, full_copies=writes_whole)
 
 
-def optimizer_state(engine: "ZeroEngine", optimizer: Optimizer) -> dict[str, Any]:
+def optimizer_state(engine: EngineStates, optimizer: Optimizer) -> dict[str, Any]:
     """``"sharded"``: this rank's pieces; ``"full"``: gathered to rank 0 in the per-parameter form DDP uses."""
     sharded = engine.sharded(optimizer)
     if engine.config.state_dict_type == "full":
@@ -74,7 +122,7 @@ def optimizer_state(engine: "ZeroEngine", optimizer: Optimizer) -> dict[str, Any
     return {"state": optimizer_shards(sharded), "param_groups": param_groups(sharded)}
 
 
-def states_entries(engine: "ZeroEngine", optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+def states_entries(engine: EngineStates, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
     """The format's entries of a checkpoint: ``state_dict`` (:func:`model_state`) and, when ``optimizers`` are given,
     ``optimizer_states`` in the engine's order (:func:`optimizer_state`); all of the engine's optimizers or none,
     so that the checkpoint resumes."""
@@ -91,7 +139,7 @@ def states_entries(engine: "ZeroEngine", optimizers: Sequence[Optimizer]) -> dic
     return entries
 
 
-def save(engine: "ZeroEngine", checkpoint: dict[str, Any], path: Path, writer: Writer) -> None:
+def save(engine: EngineStates, checkpoint: dict[str, Any], path: Path, writer: Writer) -> None:
     """Write ``checkpoint`` (``state_dict`` from :func:`model_state`, ``optimizer_states`` from
     :func:`optimizer_state`, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
     one file (rank 0); either appears complete or not at all."""
@@ -155,7 +203,7 @@ def is_directory(checkpoint: Mapping[str, Any]) -> bool:
     return KEY in checkpoint and "path" in checkpoint[KEY] and "state_dict" not in checkpoint
 
 
-def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+def load_model(engine: EngineStates, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
     """Load the model part of ``checkpoint`` (from :func:`read`) into this rank's shards, then refresh the working
     parameters (and the gathered units of stage 3)."""
     for storage in engine.store.storages:  # a host master may be the host parameter shard an upload still reads
@@ -187,7 +235,7 @@ def load_model(engine: "ZeroEngine", checkpoint: Mapping[str, Any], strict: bool
         engine.runtime.refresh()
 
 
-def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None:
+def load_optimizers(engine: EngineStates, checkpoint: Mapping[str, Any]) -> None:
     """Load every optimizer's state of ``checkpoint`` into the engine's optimizers (the same number, in order)."""
     states = checkpoint.get("optimizer_states")
     if not states:
@@ -209,6 +257,6 @@ def load_optimizers(engine: "ZeroEngine", checkpoint: Mapping[str, Any]) -> None
         load_optimizer_state(sharded, state)
 
 
-def load_one_optimizer(engine: "ZeroEngine", optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+def load_one_optimizer(engine: EngineStates, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
     """Load a single optimizer's full state dict (``optimizer.state_dict()`` of an unsharded run)."""
     load_optimizer_state(engine.sharded(optimizer), dict(state))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lightning_zero.comm import collectives
+from lightning_zero.comm.groups import ShardGroups
+from lightning_zero.config import ZeroConfig
 from lightning_zero.shards.accounting import (
     expected_disk_bytes,
     expected_model_state_bytes,
@@ -12,20 +12,21 @@ from lightning_zero.shards.accounting import (
     human_bytes,
 )
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.engine import ZeroEngine
 
+def model_state_summary(
+    config: ZeroConfig, groups: ShardGroups, mode: str, *, trainable: int, units: int, skipped_steps: int
+) -> str:
+    """One line: what each rank of an engine holds, next to what DDP would hold (the expected model states of
+    ``shards/accounting.py``, with the shard group's size k in place of N under hybrid sharding; under tensor
+    parallelism of this rank's slices, over the data dimension).
 
-def model_state_summary(engine: "ZeroEngine") -> str:
-    """One line: what each rank of ``engine`` holds, next to what DDP would hold (docs/stages.md's table, with the shard
-    group's size k in place of N under hybrid sharding; under tensor parallelism of this rank's slices, over the
-    data dimension)."""
-    config, groups = engine.config, engine.shard_groups
+    ``config``, ``groups`` and ``mode`` (its precision) are the engine's; ``trainable``: the elements of the
+    parameters its optimizers hold (this rank's slices under tensor parallelism); ``units``: stage 3's unit count;
+    ``skipped_steps``: the optimizer steps the non-finite guard skipped."""
     t = groups.tensor_size
     n = collectives.world_size() // t  # the data-parallel ranks (all ranks without tensor parallelism)
     k = n // groups.replicas
-    psi = sum(p.numel() for p in engine.store.params)
-    mode = engine.precision.precision
+    psi = trainable
     zero = expected_model_state_bytes(psi, k, config.stage, mode)
     ddp = expected_model_state_bytes(psi, n, 0, mode)
     if not ddp:
@@ -52,11 +53,11 @@ def model_state_summary(engine: "ZeroEngine") -> str:
     ranks = f"{n} rank{'s' if n != 1 else ''}" if t == 1 else f"{n} data-parallel x {t} tensor-parallel ranks"
     own = "" if t == 1 else " (this rank's tensor-parallel slices)"
     whole = ""
-    if config.stage == 3 and len(engine.unit_plan.names) == 1:  # see [Note: one algorithm at every size] in plan.py
+    if config.stage == 3 and units == 1:  # see [Note: one algorithm at every size] in plan.py
         whole = "; parameters gathered as one unit, once per step (see `persistence_threshold`)"
     skipped = ""
-    if engine.skipped_steps:  # see [Note: the non-finite guard] in stepping.py
-        skipped = f"; {engine.skipped_steps} optimizer step(s) skipped for non-finite gradients"
+    if skipped_steps:  # see [Note: the non-finite guard] in engine.py
+        skipped = f"; {skipped_steps} optimizer step(s) skipped for non-finite gradients"
     return (
         f"ZeRO stage {config.stage} on {ranks}{hybrid}, precision {mode}: {psi:,} trainable parameters{own}; "
         f"model states {human_bytes(zero)}{where} per rank (DDP: {human_bytes(ddp)}, {zero / ddp:.0%} of it)"

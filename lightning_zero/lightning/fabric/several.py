@@ -8,20 +8,24 @@ the checkpoint a LightningModule holding them as attributes ``g`` and ``d`` woul
 the state's key of their model (``g.net.0.weight``), ``optimizer_states`` the engines' optimizers in the order the
 models were set up (each engine's in its own order), every other entry as itself, and under :data:`MODELS_KEY` the
 state keys of the models. :class:`EngineGroup` shows the engines to the format's functions (``engine/state.py``) as
-one engine whose module is a ``ModuleDict`` of the models, so a directory is written by every rank in one go and
+one engine whose module is a ``ModuleDict`` of the models (with the engine's checkpoint methods that Fabric's
+``save`` and ``load`` call), so a directory is written by every rank in one go and
 ``lightning-zero inspect`` / ``consolidate`` read it as any other (the consolidated file loads into such a
 LightningModule). ``fabric.load`` restores every model and optimizer of the state from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from torch import nn
 from torch.optim import Optimizer
+
+from lightning_zero.engine import state
 
 if TYPE_CHECKING:
     from lightning_zero.engine.engine import ZeroEngine
@@ -78,6 +82,22 @@ class EngineGroup:
     def sharded(self, optimizer: Optimizer) -> Any:
         """The shards of ``optimizer``, from the engine that owns it."""
         return engine_of_optimizer(self.engines, optimizer).sharded(optimizer)
+
+    def checkpoint_entries(self, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+        """``ZeroEngine.checkpoint_entries`` of the models together (``optimizers`` in setup order)."""
+        return state.states_entries(self, optimizers)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Path, writer: state.Writer) -> None:
+        """``ZeroEngine.save_checkpoint`` of the models together (a collective)."""
+        state.save(self, checkpoint, path, writer)
+
+    def load_model_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """``ZeroEngine.load_model_state`` of the models together (a collective)."""
+        state.load_model(self, checkpoint, strict)
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """``ZeroEngine.load_optimizer_states`` of the models together."""
+        state.load_optimizers(self, checkpoint)
 
 
 def owns(engine: "ZeroEngine", optimizer: Optimizer) -> bool:

@@ -286,9 +286,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         }
         if isinstance(engine, EngineGroup):
             checkpoint[MODELS_KEY] = list(engine.module.keys())
-        checkpoint.update(engine_state.states_entries(engine, optimizers))
+        checkpoint.update(engine.checkpoint_entries(optimizers))
         checkpoint[PRECISION_KEY] = self.precision.state_dict()
-        engine_state.save(engine, checkpoint, Path(path), writer="fabric")
+        engine.save_checkpoint(checkpoint, Path(path), writer="fabric")
 
     @override
     def load_checkpoint(
@@ -316,10 +316,10 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
             )
         checkpoint = engine_state.read(path, trusted)
         if isinstance(state, Module):
-            engine_state.load_model(several.engine_of_module(self.engines, state), checkpoint, strict)
+            several.engine_of_module(self.engines, state).load_model_state(checkpoint, strict)
             return {}
         if isinstance(state, Optimizer):
-            engine_state.load_one_optimizer(several.engine_of_optimizer(self.engines, state), state, checkpoint)
+            several.engine_of_optimizer(self.engines, state).load_optimizer_state(state, checkpoint)
             return {}
         engine = self._engine_of(state)
         checkpoint = plain.as_engine_checkpoint(checkpoint, state)
@@ -367,9 +367,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
                 "Pass `strict=False` to load what is there."
             )
         if modules:
-            engine_state.load_model(engine, checkpoint, strict)
+            engine.load_model_state(checkpoint, strict)
         if optimizers:
-            engine_state.load_optimizers(engine, checkpoint)
+            engine.load_optimizer_states(checkpoint)
         self.precision.load_state_dict(checkpoint.get(PRECISION_KEY, {}))
         for key in others:
             if key in checkpoint:

@@ -41,11 +41,11 @@ class CheckpointHooks(StrategyHooks):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return engine_state.model_state(self.engine)
+        return self.engine.model_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return engine_state.optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer))
+        return self.engine.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def save_checkpoint(
@@ -53,7 +53,7 @@ class CheckpointHooks(StrategyHooks):
     ) -> None:
         if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
             raise TypeError(STORAGE_OPTIONS_ERROR)
-        engine_state.save(self.engine, checkpoint, Path(filepath), writer="trainer")
+        self.engine.save_checkpoint(checkpoint, Path(filepath), writer="trainer")
         self.last_checkpoint = Path(filepath)
 
     @override
@@ -86,11 +86,11 @@ class CheckpointHooks(StrategyHooks):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        engine_state.load_model(self.engine, checkpoint, strict)
+        self.engine.load_model_state(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        engine_state.load_optimizers(self.engine, checkpoint)
+        self.engine.load_optimizer_states(checkpoint)
 
 
 def _fit_loop_at_step(trainer: "pl.Trainer", global_step: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Under zero2 and zero3 each gradient is reduced into this rank's shard as it is m
 in ``on_before_optimizer_step``, and Lightning's ``grad_norm(module, norm_type)`` (which reads ``param.grad``)
 returns an empty dict: gradient logging showed nothing, without a word. Importing ``lightning_zero`` makes
 ``grad_norm`` of a module (or submodule) that a ZeRO engine holds return the engine's
-:meth:`~lightning_zero.engine.stepping.OptimizerSteps.grad_norms` for that module's parameters: each trainable
+:meth:`~lightning_zero.engine.engine.ZeroEngine.grad_norms` for that module's parameters: each trainable
 parameter's norm of its averaged gradient (what ``ddp``'s ``.grad`` holds) under the names and keys ``grad_norm``
 gives, and their total. It is a collective, as every rank calls ``on_before_optimizer_step``.
 

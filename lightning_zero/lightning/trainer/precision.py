@@ -2,7 +2,7 @@
 
 Its numerics (dtypes, autocast, loss scaling, clipping over shards) are
 :class:`~lightning_zero.engine.amp.PrecisionMode`'s; the order of one optimizer step is :meth:`ZeroEngine.step`'s (see
-[Note: the order of one optimizer step] in ``stepping.py``). Lightning's ``on_before_optimizer_step`` hooks and its
+[Note: the order of one optimizer step] in ``engine.py``). Lightning's ``on_before_optimizer_step`` hooks and its
 gradient clipping run as the step's ``before_step``, after the gradients were reduced and unscaled.
 """
 
@@ -55,7 +55,7 @@ class ZeroPrecision(UsesPrecisionMode, Precision):
     ) -> Any:
         """The engine's step with Lightning's hooks as ``before_step``; the closure (forward and backward) runs
         inside the user's ``optimizer.step``, as under ``ddp`` (see [Note: the closure goes to the optimizer] in
-        ``stepping.py``)."""
+        ``engine.py``)."""
         return self._engine().step(
             optimizer,
             closure=closure,

@@ -325,7 +325,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         # see [Note: teardown after an exception] in engine.py: a single rank, and a checkpoint every rank refused,
         # still gather
         if self.engine is not None:
-            if self.engine.skipped_steps:  # see [Note: the non-finite guard] in engine/stepping.py
+            if self.engine.skipped_steps:  # see [Note: the non-finite guard] in engine/engine.py
                 rank_zero_info(
                     f"lightning-zero: {self.engine.skipped_steps} optimizer step(s) skipped on every rank "
                     "for non-finite gradients (`nonfinite='skip'`)."
