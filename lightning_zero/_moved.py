@@ -62,13 +62,11 @@ MOVED: dict[str, str] = {
                 "trainer": (
                     "auto",
                     "checkpoint_io",
-                    "checkpoints",
                     "cli_errors",
                     "early_checks",
                     "grad_norm",
                     "lightning_loads",
                     "precision",
-                    "steps",
                     "strategy",
                 ),
                 "fabric": ("plain", "resetup", "several", "strategy"),

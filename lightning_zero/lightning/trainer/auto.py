@@ -100,7 +100,7 @@ def first_batch(trainer: "pl.Trainer") -> Optional[Any]:
     return batch
 
 
-class ZeroAutoStrategy(ZeroStrategy):
+class ZeroAutoStrategy(ZeroStrategy, auto=True):
     """``strategy="zero_auto"``: ZeRO whose stage and offload are chosen at the setup of each ``fit`` from the memory
     budget, the least costly of zero1, zero2, zero3, zero3 with ``offload_optimizer``, zero3 with ``offload_params``
     whose predicted peak fits (see ``docs/zero_auto.md``); outside ``fit``, zero3. ``ZeroStrategy(stage="auto")``

@@ -11,7 +11,7 @@ from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 import lightning
 import lightning.pytorch as pl
@@ -63,9 +63,8 @@ class _AutoStageMeta(ABCMeta):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is ZeroStrategy and (args[0] if args else kwargs.get("stage")) == "auto":
-            from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy  # auto.py imports this module
-
-            return type.__call__(ZeroAutoStrategy, *args, **kwargs)
+            assert ZeroStrategy.auto_class is not None  # defined on import of the package (trainer/auto.py)
+            return type.__call__(ZeroStrategy.auto_class, *args, **kwargs)
         return type.__call__(cls, *args, **kwargs)
 
 
@@ -86,6 +85,15 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
     """
 
     strategy_name = "zero"
+    auto_class: ClassVar[Optional[type[ZeroStrategy]]] = None
+    """The class ``stage="auto"`` constructs: the subclass defined with ``auto=True`` (``ZeroAutoStrategy``)."""
+
+    def __init_subclass__(cls, auto: bool = False, **kwargs: Any) -> None:
+        """``class ZeroAutoStrategy(ZeroStrategy, auto=True)`` names the class ``ZeroStrategy(stage="auto")``
+        constructs (``auto.py`` imports this module, not the other way round)."""
+        super().__init_subclass__(**kwargs)
+        if auto:
+            ZeroStrategy.auto_class = cls
 
     def __init__(
         self,
