@@ -19,7 +19,11 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
@@ -43,7 +47,7 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class ZeroProcesses:
-    """The base both strategies list before their Lightning ``ParallelStrategy``: each calls :meth:`__init__` first,
+    """The base both strategies list before their Lightning ``ParallelStrategy``: each calls its ``__init__`` first,
     then Lightning's ``ParallelStrategy.__init__``.
 
     It reads the attributes annotated below, which Lightning's ``ParallelStrategy`` (the Trainer's or Fabric's: two
@@ -166,6 +170,14 @@ class ZeroProcesses:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast of a picklable object (both APIs)."""
         return collectives.broadcast_object(obj, src)
+
+    @staticmethod
+    def _reduce_tensor(tensor: Any, group: Optional[Any], reduce_op: Optional[Union[Any, str]]) -> Any:
+        """Lightning's ``reduce`` (the Trainer's) and ``all_reduce`` (Fabric's): a tensor reduced over the ranks (or
+        ``group``), anything else as it is."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     def _guard_signals(self) -> None:
         """From here on SIGINT/SIGTERM/SIGUSR1 act at step boundaries every rank agrees on (see [Note: signals act

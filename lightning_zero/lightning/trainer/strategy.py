@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -63,8 +62,8 @@ class _AutoStageMeta(ABCMeta):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is ZeroStrategy and (args[0] if args else kwargs.get("stage")) == "auto":
-            assert ZeroStrategy.auto_class is not None  # defined on import of the package (trainer/auto.py)
-            return type.__call__(ZeroStrategy.auto_class, *args, **kwargs)
+            assert ZeroStrategy._auto_class is not None  # defined on import of the package (trainer/auto.py)
+            return type.__call__(ZeroStrategy._auto_class, *args, **kwargs)
         return type.__call__(cls, *args, **kwargs)
 
 
@@ -85,7 +84,7 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
     """
 
     strategy_name = "zero"
-    auto_class: ClassVar[Optional[type[ZeroStrategy]]] = None
+    _auto_class: ClassVar[Optional[type[ZeroStrategy]]] = None
     """The class ``stage="auto"`` constructs: the subclass defined with ``auto=True`` (``ZeroAutoStrategy``)."""
 
     def __init_subclass__(cls, auto: bool = False, **kwargs: Any) -> None:
@@ -93,7 +92,7 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
         constructs (``auto.py`` imports this module, not the other way round)."""
         super().__init_subclass__(**kwargs)
         if auto:
-            ZeroStrategy.auto_class = cls
+            ZeroStrategy._auto_class = cls
 
     def __init__(
         self,
@@ -128,7 +127,7 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
         )
         self.num_nodes = 1
         self._recording: Optional[Recording] = None
-        """Stage 3: the recording of ``configure_model`` (see :meth:`model_sharded_context`), replayed by setup."""
+        """Stage 3: the recording of ``configure_model`` (see ``model_sharded_context``), replayed by setup."""
         self._ranks_in_step = True
         """Whether every rank is at the same point, so that teardown may gather (not after one rank's exception)."""
         self._failure: Optional[BaseException] = None
@@ -442,9 +441,7 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
     ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
 
 def _fit_loop_at_step(trainer: "pl.Trainer", global_step: int) -> dict[str, Any]:
