@@ -76,7 +76,8 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
     Args:
         stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters;
             ``"auto"`` constructs a ``ZeroAutoStrategy`` (``strategy="zero_auto"``, see ``docs/zero_auto.md``).
-        memory_budget: ``stage="auto"``'s (see ``ZeroAutoStrategy``); an error with a fixed stage.
+        memory_budget: with ``stage="auto"`` only: bytes per rank, e.g. ``"20GiB"``; ``None``: the device's free
+            memory less 10% (see ``ZeroAutoStrategy``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
