@@ -17,6 +17,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.shards.accounting import human_bytes
 from lightning_zero.engine.auto.choice import HEADROOM, BudgetTooSmall, ModelFacts, choose
 from lightning_zero.engine.auto.probe import LiveBytes, probe_activations
+from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy
 from lightning_zero.testing.launch import launch
 from tests.models import TinyGPT
 
@@ -120,10 +121,10 @@ def test_zero_auto_in_lightning_cli_yaml(tmp_path):
     config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: "
                       "lightning_zero.ZeroStrategy\n    init_args:\n      stage: auto\n      memory_budget: 12GiB\n")
     cli = LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
-    assert cli.trainer.strategy._choosing and cli.trainer.strategy._auto_budget == 12 * 2**30
+    assert isinstance(cli.trainer.strategy, ZeroAutoStrategy) and cli.trainer.strategy._auto_budget == 12 * 2**30
     short = LightningCLI(TinyGPT, args=["--trainer.strategy", "zero_auto", "--trainer.accelerator", "cpu",
                                         "--trainer.devices", "1"], run=False, save_config_callback=None)
-    assert short.trainer.strategy._choosing
+    assert isinstance(short.trainer.strategy, ZeroAutoStrategy)
 
 
 FITS = "default:init,zero2:configure,zero3:init,nothing:configure"

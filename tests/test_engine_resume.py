@@ -1,5 +1,5 @@
 """A checkpoint a plain loop writes with ``ZeroEngine`` resumes under the Trainer: weights, optimizer states and
-the step counter (see [Note: a plain loop's step] in ``lightning_zero/lightning/trainer/checkpoints.py``).
+the step counter (see [Note: a plain loop's step] in ``lightning_zero/lightning/trainer/strategy.py``).
 
 One process (world size 1): the engine trains 3 steps on the first batches and saves as ``examples/engine_gpt.py``
 does; the Trainer resumes it for 2 more steps, which it takes on the first 2 batches of its epoch; the engine's own

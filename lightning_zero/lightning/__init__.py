@@ -1,6 +1,7 @@
 """The adapters: the only code that imports Lightning.
 
-``trainer/`` is the Trainer's strategy (``ZeroStrategy``), its precision plugin, checkpoint hooks and CheckpointIO;
+``trainer/`` is the Trainer's strategy (``ZeroStrategy``, and ``ZeroAutoStrategy`` for ``zero_auto``), its precision
+plugin and CheckpointIO;
 ``fabric/`` is Fabric's (``ZeroFabricStrategy``); ``processes.py`` and ``precision.py`` are what the two share (the
 process group and launcher, the precision plugins' common half); ``cli.py`` is ``LightningCLI`` for the
 ``lightning-zero fit`` command. Everything here is a thin layer over :class:`~lightning_zero.engine.engine.ZeroEngine`:
@@ -15,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
 from lightning_zero.lightning.trainer import cli_errors, early_checks, grad_norm, lightning_loads
+from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy
 
 
@@ -29,6 +31,7 @@ def install() -> None:
     installed once, however many times this is called.
     """
     ZeroStrategy.register_strategies(StrategyRegistry)
+    ZeroAutoStrategy.register_strategies(StrategyRegistry)
     lightning_loads.install()  # MyModule.load_from_checkpoint(dir) and ddp's ckpt_path=dir read sharded directories
     grad_norm.install()  # Lightning's grad_norm reads the gradient shards (see trainer/grad_norm.py)
     cli_errors.install()  # a wrong ZeroStrategy option in a LightningCLI config: one line (see cli_errors.py)

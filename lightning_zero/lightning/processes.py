@@ -2,8 +2,8 @@
 group and its shard groups, and the registered names.
 
 It lives beside both adapters because Lightning's Trainer builds on Fabric the same way: ``ZeroStrategy`` and
-``ZeroFabricStrategy`` both list :class:`ZeroProcesses` before Lightning's ``ParallelStrategy`` (the Trainer's and
-Fabric's are different classes with the same process API).
+``ZeroFabricStrategy`` both derive from ``ZeroProcesses`` and, after it, Lightning's ``ParallelStrategy`` (the
+Trainer's and Fabric's are different classes with the same process API).
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ import math
 import sys
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 
@@ -27,47 +32,41 @@ from lightning_zero.comm import collectives
 from lightning_zero.comm.groups import GroupSizes, ShardGroups
 from lightning_zero.comm.traffic import Traffic
 from lightning_zero.config import ZeroConfig, elements
+from lightning_zero.engine.construction import InitModuleRecording
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.policies import group_sizes
 from lightning_zero.memory.host_memory import release_freed_memory
 from lightning_zero.process.faults import fault_point
 from lightning_zero.process.shutdown import GUARD
 from lightning_zero.shards.store import ShardedStorage
-from lightning_zero.stage3.construction import Recording
 from lightning_zero.stage3.units import UnitRuntime
 from lightning_zero.stages import all_policies, policy_for
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
-if TYPE_CHECKING:
-    from lightning.fabric.plugins import ClusterEnvironment
 
-    class _ParallelStrategyPart:
-        """What :class:`ZeroProcesses` reads of the ``ParallelStrategy`` it is mixed into (the Trainer's or Fabric's:
-        two classes with the same process API), for the type checker only."""
+class ZeroProcesses:
+    """The base both strategies list before their Lightning ``ParallelStrategy``: each calls its ``__init__`` first,
+    then Lightning's ``ParallelStrategy.__init__``.
 
-        parallel_devices: Optional[list[torch.device]]
-        cluster_environment: Optional[ClusterEnvironment]
-        num_nodes: int
-        global_rank: int
-        local_rank: int
-        node_rank: int
-        world_size: int
+    It reads the attributes annotated below, which Lightning's ``ParallelStrategy`` (the Trainer's or Fabric's: two
+    classes with the same process API) defines, and gives Lightning the properties it reads of a strategy
+    (``root_device``, ``num_processes``, ``distributed_sampler_kwargs``, ``process_group_backend``).
+    """
 
-    _Mixin = _ParallelStrategyPart
-else:
-    _Mixin = object
+    # Lightning's ParallelStrategy's, read here
+    parallel_devices: Optional[list[torch.device]]
+    cluster_environment: Optional[ClusterEnvironment]
+    num_nodes: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
 
-
-class ZeroProcesses(_Mixin):
-    """Mixin of both strategies; they set ``config`` from their options, then call :meth:`_init_processes`."""
-
-    config: ZeroConfig
-
-    def _init_processes(
+    def __init__(
         self,
-        stage: int,
+        config: ZeroConfig,
         process_group_backend: Optional[str],
         timeout: Optional[Union[float, timedelta]],
         start_method: StartMethod,
@@ -76,13 +75,17 @@ class ZeroProcesses(_Mixin):
             raise ValueError(
                 f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}."
             )
-        self.policy = policy_for(stage)
+        self.config = config
+        """The engine's options (see ``config.py``)."""
+        self.policy = policy_for(config.stage)
         self._process_group_backend = process_group_backend
         self._timeout = process_group_timeout(timeout)
         self._start_method = start_method
         self.engine: Optional[ZeroEngine] = None
         """The engine of the last setup (see ``engine/engine.py``); it stays after teardown for saving."""
-        self._recording: Optional[Recording] = None
+        self._init_module = InitModuleRecording()
+        """Stage 3: the recording of the Trainer's ``init_module(empty_init=True)`` or Fabric's ``init_module()``, on
+        until setup."""
         self.shard_groups = ShardGroups()
         """The engine's communication object: the process groups it shards over and replicates across (made with
         the process group) and the counters of what their collectives move (:attr:`traffic`)."""
@@ -167,6 +170,14 @@ class ZeroProcesses(_Mixin):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast of a picklable object (both APIs)."""
         return collectives.broadcast_object(obj, src)
+
+    @staticmethod
+    def _reduce_tensor(tensor: Any, group: Optional[Any], reduce_op: Optional[Union[Any, str]]) -> Any:
+        """Lightning's ``reduce`` (the Trainer's) and ``all_reduce`` (Fabric's): a tensor reduced over the ranks (or
+        ``group``), anything else as it is."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     def _guard_signals(self) -> None:
         """From here on SIGINT/SIGTERM/SIGUSR1 act at step boundaries every rank agrees on (see [Note: signals act

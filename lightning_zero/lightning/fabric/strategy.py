@@ -30,7 +30,6 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor
 from torch.nn import Module
@@ -40,7 +39,7 @@ from typing_extensions import override
 from lightning_zero.checkpoints.consolidate import load_full_checkpoint
 from lightning_zero.config import ZeroConfig, check_option_names
 from lightning_zero.engine import state as engine_state
-from lightning_zero.engine.construction import InitModuleRecording, place_module
+from lightning_zero.engine.construction import place_module
 from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.lightning.fabric import plain, resetup, several
@@ -73,8 +72,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta``.
         start_method: ``"popen"`` (Fabric's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
-        **options: every other option of :class:`~lightning_zero.ZeroConfig` (``reduce_bucket_size``,
-            ``offload_optimizer``, ``state_dict_type``, ...), the same as ``ZeroStrategy``'s.
+        **options: ``ZeroConfig``'s fields, see ``docs/options.md``.
     """
 
     def __init__(
@@ -91,9 +89,9 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         **options: Any,
     ) -> None:
         check_option_names(options)
-        self.config = ZeroConfig(stage=stage, **options)
-        self._init_processes(stage, process_group_backend, timeout, start_method)
-        super().__init__(
+        ZeroProcesses.__init__(self, ZeroConfig(stage=stage, **options), process_group_backend, timeout, start_method)
+        ParallelStrategy.__init__(
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -102,8 +100,6 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         )
         self._num_nodes = 1
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
-        self._init_module = InitModuleRecording()
-        """Stage 3: the recording still on between ``init_module()`` and ``setup()``."""
         self.engines: list[ZeroEngine] = []
         """One engine per ``fabric.setup`` / ``setup_module``, in setup order, over the same process groups (see
         [Note: several models in one checkpoint] in ``several.py``); :attr:`engine` is the last."""
@@ -252,9 +248,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     def all_reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
     ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ checkpoints
     @override

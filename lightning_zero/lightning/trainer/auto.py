@@ -1,24 +1,29 @@
-"""``strategy="zero_auto"`` on the Trainer: the choice made at setup from the first micro-batch of the training data,
-and the predicted peak set against the measured one after the first steps (see ``engine/auto/``)."""
+"""``strategy="zero_auto"`` on the Trainer: ``ZeroAutoStrategy``, whose configuration is chosen at setup from the first
+micro-batch of the training data, and whose predicted peak is set against the measured one after the first steps
+(see ``engine/auto/``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.auto.budget import PeakMeter, default_budget, resolve_budget
 from lightning_zero.engine.auto.choice import Choice, choose
-from lightning_zero.engine.auto.facts import held_bytes, model_facts
+from lightning_zero.engine.auto.facts import build_whole, held_bytes, model_facts
 from lightning_zero.lightning.trainer.precision import ZeroPrecision
+from lightning_zero.lightning.trainer.strategy import ZeroStrategy
+from lightning_zero.stages import policy_for
 
 #: The stage ``zero_auto`` runs as until the choice: see [Note: zero_auto records as zero3].
-AUTO_UNTIL_SETUP = 3
+AUTO_UNTIL_SETUP: Literal[3] = 3
 #: Options ``zero_auto`` sets itself.
 CHOSEN_OPTIONS = ("offload_optimizer", "offload_params")
 
@@ -47,23 +52,8 @@ class AutoRun:
         return self.choice.report(self.measured)
 
 
-def check_auto(stage: object, memory_budget: Optional[Union[str, float]], options: dict[str, Any]) -> Optional[float]:
-    """``memory_budget`` in bytes, checked with the stage and the options it goes with.
-
-    [Note: zero_auto records as zero3]
-    The configuration is chosen at setup, from the model ``configure_model`` built and the first micro-batch, but
-    ``configure_model`` runs before setup. So until the choice the strategy is zero3: a model built there (or under
-    ``trainer.init_module(empty_init=True)``) is recorded on the meta device and costs nothing, whatever its size;
-    a choice of stage 1 or 2 then builds it whole, with the values eager construction gives, a choice of stage 3
-    replays it unit by unit. Outside ``fit`` (no optimizer, nothing to choose for) it stays zero3.
-    """
-    if stage != "auto":
-        if memory_budget is not None:
-            raise ValueError(
-                f"`memory_budget` is the budget `stage='auto'` chooses a configuration for; with "
-                f"`stage={stage!r}` nothing reads it. Use `strategy='zero_auto'` or leave it out."
-            )
-        return None
+def check_auto(memory_budget: Optional[Union[str, float]], options: dict[str, Any]) -> Optional[float]:
+    """``memory_budget`` in bytes, checked with the options it goes with (none that ``zero_auto`` chooses)."""
     chosen = [name for name in CHOSEN_OPTIONS if options.get(name)]
     if chosen:
         raise ValueError(
@@ -102,23 +92,119 @@ def choose_at_setup(
     return AutoRun(choice, meter)
 
 
-def register(registry: Any, cls: type) -> None:
-    """``zero_auto`` and its ``_spawn`` / ``_fork`` variants."""
-    for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-        registry.register(
-            f"zero_auto{suffix}",
-            cls,
-            override=True,
-            stage="auto",
-            start_method=start_method,
-            description="ZeRO, the stage and offload chosen at setup from the memory budget, start "
-            f"method '{start_method}'",
-        )
-
-
 def first_batch(trainer: "pl.Trainer") -> Optional[Any]:
     """The first micro-batch of this rank's training data, as the fit loop will see it before the transfer to the
     device; ``None`` when this rank has none."""
     loader = _request_dataloader(trainer.fit_loop._data_source)
     batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")), (None, 0, 0))
     return batch
+
+
+class ZeroAutoStrategy(ZeroStrategy, auto=True):
+    """``strategy="zero_auto"``: ZeRO whose stage and offload are chosen at the setup of each ``fit`` from the memory
+    budget, the least costly of zero1, zero2, zero3, zero3 with ``offload_optimizer``, zero3 with ``offload_params``
+    whose predicted peak fits (see ``docs/zero_auto.md``); outside ``fit``, zero3. ``ZeroStrategy(stage="auto")``
+    constructs it too (see [Note: stage="auto" constructs ZeroAutoStrategy] in ``strategy.py``).
+
+    [Note: zero_auto records as zero3]
+    The configuration is chosen at setup, from the model ``configure_model`` built and the first micro-batch, but
+    ``configure_model`` runs before setup. So until the choice the strategy is zero3: a model built there (or under
+    ``trainer.init_module(empty_init=True)``) is recorded on the meta device and costs nothing, whatever its size;
+    a choice of stage 1 or 2 then builds it whole, with the values eager construction gives, a choice of stage 3
+    replays it unit by unit. Outside ``fit`` (no optimizer, nothing to choose for) it stays zero3.
+
+    Args:
+        stage: ``"auto"`` (the only value; it is there for ``ZeroStrategy(stage="auto")``).
+        memory_budget: bytes per rank, a size such as ``"20GiB"`` or a number; ``None``: the device's free memory
+            (CPU: the host's available memory shared among this node's ranks) less 10%.
+        *args, **kwargs: ``ZeroStrategy``'s other arguments and ``ZeroConfig``'s fields, less the ``CHOSEN_OPTIONS``.
+    """
+
+    def __init__(
+        self,
+        stage: Literal["auto"] = "auto",
+        *args: Any,
+        memory_budget: Optional[Union[str, float]] = None,
+        **kwargs: Any,
+    ) -> None:
+        if stage != "auto":
+            raise ValueError(f"`ZeroAutoStrategy` chooses the stage itself: leave `stage` out, got {stage!r}.")
+        self._auto_budget = check_auto(memory_budget, kwargs)
+        """The budget in bytes per rank; ``None``: from the device's free memory at each setup."""
+        self._auto: Optional[AutoRun] = None
+        """The choice of the last setup of ``fit``, and the peak measured after it."""
+        super().__init__(AUTO_UNTIL_SETUP, *args, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``zero_auto`` and its ``_spawn`` / ``_fork`` variants (``ZeroStrategy`` registers the fixed stages)."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            strategy_registry.register(
+                f"zero_auto{suffix}",
+                cls,
+                override=True,
+                stage="auto",
+                start_method=start_method,
+                description="ZeRO, the stage and offload chosen at setup from the memory budget, start "
+                f"method '{start_method}'",
+            )
+
+    @property
+    def auto_run(self) -> Optional[AutoRun]:
+        """The last choice (``.choice``, with every prediction) and the measured peak (``.measured``); ``None``
+        before the first ``fit``."""
+        return self._auto
+
+    @override
+    def _configure_fit(self, trainer: "pl.Trainer") -> None:
+        """Pick the configuration for this fit (see ``docs/zero_auto.md``); a model recorded on the meta device is
+        built whole for stages 1 and 2."""
+        assert self.lightning_module is not None
+        self._auto = choose_at_setup(
+            trainer,
+            self.lightning_module,
+            self.precision_plugin,
+            self.config,
+            self._auto_budget,
+            lambda x, op: float(self.reduce(torch.tensor(x, dtype=torch.float64), reduce_op=op)),
+            (self.world_size, self.num_processes),
+        )
+        self.config = self._auto.choice.chosen.candidate.apply(self.config)
+        self.policy = policy_for(self.config.stage)
+        if not self.policy.shards_params:
+            build_whole(self.lightning_module, self.root_device, self._take_recording())
+        rank_zero_info(self._auto.choice.line())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After the first steps, the measured peak next to the predicted one."""
+        super().on_train_batch_start(batch, batch_idx)
+        if (
+            self._auto is not None
+            and self._auto.measured is None
+            and self.lightning_module is not None
+            and (self.lightning_module.trainer.global_step >= STEPS_MEASURED)
+        ):
+            self._measure_peak()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._auto is not None and self._auto.measured is None:
+            self._measure_peak()
+
+    def _measure_peak(self) -> None:
+        assert self._auto is not None
+        peak = torch.tensor(float(self._auto.meter.peak()))
+        self._auto.measured = int(self.reduce(peak, reduce_op="max"))
+        rank_zero_info(self._auto.report())
+
+    @override
+    def teardown(self) -> None:
+        """As ``ZeroStrategy``'s; the next fit chooses again, recording ``configure_model`` as zero3 until then."""
+        try:
+            super().teardown()
+        finally:
+            self.config = replace(self.config, stage=AUTO_UNTIL_SETUP, offload_optimizer=False, offload_params=False)
+            self.policy = policy_for(AUTO_UNTIL_SETUP)

@@ -1,22 +1,24 @@
 """``ZeroStrategy``: the Trainer's adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`. It registers
-``zero1``, ``zero2``, ``zero3``, ``zero_auto`` (``auto.py``) and their ``_spawn`` / ``_fork`` variants, makes the
-engine at setup and wires it into Lightning's precision, optimizer and checkpoint lifecycle (``precision.py``,
-``steps.py``, ``checkpoints.py``)."""
+``zero1``, ``zero2``, ``zero3`` and their ``_spawn`` / ``_fork`` variants (``zero_auto`` is its subclass
+``ZeroAutoStrategy``, in ``auto.py``), makes the engine at setup and hands it Lightning's steps, backward and
+checkpoints; the optimizer step goes through the precision plugin (``precision.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import inspect
+from abc import ABCMeta
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
+import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -24,54 +26,74 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoints.storage import CheckpointError
+from lightning_zero.checkpoints.storage import KEY, CheckpointError
 from lightning_zero.comm import collectives
 from lightning_zero.config import ZeroConfig, check_option_names
-from lightning_zero.engine.auto.facts import build_whole
-from lightning_zero.engine.construction import InitModuleRecording, abandon_construction, sharded_construction
+from lightning_zero.engine import state as engine_state
+from lightning_zero.engine.construction import abandon_construction, sharded_construction
 from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.engine.state import STORAGE_OPTIONS_ERROR
 from lightning_zero.lightning.processes import StartMethod, ZeroProcesses
 from lightning_zero.lightning.trainer import early_checks
-from lightning_zero.lightning.trainer.auto import AUTO_UNTIL_SETUP, STEPS_MEASURED, AutoRun, check_auto, choose_at_setup
-from lightning_zero.lightning.trainer.auto import register as register_auto
-from lightning_zero.lightning.trainer.checkpoints import CheckpointHooks
 from lightning_zero.lightning.trainer.precision import ZeroPrecision, to_zero_precision
-from lightning_zero.lightning.trainer.steps import StepHooks
 from lightning_zero.process import one_report
 from lightning_zero.process.shutdown import GUARD
-from lightning_zero.stages import policy_for
+from lightning_zero.stage3.construction import Recording
 
 
-class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
+class _AutoStageMeta(ABCMeta):
+    """``ZeroStrategy``'s metaclass: ``ZeroStrategy(stage="auto", ...)`` constructs ``ZeroAutoStrategy``.
+
+    [Note: stage="auto" constructs ZeroAutoStrategy]
+    ``zero_auto`` is its own class (``trainer/auto.py``), and ``ZeroStrategy(stage="auto")``, or a LightningCLI
+    ``class_path: lightning_zero.ZeroStrategy`` with ``stage: auto``, makes one too. The class is picked here, not in
+    a ``__new__``: jsonargparse (LightningCLI) reads the parameters of a class's own ``__new__`` in place of its
+    ``__init__``'s, and one taking ``*args, **kwargs`` would leave the CLI no option to accept.
+    """
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """What ``inspect.signature`` gives for the class: its ``__init__``'s less ``self`` (not ``__call__``'s)."""
+        init = inspect.signature(cls.__init__)  # type: ignore[misc]  # cls is a class, its __init__ its own
+        return init.replace(parameters=list(init.parameters.values())[1:])
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is ZeroStrategy and (args[0] if args else kwargs.get("stage")) == "auto":
+            assert ZeroStrategy._auto_class is not None  # defined on import of the package (trainer/auto.py)
+            return type.__call__(ZeroStrategy._auto_class, *args, **kwargs)
+        return type.__call__(cls, *args, **kwargs)
+
+
+class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
     Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` / ``"zero_auto"`` (``"zero2_spawn"`` to launch with
-    ``spawn``), or
-    construct it:
+    ``spawn``), or construct it. Lightning calls the step and checkpoint hooks after ``setup``, which makes the engine.
 
     Args:
         stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters;
-            ``"auto"`` (``strategy="zero_auto"``): chosen at the setup of ``fit`` from the memory budget, the least
-            costly of zero1, zero2, zero3, zero3 with ``offload_optimizer``, zero3 with ``offload_params`` whose
-            predicted peak fits (see ``docs/zero_auto.md``); outside ``fit``, zero3.
-        memory_budget: with ``stage="auto"``: bytes per rank, a size such as ``"20GiB"`` or a number; ``None``: the
-            device's free memory (CPU: the host's available memory shared among this node's ranks) less 10%.
+            ``"auto"`` constructs a ``ZeroAutoStrategy`` (``strategy="zero_auto"``, see ``docs/zero_auto.md``).
+        memory_budget: with ``stage="auto"`` only: bytes per rank, e.g. ``"20GiB"``; ``None``: the device's free
+            memory less 10% (see ``ZeroAutoStrategy``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
-        **options: the engine's options, each defined once in :class:`~lightning_zero.ZeroConfig` (one line each
-            there): ``reduce_bucket_size``, ``overlap_comm``, ``bucket_buffers``, ``partition_whole_params``,
-            ``elementwise_optimizers``, ``unit_classes``, ``persistence_threshold``, ``prefetch_size``,
-            ``host_mmap_threshold``, ``state_dict_type``, ``activation_checkpointing``, ``activation_offload``,
-            ``activation_partition_group``, ``contiguous_checkpoints``, ``offload_optimizer``, ``offload_params``,
-            ``offload_path``, ``shard_group_size``, ``tensor_parallel_size``, ``secondary_shard_group_size``,
-            ``quantized_weights``, ``quantized_gradients``, ``quantization_block_size``, ``nonfinite``. LightningCLI
-            reads their types and help from there too.
+        **options: ``ZeroConfig``'s fields, see ``docs/options.md``.
     """
 
     strategy_name = "zero"
+    _auto_class: ClassVar[Optional[type[ZeroStrategy]]] = None
+    """The class ``stage="auto"`` constructs: the subclass defined with ``auto=True`` (``ZeroAutoStrategy``)."""
+
+    def __init_subclass__(cls, auto: bool = False, **kwargs: Any) -> None:
+        """``class ZeroAutoStrategy(ZeroStrategy, auto=True)`` names the class ``ZeroStrategy(stage="auto")``
+        constructs (``auto.py`` imports this module, not the other way round)."""
+        super().__init_subclass__(**kwargs)
+        if auto:
+            ZeroStrategy._auto_class = cls
 
     def __init__(
         self,
@@ -88,14 +110,16 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         **options: Any,
     ) -> None:
         check_option_names(options)
-        self._auto_budget = check_auto(stage, memory_budget, options)
-        self._auto: Optional[AutoRun] = None
-        """``zero_auto``: the choice of the last setup of ``fit``, and the peak measured after it."""
-        fixed = AUTO_UNTIL_SETUP if stage == "auto" else stage  # see [Note: zero_auto records as zero3]
-        self.config = ZeroConfig(stage=fixed, **options)
-        self._init_processes(fixed, process_group_backend, timeout, start_method)
-        self._choosing = stage == "auto"
-        super().__init__(
+        if stage == "auto":  # only a subclass's __init__ gets here (see [Note: stage="auto" constructs ...])
+            raise TypeError("`stage='auto'` is `ZeroAutoStrategy`'s: derive from that class to extend `zero_auto`.")
+        if memory_budget is not None:
+            raise ValueError(
+                f"`memory_budget` is the budget `stage='auto'` chooses a configuration for; with "
+                f"`stage={stage!r}` nothing reads it. Use `strategy='zero_auto'` or leave it out."
+            )
+        ZeroProcesses.__init__(self, ZeroConfig(stage=stage, **options), process_group_backend, timeout, start_method)
+        ParallelStrategy.__init__(
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -103,18 +127,14 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
+        self._recording: Optional[Recording] = None
+        """Stage 3: the recording of ``configure_model`` (see ``model_sharded_context``), replayed by setup."""
         self._ranks_in_step = True
-        self._init_module = InitModuleRecording()
-        """Stage 3: the recording of ``trainer.init_module(empty_init=True)``, on until setup."""
+        """Whether every rank is at the same point, so that teardown may gather (not after one rank's exception)."""
         self._failure: Optional[BaseException] = None
         """The exception the run is ending on (Lightning's ``on_exception``), until teardown."""
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """``zero1``, ``zero2``, ``zero3``, ``zero_auto`` and their ``_spawn`` / ``_fork`` variants."""
-        super().register_strategies(strategy_registry)
-        register_auto(strategy_registry, cls)
+        self.last_checkpoint: Optional[Path] = None
+        """The last checkpoint this strategy wrote (the stop message of a Ctrl-C or SIGTERM names it)."""
 
     # ------------------------------------------------------------------ properties
     @property  # type: ignore[override]
@@ -167,6 +187,7 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
             self.lightning_module._device_mesh = self.device_mesh
 
     # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Make the engine over the LightningModule and the optimizers of ``configure_optimizers`` (none outside
@@ -182,23 +203,21 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._ranks_in_step = True
-        if self._choosing and fitting:
-            self._choose(trainer)
+        if fitting:
+            self._configure_fit(trainer)
         if not self.policy.shards_params:
             self.model_to_device()
         if fitting:
             super().setup_optimizers(trainer)
-        recording = self._recording if self._recording is not None else self._init_module.take(self.lightning_module)
         self.engine = ZeroEngine(
             self.lightning_module,
             self.optimizers if fitting else [],
             precision=self.precision_plugin.mode,
             device=self.root_device,
             config=self.config,
-            recording=recording,
+            recording=self._take_recording(),
             shard_groups=self.shard_groups,
         )
-        self._recording = None  # construction is replayed once; the log holds no memory worth keeping
         self.precision_plugin.engine = self.engine
         # LightningOptimizer copies the optimizer's class when it is made: make them again after the engine swapped it.
         self.optimizers = list(self.optimizers)
@@ -206,58 +225,17 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         if fitting:
             rank_zero_info(self.engine.summary())
 
-    def _choose(self, trainer: "pl.Trainer") -> None:
-        """``zero_auto``: pick the configuration for this fit (see ``docs/zero_auto.md``); a model recorded on the
-        meta device is built whole for stages 1 and 2."""
+    def _configure_fit(self, trainer: "pl.Trainer") -> None:
+        """The configuration of a fit, set before its engine is made: the one given (``ZeroAutoStrategy`` chooses
+        it here)."""
+
+    def _take_recording(self) -> Optional[Recording]:
+        """Stage 3's recording of the model's construction (``configure_model``'s, else ``init_module``'s), for the
+        engine to replay; ``None`` when nothing was recorded."""
         assert self.lightning_module is not None
-        self._auto = choose_at_setup(
-            trainer,
-            self.lightning_module,
-            self.precision_plugin,
-            self.config,
-            self._auto_budget,
-            lambda x, op: float(self.reduce(torch.tensor(x, dtype=torch.float64), reduce_op=op)),
-            (self.world_size, self.num_processes),
-        )
-        self.config = self._auto.choice.chosen.candidate.apply(self.config)
-        self.policy = policy_for(self.config.stage)
-        if not self.policy.shards_params:
-            recording = (
-                self._recording if self._recording is not None else self._init_module.take(self.lightning_module)
-            )
-            build_whole(self.lightning_module, self.root_device, recording)
-            self._recording = None
-        rank_zero_info(self._auto.choice.line())
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """``zero_auto``: after the first steps, the measured peak next to the predicted one."""
-        super().on_train_batch_start(batch, batch_idx)
-        if (
-            self._auto is not None
-            and self._auto.measured is None
-            and self.lightning_module is not None
-            and (self.lightning_module.trainer.global_step >= STEPS_MEASURED)
-        ):
-            self._measure_peak()
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self._auto is not None and self._auto.measured is None:
-            self._measure_peak()
-
-    def _measure_peak(self) -> None:
-        assert self._auto is not None
-        peak = torch.tensor(float(self._auto.meter.peak()))
-        self._auto.measured = int(self.reduce(peak, reduce_op="max"))
-        rank_zero_info(self._auto.report())
-
-    @property
-    def auto_run(self) -> Optional[AutoRun]:
-        """``zero_auto``: the last choice (``.choice``, with every prediction) and the measured peak (``.measured``),
-        ``None`` for a fixed stage."""
-        return self._auto
+        recording = self._recording if self._recording is not None else self._init_module.take(self.lightning_module)
+        self._recording = None  # construction is replayed once; the log holds no memory worth keeping
+        return recording
 
     @override
     def model_to_device(self) -> None:
@@ -295,6 +273,124 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         with self._init_module.context(self.root_device, self.precision_plugin.tensor_init_context(), True):
             yield
 
+    # ------------------------------------------------------------------ the step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.engine is not None and self.lightning_module is not None
+        self._step_boundary()
+        self.engine.begin_step()
+        self.engine.completed_steps = self.lightning_module.trainer.global_step  # named by the non-finite guard
+        output = super().training_step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            self.engine.end_step()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """An evaluation step between the engine's ``begin_step`` and ``end_step`` (stage 3 gathers and frees its
+        units around it), at a step boundary every rank agrees on signals at."""
+        assert self.engine is not None
+        self._step_boundary("evaluation.step")
+        self.engine.begin_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.engine.end_step()
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """The micro-batches ``accumulate_grad_batches`` runs before the one the step follows."""
+        assert self.engine is not None
+        with self.engine.no_backward_sync():
+            yield
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        assert self.engine is not None and self.lightning_module is not None
+        # manual optimization may run more forwards before its `optimizer.step()`: the root stays until the step ends
+        self.engine.finish_backward(include_root=self.lightning_module.automatic_optimization)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the sharded engines, so they are read after setup built them."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return self.engine.model_state()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.engine is not None
+        return self.engine.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Sharded (a directory, every rank writes its pieces) or full (one file on rank 0), as ``state_dict_type``
+        says."""
+        if storage_options is not None:  # as Lightning's fsdp and deepspeed strategies
+            raise TypeError(STORAGE_OPTIONS_ERROR)
+        assert self.engine is not None
+        self.engine.save_checkpoint(checkpoint, Path(filepath), writer="trainer")
+        self.last_checkpoint = Path(filepath)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)  # removes directories too
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A file is read whole (``ddp``'s form); a directory gives its ``meta.pt`` after every file was checked,
+        and the tensors are read later, straight into this rank's shards. Only data is unpickled unless
+        ``weights_only=False`` (see [Note: a checkpoint is data, never code] in ``checkpoints/trust.py``)."""
+        # see [Note: the Trainer's weights_only reaches a strategy that restores after setup] in early_checks.py
+        trusted = weights_only is False or (
+            weights_only is None and early_checks.requested_trust(self.lightning_module)
+        )
+        if Path(checkpoint_path).is_file() or "://" in str(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, False if trusted else weights_only)
+        meta = engine_state.read(Path(checkpoint_path), trusted=trusted)
+        writer = meta[KEY].get("writer")
+        if writer in ("fabric", "engine"):
+            # Fabric's and a plain loop's loop state is the user's own entries: the Trainer's loops start afresh,
+            # with no schedulers, from the step counter a plain loop recorded (see [Note: a plain loop's step])
+            meta.setdefault("lr_schedulers", [])
+            meta.setdefault("pytorch-lightning_version", lightning.__version__)
+            assert self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            if writer == "engine" and "loops" not in meta and trainer.state.fn == "fit":
+                meta["loops"] = {"fit_loop": _fit_loop_at_step(trainer, int(meta.get("global_step") or 0))}
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.engine is not None
+        self.engine.load_model_state(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.engine is not None
+        self.engine.load_optimizer_states(checkpoint)
+
+    # ------------------------------------------------------------------ stopping and teardown
     def _stop_position(self) -> str:
         """For the stop message: the global step the ranks stopped at and the checkpoint to resume from (the last one
         this run wrote, else the one it started from)."""
@@ -338,9 +434,6 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
         elif self.model is not None:  # setup stopped inside stage 3's construction: no meta tensor may be left
             abandon_construction(self.model, self.root_device)
         super().teardown()
-        if self._choosing:  # the next fit chooses again, recording `configure_model` as zero3 until then
-            self.config = replace(self.config, stage=AUTO_UNTIL_SETUP, offload_optimizer=False, offload_params=False)
-            self.policy = policy_for(AUTO_UNTIL_SETUP)
         failure, self._failure = self._failure, None
         self._release_signals(failure)
 
@@ -349,6 +442,23 @@ class ZeroStrategy(CheckpointHooks, StepHooks, ZeroProcesses, ParallelStrategy):
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
     ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
+
+
+def _fit_loop_at_step(trainer: "pl.Trainer", global_step: int) -> dict[str, Any]:
+    """The state of a fresh fit loop whose optimizer steps stand at ``global_step``.
+
+    [Note: a plain loop's step]
+    A ``ZeroEngine`` checkpoint records ``global_step`` (its optimizer steps) but no loop state: the Trainer resumes
+    it with that step count (``trainer.global_step``, ``max_steps`` and the loggers' step go on from it), at the start
+    of an epoch, its data from the beginning. The step counter lives in the optimizer progress of the automatic or
+    manual optimization loop, whichever the module uses; both are set.
+    """
+    state = trainer.fit_loop.state_dict()
+    steps = {"ready": global_step, "completed": global_step}
+    automatic = state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]
+    manual = state["epoch_loop.manual_optimization.optim_step_progress"]
+    for progress in (automatic, manual):
+        progress["total"].update(steps)
+    state["epoch_loop.state_dict"]["_batches_that_stepped"] = global_step
+    return state
