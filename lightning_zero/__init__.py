@@ -3,10 +3,10 @@
 Importing the package registers ``zero1``, ``zero2``, ``zero3`` (and ``_spawn`` / ``_fork`` variants) with the
 Trainer and with Fabric, and ``zero_auto`` (the configuration chosen from the memory budget) with the Trainer,
 so that ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")`` work;
-:class:`ZeroEngine` runs the same steps from a plain PyTorch loop. Sharded checkpoints are read back with
-:func:`load_from_checkpoint`, :func:`consolidate` (or ``lightning-zero consolidate``), :func:`export_pretrained` (a
-Hugging Face directory, or ``lightning-zero export``) and, under other strategies, :class:`ZeroCheckpointIO`.
-:func:`load_pretrained` fills a model (sharded or not) from a Hugging Face ``save_pretrained`` directory, safetensors
+``ZeroEngine`` runs the same steps from a plain PyTorch loop. Sharded checkpoints are read back with
+``load_from_checkpoint``, ``consolidate`` (or ``lightning-zero consolidate``), ``export_pretrained`` (a
+Hugging Face directory, or ``lightning-zero export``) and, under other strategies, ``ZeroCheckpointIO``.
+``load_pretrained`` fills a model (sharded or not) from a Hugging Face ``save_pretrained`` directory, safetensors
 files or a ``torch.save`` state dict, a tensor at a time.
 """
 

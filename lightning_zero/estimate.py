@@ -1,7 +1,7 @@
 """Model-state memory per rank before running anything: the table in docs/stages.md for a model and a world size.
 
-The figures are :func:`~lightning_zero.shards.accounting.expected_model_state_bytes`, the same formula the tests hold
-the measured bytes (:func:`~lightning_zero.shards.accounting.measure_model_states`) to. Activations, module buffers, the
+The figures are ``expected_model_state_bytes``, the same formula the tests hold
+the measured bytes (``measure_model_states``) to. Activations, module buffers, the
 constant bucket buffers and stage 3's gathered units come on top.
 """
 
@@ -155,7 +155,7 @@ def model_state_table(num_params: int, world_size: int) -> dict[str, dict[str, f
 
 def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float]]]:
     """``{precision: {column: (device bytes, host bytes) per rank}}`` with ``offload_optimizer=True``, and for
-    ``"zero3+params"`` also ``offload_params=True`` (columns: :data:`OFFLOADED`)."""
+    ``"zero3+params"`` also ``offload_params=True`` (columns: ``OFFLOADED``)."""
     return {
         precision: {
             name: expected_offload_bytes(num_params, world_size, stage, precision, offload_params=params)
@@ -167,7 +167,7 @@ def offload_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple
 
 def disk_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[float, float, float]]]:
     """``{precision: {column: (device, host, disk) bytes per rank}}`` with ``offload_optimizer="disk"``, and for
-    ``"zero3+params"`` also ``offload_params="disk"`` (columns: :data:`OFFLOADED`)."""
+    ``"zero3+params"`` also ``offload_params="disk"`` (columns: ``OFFLOADED``)."""
     return {
         precision: {
             name: expected_disk_bytes(num_params, world_size, stage, precision, offload_params=params)
@@ -179,7 +179,7 @@ def disk_table(num_params: int, world_size: int) -> dict[str, dict[str, tuple[fl
 
 def largest_offloaded_model(memory_bytes: float, world_size: int) -> dict[str, dict[str, Optional[int]]]:
     """``{precision: {column: parameters}}`` whose device model states fit in ``memory_bytes`` per rank with the
-    offload of each column of :data:`OFFLOADED` (the host is assumed to hold its part). ``None``: no model state
+    offload of each column of ``OFFLOADED`` (the host is assumed to hold its part). ``None``: no model state
     stays on the device (``zero3+params``), so device memory sets no bound on the model states."""
     table: dict[str, dict[str, Optional[int]]] = {}
     for precision in PRECISIONS:
@@ -260,7 +260,7 @@ def format_estimate(
     num_params: int, world_size: int, memory_bytes: Optional[float] = None, module: Optional[torch.nn.Module] = None
 ) -> str:
     """The markdown tables ``lightning-zero estimate`` prints; with ``memory_bytes`` also ``zero_auto``'s choice
-    (see :func:`auto_lines`)."""
+    (see ``auto_lines``)."""
     lines = [
         f"Model states per rank for {num_params:,} trainable parameters on {world_size} "
         f"rank{'s' if world_size != 1 else ''} (Adam; activations, buffers and bucket buffers come on top; "
@@ -328,7 +328,7 @@ def format_estimate(
 
 
 def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
-    """The ZeRO++ section of the estimate: :func:`zeropp_traffic_table` as markdown."""
+    """The ZeRO++ section of the estimate: ``zeropp_traffic_table`` as markdown."""
     table = zeropp_traffic_table(num_params, block)
     columns = list(next(iter(table.values())))
     lines = [
@@ -347,7 +347,7 @@ def _zeropp_lines(num_params: int, block: int = 256) -> list[str]:
 
 
 def expected_by_kind(num_params: int, world_size: int, stage: int, precision: str) -> dict[str, float]:
-    """The table in docs/stages.md split by kind (the keys of :attr:`MeasuredRank.model_states`): 16-bit or fp32
+    """The table in docs/stages.md split by kind (the keys of ``MeasuredRank.model_states``): 16-bit or fp32
     parameters and gradients, fp32 masters (mixed precision only) and the optimizer's two states."""
     param_b, grad_b, opt_b = BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["32-true"])
     master_b = 4 if precision.endswith("-mixed") else 0
@@ -366,7 +366,7 @@ def measure_model(
     world_size: int,
     **kwargs: Any,
 ) -> "MeasuredRank":
-    """:func:`~lightning_zero.lightning.simulated.measure_rank` of ``class_path(**init_args)`` (a LightningModule with
+    """``measure_rank`` of ``class_path(**init_args)`` (a LightningModule with
     its own ``train_dataloader``), built under the Trainer's ``init_module`` as a zero3 run builds it."""
     from lightning_zero.lightning.simulated import (  # the Trainer only when asked for
         check_lightning_module_class,

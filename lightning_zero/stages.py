@@ -3,7 +3,7 @@
 The rest of the package asks a policy questions (``reduces_in_backward``, ``shards_params``, ``grad_hooks_at_setup``)
 instead of comparing stage numbers or combining flags, so adding a stage means adding a policy here. Every list of
 stages (the options' check, the registered strategy names, the memory table, the estimate) comes from
-:data:`STAGES`.
+``STAGES``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ STAGES: tuple[int, ...] = tuple(_POLICIES)
 
 
 def policy_for(stage: int) -> StagePolicy:
-    """Return the policy of ``stage``; the stage number must already be validated by :class:`ZeroConfig`."""
+    """Return the policy of ``stage``; the stage number must already be validated by ``ZeroConfig``."""
     return _POLICIES[stage]
 
 

@@ -7,12 +7,12 @@ preserved (dropout draws the same mask when recomputed; autocast is replayed by 
 in ``nn.Module.__call__`` around ``forward``, so they stay outside the checkpoint: stage 3's pre-forward hook gathers
 the unit once for the real forward and its post-forward hook frees it; in backward the hook on the block's output
 gathers it once more, before the recomputation reads the parameters, so a checkpointed unit costs one all-gather in
-backward, as without checkpointing. Wrapping is idempotent and :meth:`ActivationCheckpointing.remove` undoes it.
+backward, as without checkpointing. Wrapping is idempotent and ``ActivationCheckpointing.remove`` undoes it.
 Under ``torch.no_grad`` (validation) a block runs plainly.
 
 [Note: what a checkpoint holds]
 Non-reentrant checkpointing keeps nothing of the block's interior: it saves the block's *inputs* through the default
-saved-tensor hooks, then pushes its own hooks for everything inside. :class:`ActivationStore`'s hooks are pushed
+saved-tensor hooks, then pushes its own hooks for everything inside. ``ActivationStore``'s hooks are pushed
 around each checkpoint call only, so they see exactly the block inputs (the paper's activation checkpoints) and
 decide where these live: on the device as they are (no copy), in host memory (Pa+cpu), as this rank's 1/k slice (Pa),
 and/or inside one preallocated buffer (MD). Autograd reattaches the input's ``grad_fn`` on unpack, so unpack only has
@@ -310,7 +310,7 @@ def checkpoint_blocks(
     """Checkpoint ``module``'s blocks in place: ``True`` for the repeated blocks (``unit_classes`` if given, else
     the children of ``nn.ModuleList`` / ``nn.Sequential``), or the block classes (or class names) to checkpoint.
 
-    ``partition_group`` is a process group (see :func:`resolve_partition_group`) of ranks holding identical block
+    ``partition_group`` is a process group (see ``resolve_partition_group``) of ranks holding identical block
     inputs. Also usable without Lightning.
     """
     classes = unit_classes if blocks is True else tuple(blocks)  # type: ignore[arg-type]
@@ -338,7 +338,7 @@ class ActivationPolicy:
     activation_offload: bool
     """Pa+cpu: the checkpointed block inputs wait in host memory."""
     activation_partition_group: PartitionGroup
-    """Pa: the ranks holding identical block inputs (see :func:`resolve_partition_group`)."""
+    """Pa: the ranks holding identical block inputs (see ``resolve_partition_group``)."""
     contiguous_checkpoints: bool
     """MD: the checkpointed block inputs live in one preallocated buffer."""
     unit_classes: tuple[Union[type, str], ...]

@@ -2,7 +2,7 @@
 
 Everything here runs in one plain process (no process group needed) and reads the directory with
 ``torch.distributed.checkpoint`` straight into preallocated full tensors, so the peak memory is about the size of
-what is produced: the output file's tensors for :func:`consolidate`. Building a LightningModule from a checkpoint
+what is produced: the output file's tensors for ``consolidate``. Building a LightningModule from a checkpoint
 (``load_from_checkpoint``) and ``ZeroCheckpointIO`` are the Trainer's side: ``lightning/trainer/checkpoint_io.py``.
 """
 
@@ -114,7 +114,7 @@ def consolidate(
     path: _PATH, out: _PATH, weights_only: bool = False, dtype: Optional[torch.dtype] = None, trust_code: bool = False
 ) -> Path:
     """Write the sharded checkpoint ``path`` as one standard Lightning checkpoint file ``out`` (atomically); see
-    :func:`load_full_checkpoint` for the arguments."""
+    ``load_full_checkpoint`` for the arguments."""
     checkpoint = load_full_checkpoint(path, weights_only=weights_only, dtype=dtype, trust_code=trust_code)
     save_file(checkpoint, Path(out))
     return Path(out)
@@ -168,7 +168,7 @@ def saved_entries(checkpoint: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-#: ``format`` of :func:`inspect_checkpoint`'s summary of a checkpoint file.
+#: ``format`` of ``inspect_checkpoint``'s summary of a checkpoint file.
 FILE_FORMAT = "file"
 
 

@@ -3,8 +3,8 @@
 [Note: a failed save is agreed on]
 A save is a sequence of steps, some of them on rank 0 alone (clearing stale staging directories, making the staging
 directory, writing ``meta.pt``, the rename) and some collective (DCP's write, gathering the file sizes). A step that
-can fail on one rank is followed by :func:`agree_on_failure` before the next collective: every rank learns which
-rank failed and why, and every rank raises the same :class:`CheckpointError`, which names the rank, the step, the
+can fail on one rank is followed by ``agree_on_failure`` before the next collective: every rank learns which
+rank failed and why, and every rank raises the same ``CheckpointError``, which names the rank, the step, the
 errno and what to do. Otherwise the ranks that did not fail would wait in the next collective until the other one's
 socket closes (gloo: "Connection closed by peer", no cause) or the process-group timeout (NCCL: 30 minutes).
 
@@ -41,7 +41,7 @@ def agree_on_failure(path: Path, doing: str, failed: Optional[BaseException]) ->
     """Collective: raise on every rank if ``doing`` (a step of saving ``path``) failed on any rank.
 
     ``failed`` is this rank's exception, if any. An interrupt (``KeyboardInterrupt``, ``SystemExit``) on this rank is
-    re-raised as it is; everything else becomes a :class:`CheckpointError` (see [Note: a failed save is agreed on]).
+    re-raised as it is; everything else becomes a ``CheckpointError`` (see [Note: a failed save is agreed on]).
     """
     every = collectives.all_gather_objects(None if failed is None else _reports(failed))
     reports = sorted({report for part in every if part for report in part})

@@ -1,7 +1,7 @@
 """A checkpoint of this package as a Hugging Face ``save_pretrained`` directory, written a shard at a time.
 
 [Note: exporting a shard at a time]
-:func:`export_pretrained` reads a sharded checkpoint directory (or one file in ``ddp``'s form, e.g. from
+``export_pretrained`` reads a sharded checkpoint directory (or one file in ``ddp``'s form, e.g. from
 ``consolidate``) and writes what ``PreTrainedModel.save_pretrained`` writes: ``config.json`` (and
 ``generation_config.json``), the weights as ``model.safetensors`` or as ``model-00001-of-0000N.safetensors`` shards
 of at most ``max_shard_size`` bytes with ``model.safetensors.index.json``. The shards are planned from the
@@ -270,7 +270,7 @@ def _configs(
 # ---------------------------------------------------------------------- export
 @dataclass(frozen=True)
 class ExportResult:
-    """What :func:`export_pretrained` wrote."""
+    """What ``export_pretrained`` wrote."""
 
     directory: Path
     files: list[str]

@@ -1,7 +1,7 @@
 """Model and optimizer state between ZeRO's sharded form and the per-parameter form DDP checkpoints use.
 
 [Note: the canonical form]
-A checkpoint written by :class:`~lightning_zero.ZeroStrategy` holds exactly what Lightning's ``ddp`` would write:
+A checkpoint written by ``ZeroStrategy`` holds exactly what Lightning's ``ddp`` would write:
 ``state_dict`` with full weights (fp32 masters under mixed precision, so resuming loses nothing) and
 ``optimizer_states`` in ``torch.optim.Optimizer.state_dict()`` form, keyed by the index of each original parameter
 in the user's param groups. Each rank contributes its pieces, rank 0 assembles them; loading slices the pieces a

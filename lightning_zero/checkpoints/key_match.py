@@ -22,7 +22,7 @@ from lightning_zero.comm import collectives
 LOW_COVERAGE = 0.5
 
 
-#: How a user renames a checkpoint's keys, after a :func:`prefix_hint`.
+#: How a user renames a checkpoint's keys, after a ``prefix_hint``.
 RENAME = (
     ": `lightning_zero.load_full_checkpoint(path)` gives the checkpoint as a dict whose `state_dict` keys can be "
     "renamed before `model.load_state_dict(...)`"

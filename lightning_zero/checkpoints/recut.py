@@ -5,15 +5,15 @@ A tensor-parallel slice is stored as its slice of a stacked tensor ``(t, *local 
 [Note: tensor-parallel slices in a checkpoint] in ``shards.py``), and the metadata names the dimension the slices
 join along and the blocks (``parts``) of the whole tensor. The stacked layout at t and the one at t' are two
 orderings of the same elements of the whole tensor, so an element's place in the saved flat tensor follows from its
-place here by arithmetic alone (:func:`stacked_to_whole`, :func:`whole_to_stacked`): whole index ``(a, f, b)``
+place here by arithmetic alone (``stacked_to_whole``, ``whole_to_stacked``): whole index ``(a, f, b)``
 around the cut dimension, f in block ``q`` at offset ``w``, is on tensor rank ``w // (F / (parts t))``. A destination
 piece (this rank's range ``[start, start + n)`` of the stacked tensor at t') is therefore a sequence of runs that are
-contiguous in both layouts, each a whole number of granules (:func:`_granule`; for a cut along the first dimension
-without blocks, one run: the layouts agree), and the runs are read by DCP (:func:`to_saved_layout`). DCP's file reader
+contiguous in both layouts, each a whole number of granules (``_granule``; for a cut along the first dimension
+without blocks, one run: the layouts agree), and the runs are read by DCP (``to_saved_layout``). DCP's file reader
 loads a whole saved chunk for every item it reads, so a row-parallel weight's thousands of short runs are not read one
 by one: consecutive runs are read as one window of the saved tensor (the runs in saved order, at most ``WINDOW``
 elements from the first run's start to the last one's end) into a staging buffer, then copied into place
-(:func:`finish`); a window of a single run is read straight into the destination. The staging a rank holds during a load
+(``finish``); a window of a single run is read straight into the destination. The staging a rank holds during a load
 spans the saved ranges over what it owns: about its own share where the new cut is coarser, at most the saved slices it
 draws from where it is finer (twice its share from t to 2t); no rank holds a whole tensor unless it owns it, and the
 data-parallel resharding works as before. A tensor written at t = 1 (no slice marker in the checkpoint) is the whole
@@ -22,7 +22,7 @@ from the checkpoint's metadata. Column- and row-parallel
 layouts differ only in that dimension (0 for the column-parallel weight and bias, 1 for the row-parallel weight),
 which comes from the slice marker (``shards/slices.py``) here and from the metadata of the checkpoint.
 
-What cannot be re-cut is refused before anything is read (:func:`cannot_recut`): a state of a sliced parameter that
+What cannot be re-cut is refused before anything is read (``cannot_recut``): a state of a sliced parameter that
 is not per element. Adafactor keeps, for a weight of shape (O, I), the running means of its squared gradient over
 each row (a factor of O entries) and over each column (I entries); a slice keeps them over its own rows and columns.
 For a column-parallel slice (rows cut) the row factor is per row and would join; the column factor is a mean over
@@ -120,7 +120,7 @@ def saved_cut(info: dict[str, Any], key: str) -> Optional[Cut]:
 
 
 def shard_cut(shard: Shard) -> Optional[Cut]:
-    """The cut of a destination :class:`Shard` (a slice's per-element tensor), ``None`` for any other."""
+    """The cut of a destination ``Shard`` (a slice's per-element tensor), ``None`` for any other."""
     if shard.local_shape is None or shard.joins_along is None:
         return None
     return Cut(shard.full_shape, shard.joins_along, shard.parts, shard.shape[0])
@@ -166,7 +166,7 @@ def to_saved_layout(key: str, shard: Shard, info: dict[str, Any]) -> tuple[Shard
     """``shard`` (this rank's destination pieces of ``key``) as pieces of the tensor the checkpoint stored, and the
     copies to make once they are read: ``shard`` itself where the cuts agree; else windows of the saved stacked
     tensor over this rank's runs (see [Note: re-cutting tensor-parallel slices on load]), read into staging buffers
-    and copied into the destination pieces by :func:`finish` (a window of one run is the destination view itself)."""
+    and copied into the destination pieces by ``finish`` (a window of one run is the destination view itself)."""
     cuts = _cuts(info, key, shard)
     if cuts is None:
         return shard, []
@@ -191,7 +191,7 @@ def to_saved_layout(key: str, shard: Shard, info: dict[str, Any]) -> tuple[Shard
 
 
 def finish(copies: list[Copy]) -> None:
-    """Copy the read staging windows into the destination pieces (:func:`to_saved_layout`)."""
+    """Copy the read staging windows into the destination pieces (``to_saved_layout``)."""
     with torch.no_grad():
         for staged, dest in copies:
             dest.copy_(staged)
@@ -223,7 +223,7 @@ def _granule(src: Cut, dst: Cut) -> int:
 def _runs(start: int, n: int, granule: int, src: Cut, dst: Cut) -> list[list[int]]:
     """``[offset in the piece, start in the saved stacked tensor, length]`` of the runs of the stacked range
     ``[start, start + n)`` at ``dst`` that are contiguous at ``src``: the range cut at every multiple of ``granule``
-    (:func:`_granule`), each part mapped by its first element, neighbours that stay contiguous merged (``CHUNK``
+    (``_granule``), each part mapped by its first element, neighbours that stay contiguous merged (``CHUNK``
     parts at a time, so the index arithmetic holds a bounded number of indices)."""
     end = start + n
     first = (start // granule + 1) * granule

@@ -42,7 +42,7 @@ def split_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, Shard], dict[str, Any]]:
     """Cut Lightning's checkpoint dict into DCP objects, this rank's shards, and ``meta.pt`` (complete on rank 0).
 
-    ``checkpoint["state_dict"]`` holds :class:`Shard` values (``ZeroStrategy.lightning_module_state_dict``) and each
+    ``checkpoint["state_dict"]`` holds ``Shard`` values (``ZeroStrategy.lightning_module_state_dict``) and each
     of ``checkpoint["optimizer_states"]`` ``{"state": {index: {key: Shard or value}}, "param_groups": [...]}``.
     """
     objects: dict[str, Any] = {}
@@ -311,7 +311,7 @@ def check_optimizer_fits(
     wholes: Optional[list[Optional[tuple[int, ...]]]] = None,
 ) -> None:
     """Refuse an optimizer state saved for other param groups or parameters: with ``wholes`` (the saved parameters'
-    whole shapes, :func:`_saved_wholes`) the shapes of the whole tensors their tensor-parallel slices are cut from,
+    whole shapes, ``_saved_wholes``) the shapes of the whole tensors their tensor-parallel slices are cut from,
     which any tensor-parallel size shares; where a whole shape is unknown (``None``) the slices' own shapes."""
     if list(saved["group_sizes"]) != sharded.group_sizes:
         raise CheckpointError(

@@ -9,7 +9,7 @@ every tensor is a union of 1-D ranges, loading is the same whatever the writer's
 for the ranges it owns now (or ``[0, numel)`` for a full copy) and reads the overlaps with the saved pieces. The
 tensors' shapes travel in the checkpoint's metadata.
 
-The same :class:`Shard` objects are sources when saving (views of the master shard and the optimizer state, no
+The same ``Shard`` objects are sources when saving (views of the master shard and the optimizer state, no
 copy) and destinations when loading (views the reader writes into in place), so loading needs no second copy of
 the weights.
 
@@ -107,7 +107,7 @@ class Shard:
 
 
 def model_shards(module: torch.nn.Module, storages: Sequence[ShardedStorage], full_copies: bool) -> dict[str, Shard]:
-    """Every entry of ``module.state_dict()`` as this rank's :class:`Shard` (see [Note: every tensor is flat ...]).
+    """Every entry of ``module.state_dict()`` as this rank's ``Shard`` (see [Note: every tensor is flat ...]).
 
     Managed parameters give the pieces of their master weights (full precision); every other tensor is one whole
     piece where ``full_copies`` (rank 0 when saving; every rank when loading, where each needs its full copy), and an
@@ -179,7 +179,7 @@ def param_groups(sharded: ShardedOptimizer) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- loading the optimizer state
 @dataclass
 class OptimizerDestination:
-    """Where a loaded optimizer state lands: :class:`Shard` destinations to read, then :meth:`install`."""
+    """Where a loaded optimizer state lands: ``Shard`` destinations to read, then ``install``."""
 
     sharded: ShardedOptimizer
     shards: dict[tuple[int, str], Shard] = field(default_factory=dict)
@@ -189,7 +189,7 @@ class OptimizerDestination:
     slot_states: list[dict[str, Tensor]] = field(default_factory=list)
     """Per master slot, its per-element states (the shards' pieces are views of them)."""
     whole: dict[int, dict[str, Shard]] = field(default_factory=dict)
-    """Per canonical index, the states read whole (``step``, factored statistics); also in :attr:`shards`."""
+    """Per canonical index, the states read whole (``step``, factored statistics); also in ``shards``."""
 
     def install(self, groups: list[dict[str, Any]]) -> None:
         """Hand the read state to the user's optimizer (``Optimizer.load_state_dict``, so dtypes and devices fit).

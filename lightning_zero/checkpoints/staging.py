@@ -17,7 +17,7 @@ then left for the user to delete, and the renames are not serialized.
 
 [Note: every byte a load reads is checked first]
 ``meta.pt`` records the size and CRC-32 of every other file a load reads (the shards and DCP's ``.metadata``). Its
-own size and CRC-32 are in ``meta.crc32``, written after it; :func:`read_meta_bytes` checks them before
+own size and CRC-32 are in ``meta.crc32``, written after it; ``read_meta_bytes`` checks them before
 ``torch.load`` turns a single byte of it into state (a flipped bit in a pickled float would otherwise become, say,
 an Adam ``beta2`` of 8.6e-78 and a run that trains to NaN).
 """
@@ -75,7 +75,7 @@ def meta_digest_problem(directory: Path, data: bytes) -> Optional[str]:
 # ---------------------------------------------------------------------- staging directories
 class StagingLock:
     """The exclusive ``flock`` a live writer holds on its staging directory (see [Note: writers that cannot
-    collide]); :meth:`release` once the directory was renamed into place or removed."""
+    collide]); ``release`` once the directory was renamed into place or removed."""
 
     def __init__(self, fd: Optional[int]) -> None:
         self.fd = fd

@@ -73,7 +73,7 @@ KEY = "lightning_zero"
 
 # ---------------------------------------------------------------------- DCP planners for 1-D pieces
 class _ShardSavePlanner(DefaultSavePlanner):
-    """Writes each :class:`Shard` piece as a chunk ``[start, start + n)`` of a 1-D tensor of the full size."""
+    """Writes each ``Shard`` piece as a chunk ``[start, start + n)`` of a 1-D tensor of the full size."""
 
     def __init__(self, shards: dict[str, Shard]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -109,7 +109,7 @@ class _ShardSavePlanner(DefaultSavePlanner):
 
 
 class _ShardLoadPlanner(DefaultLoadPlanner):
-    """Reads, for every :class:`Shard` destination piece, its overlaps with the saved pieces."""
+    """Reads, for every ``Shard`` destination piece, its overlaps with the saved pieces."""
 
     def __init__(self, shards: dict[str, Shard], source: Path, trusted: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -156,7 +156,7 @@ def save_sharded(path: Path, objects: dict[str, Any], shards: dict[str, Shard], 
 
     ``objects`` are small non-tensor values (pickled, deduplicated across ranks), ``shards`` this rank's pieces,
     ``meta`` what rank 0 writes to ``meta.pt``; ``meta[KEY]["files"]`` is filled in here. A failure on any rank
-    raises :class:`CheckpointError` on every rank (see [Note: a failed save is agreed on]).
+    raises ``CheckpointError`` on every rank (see [Note: a failed save is agreed on]).
     """
     path = Path(path)
     token = collectives.broadcast_object(uuid.uuid4().hex[:12])

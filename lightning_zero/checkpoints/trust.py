@@ -8,7 +8,7 @@ is called (a check of the result after unpickling would come too late: the paylo
 
 - ``meta.pt``, the objects DCP stores pickled (non-tensor optimizer values, empty tensors) and single checkpoint
   files: ``torch.load(weights_only=True)`` (tensors, numbers, strings, ``None``, lists, tuples, dicts, sets,
-  ``torch.Size``, dtypes, devices) inside ``torch.serialization.safe_globals`` of :data:`DATA_TYPES`, the path
+  ``torch.Size``, dtypes, devices) inside ``torch.serialization.safe_globals`` of ``DATA_TYPES``, the path
   types Lightning keeps in hyperparameters and callback states. That is all the project writes: its own metadata
   is dicts, lists, tuples, strings and numbers, and Lightning's checkpoint dict (loops, callbacks, schedulers,
   ``hyper_parameters`` as a plain ``dict``) is data too. Types a user registered with ``torch.serialization.
@@ -17,10 +17,10 @@ is called (a check of the result after unpickling would come too late: the paylo
   weights-only reader fills no ``dict`` subclass, so it is refused by name like any other type; save
   ``dict(model.hparams)``, or load with ``weights_only=False``.
 - DCP's ``.metadata``, a plain pickle that ``FileSystemReader`` would unpickle without restriction:
-  :class:`SafeFileSystemReader` reads it with :class:`_MetadataUnpickler`, which resolves DCP's own metadata
-  classes (:data:`METADATA_GLOBALS`), ``torch.Size``, dtypes, layouts and paths, and nothing else.
+  ``SafeFileSystemReader`` reads it with ``_MetadataUnpickler``, which resolves DCP's own metadata
+  classes (``METADATA_GLOBALS``), ``torch.Size``, dtypes, layouts and paths, and nothing else.
 
-A refused file raises :class:`UntrustedCheckpointError`, naming the file and the refused types and saying how to
+A refused file raises ``UntrustedCheckpointError``, naming the file and the refused types and saying how to
 load a file one trusts: ``weights_only=False`` on Lightning's and Fabric's loads, ``trust_code=True`` on ours,
 ``--trust-code`` on the command line. That switch holds for the one load it is passed to; nothing else turns the
 checks off.
@@ -53,7 +53,7 @@ TRUST_HINT = (
 #: in hyperparameters (``data_dir: Path``) and callback states. Building one touches no file.
 DATA_TYPES: tuple[type, ...] = (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 
-#: ``(module, name)`` of the classes DCP pickles into ``.metadata``, resolved by :class:`_MetadataUnpickler`.
+#: ``(module, name)`` of the classes DCP pickles into ``.metadata``, resolved by ``_MetadataUnpickler``.
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     [
         ("torch.distributed.checkpoint.metadata", name)
@@ -149,7 +149,7 @@ class _Refused(pickle.UnpicklingError):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only :data:`METADATA_GLOBALS` and torch's dtypes (exact names: no dotted lookups through them)."""
+    """Resolves only ``METADATA_GLOBALS`` and torch's dtypes (exact names: no dotted lookups through them)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in METADATA_GLOBALS or (
@@ -160,7 +160,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(stream: IO[bytes], file: Path, trusted: bool = False) -> Metadata:
-    """DCP's ``.metadata`` index, unpickled with :class:`_MetadataUnpickler` unless ``trusted``."""
+    """DCP's ``.metadata`` index, unpickled with ``_MetadataUnpickler`` unless ``trusted``."""
     if trusted:
         return pickle.load(stream)
     try:
@@ -178,7 +178,7 @@ def load_dcp_metadata(stream: IO[bytes], file: Path, trusted: bool = False) -> M
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's ``FileSystemReader`` reading ``.metadata`` through :func:`load_dcp_metadata` (see [Note: a checkpoint
+    """DCP's ``FileSystemReader`` reading ``.metadata`` through ``load_dcp_metadata`` (see [Note: a checkpoint
     is data, never code]). DCP wraps what ``read_metadata`` raises into errors of its own (it then tries a
     rank-local index, and reports both): the refusal is kept in ``refused`` for the caller to raise as it is."""
 

@@ -4,8 +4,8 @@
 gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are much slower than its all-reduce of the same
 buffer, and its all-reduce moves twice the bytes a reduce-scatter or an all-gather needs (timings:
 benchmarks/RESULTS.md, "Profile and fixes (part 5)" and "Pairwise exchanges on gloo", from
-``benchmarks/gloo_collectives.py``). So on gloo the two run as pairwise exchanges (:func:`_exchange_gather`,
-:func:`_exchange_reduce`): every rank sends each peer that peer's chunk and receives its own from each peer, point
+``benchmarks/gloo_collectives.py``). So on gloo the two run as pairwise exchanges (``_exchange_gather``,
+``_exchange_reduce``): every rank sends each peer that peer's chunk and receives its own from each peer, point
 to point, straight into the output; a reduce-scatter then adds its own chunk to what it received. That is the least
 any algorithm moves, half of the all-reduce's, with no temporary: an all-gather receives into the output's chunks,
 and a reduce-scatter in a group of two receives into the output. A larger group's reduce-scatter would need a
@@ -50,12 +50,12 @@ SIMULATED_BACKEND = "fake"
 
 
 def _pg(group: Optional[Any]) -> Optional[Any]:
-    """The ``torch.distributed`` process group behind ``group`` (a :class:`Group`, a process group or ``None``)."""
+    """The ``torch.distributed`` process group behind ``group`` (a ``Group``, a process group or ``None``)."""
     return group.process_group if isinstance(group, Group) else group
 
 
 def _count(kind: str, tensor: torch.Tensor, group: Optional[Any]) -> None:
-    """Count one ``kind`` collective of ``tensor`` if ``group`` is a :class:`Group` (see [Note: counted groups] in
+    """Count one ``kind`` collective of ``tensor`` if ``group`` is a ``Group`` (see [Note: counted groups] in
     ``traffic.py``)."""
     if isinstance(group, Group):
         group.traffic.add(kind, tensor, group.scope)
@@ -276,7 +276,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Optional[Any] = None
 
 
 def all_reduce_async(tensor: torch.Tensor, group: Optional[Any] = None) -> Any:
-    """In-place sum over ``group``, started now; returns the work to :func:`wait` on (done at once without peers)."""
+    """In-place sum over ``group``, started now; returns the work to ``wait`` on (done at once without peers)."""
     if not is_distributed(group):
         return _DoneWork()
     _count("all_reduce", tensor, group)
@@ -348,10 +348,10 @@ def new_group(rank_lists: list[list[int]]) -> Optional[Any]:
 # store outlives a restart (``--max-restarts``): the keys of the previous attempt's process groups are still in it, so
 # the restarted workers read the old attempt's addresses and fail to connect ("Connection refused"), or wait in a
 # group's creation. So the default group of a strategy of ours is made on the same store with the keys of each attempt
-# under a prefix of their own (:func:`attempt_store`, torch's own ``env://`` rendezvous, nothing else), and every
-# group it makes after that has the default group's timeout (:func:`make_group`; ``dist.new_group`` would give it
+# under a prefix of their own (``attempt_store``, torch's own ``env://`` rendezvous, nothing else), and every
+# group it makes after that has the default group's timeout (``make_group``; ``dist.new_group`` would give it
 # torch's 30 minutes, whatever the user's ``timeout``). A failure while groups are made in a restarted attempt says
-# what the likely cause is and how to opt out of the sharing (:func:`restart_hint`): a default group made by the user
+# what the likely cause is and how to opt out of the sharing (``restart_hint``): a default group made by the user
 # (a plain loop under torchrun) reads the shared store as it is.
 
 #: torchrun's opt-out of the shared rendezvous store: each attempt then gets a store of its own.
@@ -488,7 +488,7 @@ def job_group(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     communicators (NCCL's, gloo's sockets and threads) for as long as the job runs: making them again for every
     ``fit``, engine or test in one process would leak them and ask every rank to agree on when. So this registry,
     keyed by the default group and what the groups are for, is process state by design; it holds process groups
-    only. What is counted over them belongs to each :class:`~lightning_zero.comm.groups.ShardGroups` (see
+    only. What is counted over them belongs to each ``ShardGroups`` (see
     [Note: counted groups] in ``traffic.py``).
     """
     full = (id(dist.group.WORLD), *key)
@@ -509,7 +509,7 @@ def release_process_groups() -> None:
 
 class PendingPositions:
     """Every rank's few integers (the same count on each) on their way to every rank, over ``group`` (from
-    :func:`make_lockstep_group`), on the CPU: made when sent, :meth:`result` waits. Control messages, not payload:
+    ``make_lockstep_group``), on the CPU: made when sent, ``result`` waits. Control messages, not payload:
     not counted."""
 
     def __init__(self, values: list[int], group: Any) -> None:

@@ -5,7 +5,7 @@ each group's traffic is counted. Every collective still goes through ``collectiv
 [Note: hybrid sharding and its traffic]
 With ``shard_group_size=k`` (k divides N; ``"node"``: a node's devices) the N ranks form N/k *shard groups* of k
 consecutive ranks and k *replica groups* of R = N/k ranks (the ranks with the same position in every shard group); see
-:func:`make_shard_groups`. Model states are sharded over the shard group exactly as over N ranks without hybrid
+``make_shard_groups``. Model states are sharded over the shard group exactly as over N ranks without hybrid
 sharding and are replicated across the replica group. Per step and per rank, with Ψ the (padded) parameter count,
 the counters count (logical payload, see [Note: what the counters count] in ``traffic.py``):
 
@@ -30,18 +30,18 @@ from lightning_zero.comm import collectives
 from lightning_zero.comm.traffic import Group, Traffic
 
 _COUNTED = ("shard", "replicate", "tensor", "data", "secondary")
-"""The fields of :class:`ShardGroups` that hold a process group; each counts under its own name as scope (``shard``
+"""The fields of ``ShardGroups`` that hold a process group; each counts under its own name as scope (``shard``
 made with ``None``, the world, under ``"world"``)."""
 
 
 @dataclass(frozen=True, eq=False)
 class ShardGroups:
     """The communication object of one engine: the process groups it shards over, replicates across and (under tensor
-    parallelism) leaves to the module, and the :class:`~lightning_zero.comm.traffic.Traffic` their collectives
+    parallelism) leaves to the module, and the ``Traffic`` their collectives
     count into (see [Note: hybrid sharding and its traffic] and [Note: counted groups] in ``traffic.py``).
 
     Made with process groups (or ``None``); each field then holds a counted
-    :class:`~lightning_zero.comm.traffic.Group` over that process group, which every function of
+    ``Group`` over that process group, which every function of
     ``collectives.py`` takes as its ``group``. The default (``ShardGroups()``) is plain ZeRO: the whole world
     shards (``shard`` counts under ``"world"``), nothing replicates.
     """
@@ -105,7 +105,7 @@ class ShardGroups:
 
     @property
     def data_source(self) -> int:
-        """The global rank whose weights :attr:`data_group` starts from (its first rank)."""
+        """The global rank whose weights ``data_group`` starts from (its first rank)."""
         group = self.data_group
         return collectives.global_rank(group, 0) if group.process_group is not None else 0
 
@@ -116,7 +116,7 @@ def make_shard_groups(
     device_type: str = "cpu",
     secondary_shard_group_size: Optional[int] = None,
 ) -> ShardGroups:
-    """Collective: the :class:`ShardGroups` of this rank for shard groups of ``shard_group_size`` ranks, or, with
+    """Collective: the ``ShardGroups`` of this rank for shard groups of ``shard_group_size`` ranks, or, with
     ``tensor_parallel_size > 1``, for ZeRO over the data dimension of a (data x tensor) mesh; a new object (its own
     counters) on every call.
 
@@ -268,11 +268,11 @@ def resolve_secondary_group_size(configured: Optional[int], world_size: int, sha
 class GroupSizes:
     """The sizes of a job's groups, resolved once from the options and the world, then handed down (as torchtitan's
     ``ParallelDims``): the engine without Lightning resolves them over the world it finds, the strategies over their
-    nodes and devices before any process starts; :meth:`make` turns them into one engine's :class:`ShardGroups`.
+    nodes and devices before any process starts; ``make`` turns them into one engine's ``ShardGroups``.
 
     [Note: the group sizes are resolved in one place]
     ``shard_group_size="node"``, tensor parallelism and hpZ all change what the shard group is; every caller gets
-    its sizes from :meth:`resolve` (the strategies to refuse a bad size before launching, the engine when it is
+    its sizes from ``resolve`` (the strategies to refuse a bad size before launching, the engine when it is
     given no groups), so the rules and their errors are written once.
     """
 
@@ -304,7 +304,7 @@ class GroupSizes:
         return cls(world_size, shard, tensor_parallel_size, secondary)
 
     def make(self, device_type: str) -> ShardGroups:
-        """Collective: this rank's :class:`ShardGroups` (see :func:`make_shard_groups`)."""
+        """Collective: this rank's ``ShardGroups`` (see ``make_shard_groups``)."""
         return make_shard_groups(self.shard, self.tensor, device_type, self.secondary)
 
 

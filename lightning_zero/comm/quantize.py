@@ -11,7 +11,7 @@ weights, 4 for fp32), the ratio the traffic tests check.
 
 [Note: qwZ, the quantized all-gather of weights]
 With ``quantized_weights=True`` stage 3's all-gathers of a unit for compute (forward, backward, a recomputation)
-send each rank's chunk as codes and scales (:func:`all_gather_quantized`); on arrival every chunk, this rank's own
+send each rank's chunk as codes and scales (``all_gather_quantized``); on arrival every chunk, this rank's own
 included, is dequantized into the unit's buffer, so every rank computes with the same weights. Only the working
 copy is approximate: the masters, the optimizer step, the gradients' reduction and checkpoints stay exact, and the
 gathers outside compute (``gathered_parameters``, ``state_dict``, moving units to new optimizers) are exact. The
@@ -21,7 +21,7 @@ per chunk to whole blocks.
 
 [Note: qgZ, the quantized reduce-scatter of gradients]
 With ``quantized_gradients=True`` (stages 2 and 3) a bucket's reduce-scatter is replaced by the paper's all-to-all
-scheme (:func:`reduce_scatter_quantized`): each rank quantizes the N chunks of its bucket (chunk j is rank j's),
+scheme (``reduce_scatter_quantized``): each rank quantizes the N chunks of its bucket (chunk j is rank j's),
 one all-to-all sends chunk j's codes and scales to rank j, and each rank dequantizes the N contributions to its chunk
 and sums them in fp32. A rank sends ``T_b(1 + 4/block)`` bytes per bucket of T_b elements (T_b/N of them its own
 chunk, kept, as a ring reduce-scatter keeps it) instead of a reduce-scatter's ``T_b·w``. The sum differs from the

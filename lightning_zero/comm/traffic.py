@@ -10,7 +10,7 @@ algorithm (a ring moves about twice the payload times ``(N - 1) / N``) and are n
 group of one rank moves nothing and counts nothing.
 
 Which ranks form which group (shard, replicate, tensor) is ``groups.py``; each group's traffic counts under its
-scope in the counters of the :class:`~lightning_zero.comm.groups.ShardGroups` that owns it (see
+scope in the counters of the ``ShardGroups`` that owns it (see
 [Note: counted groups]).
 """
 
@@ -30,7 +30,7 @@ def _counts() -> defaultdict[str, int]:
 
 @dataclass
 class Traffic:
-    """Payload moved per collective kind since the last :meth:`reset`, in bytes and in elements."""
+    """Payload moved per collective kind since the last ``reset``, in bytes and in elements."""
 
     bytes: dict[str, int] = field(default_factory=_counts)
     elements: dict[str, int] = field(default_factory=_counts)
@@ -69,12 +69,12 @@ class Group:
 
     [Note: counted groups]
     The counters belong to the communication object of one set of shard groups
-    (:class:`~lightning_zero.comm.groups.ShardGroups`), not to the process: it hands out a :class:`Group` for each
-    of its process groups (``None`` here is the default group), all counting into its one :class:`Traffic`. Every
-    function of ``collectives.py`` accepts a :class:`Group` wherever it takes a ``group``; a bare process group (or
+    (``ShardGroups``), not to the process: it hands out a ``Group`` for each
+    of its process groups (``None`` here is the default group), all counting into its one ``Traffic``. Every
+    function of ``collectives.py`` accepts a ``Group`` wherever it takes a ``group``; a bare process group (or
     ``None``) talks the same but counts nowhere, since nobody owns its counters. So the engine's collectives all go
     over the groups of its ``ShardGroups`` (the module's tensor-parallel layers included: the engine binds them at
-    setup, see :func:`~lightning_zero.tensor_parallel.count_tensor_parallel`), and two engines, or two tests in
+    setup, see ``count_tensor_parallel``), and two engines, or two tests in
     one process, never count into each other's counters.
     """
 

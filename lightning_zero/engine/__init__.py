@@ -1,4 +1,4 @@
-"""The orchestrator: :class:`~lightning_zero.engine.engine.ZeroEngine` composes the shards, stage 3, ZeRO-R and the
+"""The orchestrator: ``ZeroEngine`` composes the shards, stage 3, ZeRO-R and the
 checkpoints into one training step, without Lightning (``engine.py``: the whole engine, step and checkpoints
 included; ``state.py``: the checkpoint format it writes and reads; ``module_state.py``: the set-up module's own
 ``state_dict``/``load_state_dict``; ``summary.py``: its one-line summary); ``amp.py`` is its numerics (precision

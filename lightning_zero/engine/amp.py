@@ -1,10 +1,10 @@
 """The engine's numerics, without Lightning: the precision modes, dynamic loss scaling and gradient clipping over
-shards. The Trainer's and Fabric's precision plugins are thin wrappers of :class:`PrecisionMode`.
+shards. The Trainer's and Fabric's precision plugins are thin wrappers of ``PrecisionMode``.
 
 [Note: the precision modes]
 ``32-true``: everything fp32. ``bf16-mixed`` / ``16-mixed``: the working parameters and gradients the engine manages
 are 16-bit, the forward runs under autocast, the optimizer steps on fp32 master shards; parameters no optimizer
-manages stay fp32 (autocast casts them). ``16-mixed`` scales the loss (:class:`LossScaler`). ``bf16-true``: the whole
+manages stay fp32 (autocast casts them). ``16-mixed`` scales the loss (``LossScaler``). ``bf16-true``: the whole
 module is bf16, the master shard too (no second copy).
 """
 

@@ -1,6 +1,6 @@
 """Building a model for stage 3 without holding it whole, as the adapters use it: the Trainer's
-``configure_model`` (:func:`sharded_construction`) and Fabric's ``init_module`` -> changes -> ``setup``
-(:class:`InitModuleRecording`, also the Trainer's ``init_module(empty_init=True)``); the recording and its replay
+``configure_model`` (``sharded_construction``) and Fabric's ``init_module`` -> changes -> ``setup``
+(``InitModuleRecording``, also the Trainer's ``init_module(empty_init=True)``); the recording and its replay
 are ``stage3/construction.py``'s."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_zero.stage3.materialize import drop_meta, move_materialized
 @contextmanager
 def sharded_construction(device: torch.device, recording: Optional[Recording] = None) -> Iterator[Recording]:
     """Build a model for stage 3 without holding it whole: inside, modules are made on the meta device and their
-    construction recorded; pass the recording to :class:`ZeroEngine` (``recording=``), which replays it one unit at
+    construction recorded; pass the recording to ``ZeroEngine`` (``recording=``), which replays it one unit at
     a time (see [Note: record and replay] in ``construction.py``). ``load_pretrained`` inside is done at setup.
     ``recording`` continues an earlier recording."""
     with record_construction(device, recording) as recording, pretrained.deferring():
@@ -41,7 +41,7 @@ class InitModuleRecording:
     ``empty_init=True`` the random generators are then put back to their state before the context, as skipped
     initializers leave them under ``ddp``: code that initializes again after the context (LitGPT's pretraining)
     draws exactly ``ddp``'s numbers, and so does the training after. A parameter that construction never writes
-    (``torch.empty`` and nothing after) would come out of setup as uninitialized memory: :meth:`check` refuses it.
+    (``torch.empty`` and nothing after) would come out of setup as uninitialized memory: ``check`` refuses it.
     Stages 1 and 2 build on the device and skip the initializers under ``empty_init=True``, as Lightning's
     ``deepspeed`` strategy does at those stages.
     """
@@ -52,7 +52,7 @@ class InitModuleRecording:
         """What setup replays (``None`` when nothing was built under ``init_module``)."""
         self.empty_init = False
         """Whether a context of this recording was asked for ``empty_init=True`` (the model must come out
-        initialized: see :meth:`check`)."""
+        initialized: see ``check``)."""
 
     @contextmanager
     def context(self, device: torch.device, init_context: AbstractContextManager, empty_init: bool) -> Iterator[None]:
@@ -76,7 +76,7 @@ class InitModuleRecording:
         return self.recording
 
     def take(self, module: nn.Module) -> Optional[Recording]:
-        """The recording of ``module``, handed to the engine once (it is replayed once), after :meth:`check`."""
+        """The recording of ``module``, handed to the engine once (it is replayed once), after ``check``."""
         recording, self.recording = self.stop(), None
         if recording is not None:
             self.check(module, recording)

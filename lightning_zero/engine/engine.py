@@ -1,6 +1,6 @@
 """``ZeroEngine``: ZeRO on one module and its optimizers, and one training step in one place, without Lightning.
 
-The Trainer's :class:`~lightning_zero.ZeroStrategy` and Fabric's :class:`~lightning_zero.ZeroFabricStrategy` are
+The Trainer's ``ZeroStrategy`` and Fabric's ``ZeroFabricStrategy`` are
 adapters over it; a plain PyTorch loop with ``torch.distributed`` initialized uses it directly::
 
     engine = ZeroEngine(model, [optimizer], stage=2, precision="bf16-mixed")
@@ -75,19 +75,19 @@ class ZeroEngine:
     """Installs ZeRO on ``module`` and the user's ``optimizers`` and runs their steps.
 
     Args:
-        module: the model. Under stage 3 it may have been built under :func:`sharded_construction` (pass the
+        module: the model. Under stage 3 it may have been built under ``sharded_construction`` (pass the
             recording as ``recording``), so that no rank ever holds it whole.
         optimizers: the user's optimizers over ``module``'s parameters (their objects, classes and hyperparameters
             stay theirs). None: evaluation only (stage 3 then still shards the weights).
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``, or a :class:`PrecisionMode`.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``, or a ``PrecisionMode``.
         device: this rank's device (default: the current CUDA device, else the CPU).
-        config: the options as a :class:`~lightning_zero.ZeroConfig`, or give them as keyword arguments instead
+        config: the options as a ``ZeroConfig``, or give them as keyword arguments instead
             (``stage=3, offload_optimizer=True``, ...).
-        recording: stage 3: the construction recorded by :func:`sharded_construction`, replayed unit by unit.
+        recording: stage 3: the construction recorded by ``sharded_construction``, replayed unit by unit.
         shard_groups: the groups to shard over and replicate across (default: made from ``shard_group_size`` and
             ``tensor_parallel_size``, or plain ZeRO over every rank; see [Note: hybrid sharding and its traffic] and
             [Note: ZeRO over the data dimension] in ``groups.py``). With tensor parallelism, build the module over the
-            mesh of :func:`~lightning_zero.tensor_parallel.make_device_mesh`; the engine finds the same mesh (it is
+            mesh of ``make_device_mesh``; the engine finds the same mesh (it is
             made once per job).
     """
 
@@ -123,7 +123,7 @@ class ZeroEngine:
         if recording is not None:
             recording.keep(module)  # before the precision converts the module (see [Note: record and replay])
         self.module = self.precision.convert_module(module)
-        """The model, its parameters managed by the engine from the end of setup to :meth:`teardown`."""
+        """The model, its parameters managed by the engine from the end of setup to ``teardown``."""
         if shard_groups is None:
             world = collectives.world_size()  # one node of every rank: "node" is then the world
             shard_groups = group_sizes(self.config, world, world, 1).make(self.device.type)
@@ -132,7 +132,7 @@ class ZeroEngine:
         # where the managed parameters live, with or without optimizers (see [Note: the store and the optimizers])
         self.store = ParameterStore()
         self.optimizers: list[ShardedOptimizer] = []
-        """One :class:`ShardedOptimizer` per user optimizer, in their order (none for evaluation)."""
+        """One ``ShardedOptimizer`` per user optimizer, in their order (none for evaluation)."""
         # stage 3: the units' gathers and releases (None at stages 1 and 2, and after teardown)
         self.runtime: Optional[UnitRuntime] = None
         self.activations: Optional[ActivationCheckpointing] = None  # activation checkpointing, when asked for
@@ -262,7 +262,7 @@ class ZeroEngine:
 
     @property
     def _partitioned_storages(self) -> list[PartitionedStorage]:
-        """The store's storages under stage 3, where :meth:`_make_storage` makes every one partitioned (the list
+        """The store's storages under stage 3, where ``_make_storage`` makes every one partitioned (the list
         itself, not a copy: the unit runtime reads the store's list)."""
         return cast(list[PartitionedStorage], self.store.storages)
 
@@ -301,7 +301,7 @@ class ZeroEngine:
             self.runtime.unshard(self.runtime.root)
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        """``loss.backward()`` (scaled under ``16-mixed``), then :meth:`finish_backward`."""
+        """``loss.backward()`` (scaled under ``16-mixed``), then ``finish_backward``."""
         self.precision.scale_loss(loss).backward(*args, **kwargs)
         self.finish_backward()
 
@@ -324,7 +324,7 @@ class ZeroEngine:
     def finish_backward(self, include_root: bool = True) -> None:
         """After one backward: stages 2 and 3 launch the partly filled buckets and wait for them; stage 3 frees the
         units still gathered (with ``include_root`` the root too: a step that runs more forwards before its
-        ``optimizer.step``, as manual optimization may, passes ``False`` and calls :meth:`end_step`)."""
+        ``optimizer.step``, as manual optimization may, passes ``False`` and calls ``end_step``)."""
         self.memory.note("the end of a backward")
         self.store.finish_backward()
         if self.runtime is not None:
@@ -598,16 +598,16 @@ class ZeroEngine:
         return state.optimizer_state(self, optimizer)
 
     def checkpoint_entries(self, optimizers: Optional[Sequence[Optimizer]] = None) -> dict[str, Any]:
-        """The engine's entries of a checkpoint: ``state_dict`` (:meth:`model_state`) and ``optimizer_states`` of
+        """The engine's entries of a checkpoint: ``state_dict`` (``model_state``) and ``optimizer_states`` of
         ``optimizers`` (every optimizer of the engine when ``None``, none when empty) in the engine's order; add
-        your own entries (``global_step``, ...) and give the dict to :meth:`save_checkpoint`."""
+        your own entries (``global_step``, ...) and give the dict to ``save_checkpoint``."""
         chosen = [sharded.optimizer for sharded in self.optimizers] if optimizers is None else optimizers
         return state.states_entries(self, chosen)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Union[str, Path], writer: state.Writer = "engine"
     ) -> None:
-        """Write ``checkpoint`` (:meth:`checkpoint_entries` and your own entries) in the format the Trainer and
+        """Write ``checkpoint`` (``checkpoint_entries`` and your own entries) in the format the Trainer and
         Fabric read too (see [Note: one checkpoint format for every way in] in ``state.py``): a directory every
         rank writes its pieces into, or with ``state_dict_type="full"`` one file written by rank 0. A collective;
         the checkpoint appears complete or not at all. ``writer``: which API wrote it (the adapters name

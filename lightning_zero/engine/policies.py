@@ -1,12 +1,12 @@
-"""The one place where :class:`~lightning_zero.ZeroConfig` becomes what the components read.
+"""The one place where ``ZeroConfig`` becomes what the components read.
 
 [Note: one policy per component]
 Each component below the engine reads a few options, through a small frozen policy of exactly those fields defined
-in its own module: the store's :class:`~lightning_zero.shards.policy.StorePolicy`, the sharded optimizer's
-:class:`~lightning_zero.shards.policy.OptimizerPolicy` (both holding the same
-:class:`~lightning_zero.shards.policy.OffloadPolicy`), stage 3's :class:`~lightning_zero.stage3.plan.UnitPolicy`,
-ZeRO-R's :class:`~lightning_zero.activations.checkpointing.ActivationPolicy`, and the stage's
-:class:`~lightning_zero.stages.StagePolicy`. :func:`policies_of` derives them all once, and :func:`group_sizes`
+in its own module: the store's ``StorePolicy``, the sharded optimizer's
+``OptimizerPolicy`` (both holding the same
+``OffloadPolicy``), stage 3's ``UnitPolicy``,
+ZeRO-R's ``ActivationPolicy``, and the stage's
+``StagePolicy``. ``policies_of`` derives them all once, and ``group_sizes``
 resolves the process groups' sizes; nothing below ``engine/`` imports the configuration (``tests/test_layers.py``).
 The options are validated by ``ZeroConfig`` alone, before any policy is made.
 """

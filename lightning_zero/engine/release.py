@@ -14,8 +14,8 @@ optimizers is released as if the model had never been set up, with its current v
   shards) and that state, keyed by those parameters, as ``Optimizer.load_state_dict`` keys it;
 - the engine leaves the strategy's list of engines.
 
-The new engine then takes the optimizers as any optimizer with state: :func:`states_of` keeps their state dicts
-before the engine swaps their groups, and :func:`load_states` loads them into the new shards (as ``fabric.load``
+The new engine then takes the optimizers as any optimizer with state: ``states_of`` keeps their state dicts
+before the engine swaps their groups, and ``load_states`` loads them into the new shards (as ``fabric.load``
 loads a ``ddp`` checkpoint), so training continues as if the model had been set up once.
 
 A fresh optimizer (no state yet) hands back nothing but its groups. Under tensor parallelism a parameter is a
@@ -64,7 +64,7 @@ def states_of(optimizers: Sequence[Optimizer]) -> list[tuple[Optimizer, dict[str
 
 
 def load_states(engine: Releasable, states: Sequence[tuple[Optimizer, dict[str, Any]]]) -> None:
-    """Load the states kept by :func:`states_of` into ``engine``'s shards of their optimizers."""
+    """Load the states kept by ``states_of`` into ``engine``'s shards of their optimizers."""
     for optimizer, state in states:
         optimizer.state.clear()  # keyed by the module's parameters, which the optimizer no longer steps
         full.load_optimizer_state(engine.sharded(optimizer), state)

@@ -1,7 +1,7 @@
 """An engine's states to and from checkpoints, without Lightning: the code behind ``ZeroEngine``'s checkpoint methods
 (``save_checkpoint``, ``load_checkpoint``, ...), which the Trainer's and Fabric's adapters call.
 
-The functions take the engine as an :class:`EngineStates`, the few attributes they read: a ``ZeroEngine``, or
+The functions take the engine as an ``EngineStates``, the few attributes they read: a ``ZeroEngine``, or
 Fabric's group of several engines seen as one (see [Note: several models in one checkpoint] in ``several.py``).
 
 [Note: one checkpoint format for every way in]
@@ -123,8 +123,8 @@ def optimizer_state(engine: EngineStates, optimizer: Optimizer) -> dict[str, Any
 
 
 def states_entries(engine: EngineStates, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
-    """The format's entries of a checkpoint: ``state_dict`` (:func:`model_state`) and, when ``optimizers`` are given,
-    ``optimizer_states`` in the engine's order (:func:`optimizer_state`); all of the engine's optimizers or none,
+    """The format's entries of a checkpoint: ``state_dict`` (``model_state``) and, when ``optimizers`` are given,
+    ``optimizer_states`` in the engine's order (``optimizer_state``); all of the engine's optimizers or none,
     so that the checkpoint resumes."""
     entries: dict[str, Any] = {"state_dict": model_state(engine)}
     if not optimizers:
@@ -140,8 +140,8 @@ def states_entries(engine: EngineStates, optimizers: Sequence[Optimizer]) -> dic
 
 
 def save(engine: EngineStates, checkpoint: dict[str, Any], path: Path, writer: Writer) -> None:
-    """Write ``checkpoint`` (``state_dict`` from :func:`model_state`, ``optimizer_states`` from
-    :func:`optimizer_state`, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
+    """Write ``checkpoint`` (``state_dict`` from ``model_state``, ``optimizer_states`` from
+    ``optimizer_state``, in the engine's order) as a directory (every rank) or, with ``state_dict_type="full"``,
     one file (rank 0); either appears complete or not at all."""
     simulated.refuse_to_save()
     configs = pretrained_configs(engine.module)  # see [Note: configs recorded at save time] in export.py
@@ -204,7 +204,7 @@ def is_directory(checkpoint: Mapping[str, Any]) -> bool:
 
 
 def load_model(engine: EngineStates, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-    """Load the model part of ``checkpoint`` (from :func:`read`) into this rank's shards, then refresh the working
+    """Load the model part of ``checkpoint`` (from ``read``) into this rank's shards, then refresh the working
     parameters (and the gathered units of stage 3)."""
     for storage in engine.store.storages:  # a host master may be the host parameter shard an upload still reads
         storage.settle()

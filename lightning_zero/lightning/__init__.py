@@ -4,9 +4,9 @@
 plugin and CheckpointIO;
 ``fabric/`` is Fabric's (``ZeroFabricStrategy``); ``processes.py`` and ``precision.py`` are what the two share (the
 process group and launcher, the precision plugins' common half); ``cli.py`` is ``LightningCLI`` for the
-``lightning-zero fit`` command. Everything here is a thin layer over :class:`~lightning_zero.engine.engine.ZeroEngine`:
+``lightning-zero fit`` command. Everything here is a thin layer over ``ZeroEngine``:
 it may import every folder below it, and nothing outside this folder imports Lightning (``tests/test_layers.py``).
-:func:`install` is what ``import lightning_zero`` does to Lightning.
+``install`` is what ``import lightning_zero`` does to Lightning.
 """
 
 from __future__ import annotations

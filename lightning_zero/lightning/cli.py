@@ -134,7 +134,7 @@ def missing_ckpt_path(ckpt_path: object) -> Optional[str]:
 
 def zero_cli() -> Any:
     """``LightningCLI`` that names lightning-zero's strategies when ``trainer.strategy`` is a misspelled one, and
-    suggests the option meant for a misspelled one (:func:`option_hints`)."""
+    suggests the option meant for a misspelled one (``option_hints``)."""
 
     class ZeroArgumentParser(LightningArgumentParser):
         def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
@@ -149,7 +149,7 @@ def zero_cli() -> Any:
 
         def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
             """As Lightning's, without its warning that ``args`` and a command line were both given: ``lightning-zero
-            fit`` passes its own command line, expanded (:func:`expand_short_strategy`), as ``args``."""
+            fit`` passes its own command line, expanded (``expand_short_strategy``), as ``args``."""
             self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
         def before_instantiate_classes(self) -> None:

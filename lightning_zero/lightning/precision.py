@@ -1,5 +1,5 @@
 """What the Trainer's and Fabric's precision plugins share: the numerics are the engine's
-:class:`~lightning_zero.engine.amp.PrecisionMode` (dtypes, autocast, loss scaling); each plugin adds only what its
+``PrecisionMode`` (dtypes, autocast, loss scaling); each plugin adds only what its
 Lightning base class asks differently."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["LossScaler", "PrecisionInput", "PrecisionMode", "UsesPrecisionMode"]
 
 class UsesPrecisionMode:
     """Mixin of the Trainer's and Fabric's precision plugins: the numerics are ``self.mode``'s (a
-    :class:`PrecisionMode`); each plugin adds only what its Lightning base class asks differently."""
+    ``PrecisionMode``); each plugin adds only what its Lightning base class asks differently."""
 
     mode: PrecisionMode
     precision: _PRECISION_INPUT_STR  # Lightning's attribute (one of ours, in its wider type)

@@ -88,7 +88,7 @@ class ZeroProcesses:
         until setup."""
         self.shard_groups = ShardGroups()
         """The engine's communication object: the process groups it shards over and replicates across (made with
-        the process group) and the counters of what their collectives move (:attr:`traffic`)."""
+        the process group) and the counters of what their collectives move (``traffic``)."""
 
     @property
     def root_device(self) -> torch.device:
@@ -130,7 +130,7 @@ class ZeroProcesses:
     def gathered_parameters(self) -> AbstractContextManager:
         """Every parameter whole inside, on every rank (a collective: every rank enters), for code that reads the
         weights between steps, e.g. ``with trainer.strategy.gathered_parameters(): ema.update(model)``; see
-        :meth:`ZeroEngine.gathered_parameters`."""
+        ``ZeroEngine.gathered_parameters``."""
         if self.engine is None:
             raise RuntimeError(
                 "`gathered_parameters()` needs the model set up: use it from `on_fit_start` on "
@@ -141,7 +141,7 @@ class ZeroProcesses:
     def grad_norms(self, norm_type: Union[float, int, str] = 2.0, optimizer: Optional[Any] = None) -> dict[str, Any]:
         """Lightning's ``grad_norm(module, norm_type)`` with ``ddp``'s values, from the gradient shards (a
         collective), e.g. ``self.log_dict(self.trainer.strategy.grad_norms(2))`` in ``on_before_optimizer_step``;
-        see :meth:`ZeroEngine.grad_norms`. Under zero2/zero3 ``param.grad`` is ``None`` there (the gradients were
+        see ``ZeroEngine.grad_norms``. Under zero2/zero3 ``param.grad`` is ``None`` there (the gradients were
         reduced into shards as they were made)."""
         if self.engine is None:
             raise RuntimeError("`grad_norms()` needs the model set up (and a backward done).")
@@ -276,7 +276,7 @@ class ZeroProcesses:
 
 
 def process_group_timeout(value: object) -> Optional[timedelta]:
-    """The ``timeout`` option as the :class:`~datetime.timedelta` ``torch.distributed`` wants: seconds (an int or a
+    """The ``timeout`` option as the ``timedelta`` ``torch.distributed`` wants: seconds (an int or a
     float, as a YAML file gives them) or a ``timedelta``; ``None`` keeps torch's default."""
     if value is None:
         return None

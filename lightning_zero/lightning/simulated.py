@@ -1,4 +1,4 @@
-"""Rank 0 of a large world, measured in this process: :func:`measure_rank` (``lightning-zero estimate --measure``).
+"""Rank 0 of a large world, measured in this process: ``measure_rank`` (``lightning-zero estimate --measure``).
 
 [Note: measuring rank 0 of a world that is not there]
 The Trainer runs as a real job's rank 0 runs: ``ZeroStrategy`` with Lightning's own loops, precision plugin and
@@ -9,7 +9,7 @@ one unit at a time, as in a real run, so a model larger than this machine's memo
 where its shards fit. A callback reads, at the end of each training step, the model states by kind (live tensors),
 the engine's highest memory reading (``memory/account.py``) and the traffic of the step (reset at its start). The
 process's high-water mark is reset before the run where Linux allows it, and every figure is counted above the
-resident level when :func:`measure_rank` started (for the command: the level after its imports). Nothing is written:
+resident level when ``measure_rank`` started (for the command: the level after its imports). Nothing is written:
 no logger, no checkpoint, and the Trainer's root directory is a temporary one, removed after.
 """
 
@@ -182,7 +182,7 @@ def measure_rank(
         devices_per_node: devices of one node (for ``shard_group_size="node"`` and hpZ); default 8 where it
             divides ``world_size``, else the whole world on one node.
         accelerator: the Trainer's; measured on ``"cpu"`` (the peak read is the host's resident memory).
-        **options: :class:`~lightning_zero.ZeroConfig`'s options (``offload_optimizer=True``, ...).
+        **options: ``ZeroConfig``'s options (``offload_optimizer=True``, ...).
     """
     config = ZeroConfig(stage=stage, **options)
     _check_measurable(world_size, steps, config)
@@ -239,7 +239,7 @@ def check_lightning_module_class(cls: Any, name: str) -> None:
 
 
 def _check_measurable(world_size: int, steps: int, config: ZeroConfig) -> None:
-    """One-line errors for what :func:`measure_rank` cannot do."""
+    """One-line errors for what ``measure_rank`` cannot do."""
     if world_size < 2:
         raise ValueError(f"A simulated world needs at least 2 ranks, got {world_size}: measure one rank by running it.")
     if steps < 1:

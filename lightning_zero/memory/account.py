@@ -18,7 +18,7 @@ read one thing:
 - file pages mapped (``RssFile + RssShmem``): libraries loaded after the reference.
 
 The resident memory is ``RssAnon + RssFile + RssShmem``, so the parts add up to it at the moment of the reading.
-What makes an account worth reading is *when* it is taken: a :class:`MemoryLedger` reads the counters at the points
+What makes an account worth reading is *when* it is taken: a ``MemoryLedger`` reads the counters at the points
 of a run where the memory is highest (the end of setup; the first gradient of each backward, when the activations are
 all alive; the end of each backward and of each optimizer step; the hand-back of the full weights at teardown) and
 keeps the reading with the highest resident memory, with the engine's parts at that moment. Its total is then
@@ -145,12 +145,12 @@ class ProcessMemory:
         )
 
 
-#: The level after the user's imports: read when ``lightning_zero`` has been imported (:func:`mark_imported`).
+#: The level after the user's imports: read when ``lightning_zero`` has been imported (``mark_imported``).
 IMPORTED = ProcessMemory.read()
 
 
 def mark_imported() -> None:
-    """Read :data:`IMPORTED` again: the package's ``__init__`` calls it once its own imports are done."""
+    """Read ``IMPORTED`` again: the package's ``__init__`` calls it once its own imports are done."""
     global IMPORTED
     IMPORTED = ProcessMemory.read()
 
@@ -177,7 +177,7 @@ class EngineMemory:
 
 @dataclass(frozen=True)
 class MemoryAccount:
-    """A rank's resident memory above :data:`IMPORTED`, by part, at one reading (see [Note: the account of a rank's
+    """A rank's resident memory above ``IMPORTED``, by part, at one reading (see [Note: the account of a rank's
     memory])."""
 
     at: str
@@ -219,7 +219,7 @@ class MemoryAccount:
         return self.now.files - self.reference.files
 
     def parts(self) -> dict[str, int]:
-        """Every part, in bytes; they add up to :attr:`resident`."""
+        """Every part, in bytes; they add up to ``resident``."""
         e = self.engine
         return {
             "parameters": e.params,

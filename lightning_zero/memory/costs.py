@@ -4,8 +4,8 @@ it copies, and the minor page faults of the process.
 [Note: what a step costs]
 Wall-clock time on a shared machine is noise; these counts are not. Every buffer the engine makes for use within a
 step (stage 3's unit memory, gradient buckets and the gradient shard, scratch of the quantized exchanges) comes from
-:func:`empty`, which counts it once it is :data:`LARGE_BYTES` or more; bulk copies the engine makes of gradients and
-parameters (into buckets, out of hpZ's secondary copies, uploads) are counted by :func:`count_copy`. After warm-up a
+``empty``, which counts it once it is ``LARGE_BYTES`` or more; bulk copies the engine makes of gradients and
+parameters (into buckets, out of hpZ's secondary copies, uploads) are counted by ``count_copy``. After warm-up a
 step should allocate nothing large of its own (see [Note: the engine owns its memory] in ``stage3/pool.py``), copy
 about Ψ elements (the gradients into their buckets, as DDP's reducer does), and take about as many minor page
 faults as DDP's step: a fault is a fresh page, so memory freed and made again shows here whichever allocator made
@@ -31,11 +31,11 @@ class Costs:
     """Running totals since the process started (see [Note: what a step costs])."""
 
     large_allocations: int = 0
-    """Allocations of :data:`LARGE_BYTES` or more made through :func:`empty`."""
+    """Allocations of ``LARGE_BYTES`` or more made through ``empty``."""
     allocated_bytes: int = 0
     """Their bytes."""
     copied_bytes: int = 0
-    """Bytes of gradients and parameters the engine copied (:func:`count_copy`)."""
+    """Bytes of gradients and parameters the engine copied (``count_copy``)."""
 
     def snapshot(self) -> dict[str, int]:
         """The totals now, with the process's minor page faults."""

@@ -11,7 +11,7 @@ the next forward takes a fresh page fault for every 4 KiB of its activations (me
 ~22,000 faults in each forward against DDP's ~4,000; benchmarks/RESULTS.md).
 
 So the reducer takes a pin when the first gradient of a backward arrives, the moment the heap is at its highest
-(the forward's activations are all alive): an uninitialized allocation of :data:`PIN_BYTES`, which glibc carves
+(the forward's activations are all alive): an uninitialized allocation of ``PIN_BYTES``, which glibc carves
 from the top of the heap when no free hole is large enough. It keeps the highest pin it has taken (by address) and
 frees any other at once (a pin glibc mapped on its own, above the threshold, lies far from the heap, next to no small
 allocation, and is not kept), so the pin only ever moves up and, once at the top, keeps the activation region below it
@@ -45,7 +45,7 @@ class HeapPin:
     def __init__(self, nbytes: int = PIN_BYTES) -> None:
         self.nbytes = nbytes
         self.block: Optional[torch.Tensor] = None
-        """The pin kept (``None`` before the first backward and after :meth:`release`)."""
+        """The pin kept (``None`` before the first backward and after ``release``)."""
 
     @property
     def held(self) -> int:

@@ -11,7 +11,7 @@ N = 2"). That is a trade for the whole process, the user's model and data loadin
 make it: the memory ZeRO's step needs within a step is its own, allocated once and reused (see [Note: the engine
 owns its memory] in ``stage3/pool.py``), and glibc is left as DDP has it. ``host_mmap_threshold`` (default ``None``,
 nothing changed) fixes a threshold for a user who wants that trade on a CPU run; a threshold above 128 KiB also
-fixes the trim threshold at twice its value, as glibc's own adjustment does (:func:`fix_threshold`). A threshold set
+fixes the trim threshold at twice its value, as glibc's own adjustment does (``fix_threshold``). A threshold set
 in the environment always wins.
 """
 
@@ -61,7 +61,7 @@ def give_back_free_heap() -> bool:
 
 
 def fix_threshold(libc: Any, threshold: int) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes and, above :data:`FIXED_THRESHOLD`, the trim threshold at
+    """Fix glibc's mmap threshold at ``threshold`` bytes and, above ``FIXED_THRESHOLD``, the trim threshold at
     twice that (as glibc's dynamic adjustment would: the heap keeps its top for reuse); ``False`` if refused."""
     if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
         return False

@@ -2,11 +2,11 @@
 (single or sharded with an index) and ``torch.save`` state dicts.
 
 [Note: reading only what a rank keeps]
-:class:`WeightFiles` knows every tensor's name, shape and file from the files' headers alone (safetensors headers;
-a ``torch.load(mmap=True)`` that maps the file and reads none of its data). :meth:`WeightFiles.copy_range` then
+``WeightFiles`` knows every tensor's name, shape and file from the files' headers alone (safetensors headers;
+a ``torch.load(mmap=True)`` that maps the file and reads none of its data). ``WeightFiles.copy_range`` then
 copies elements ``[start, start + n)`` of one flattened tensor into a destination: it reads the rows that cover the
 range (``safe_open(...).get_slice(name)[r0:r1]``, a view of the memory-mapped file) in blocks of at most
-:data:`READ_BLOCK_BYTES`, and opens and closes the file around each block. A file mapping keeps every page it has
+``READ_BLOCK_BYTES``, and opens and closes the file around each block. A file mapping keeps every page it has
 touched resident (counted in the process's resident set, though the kernel may drop such clean pages) until it is
 unmapped, so closing after each block bounds the transient memory of a load by one block (or one row, if a row is
 larger), whatever the size of the file or of the tensor. Nothing is read for a tensor of which this rank keeps no
@@ -113,7 +113,7 @@ class WeightFiles:
 
 
 def _files_of(source: Path) -> list[Path]:
-    """The weight files behind ``source`` (see :class:`WeightFiles`)."""
+    """The weight files behind ``source`` (see ``WeightFiles``)."""
     if source.is_dir():
         for index, single in ((SAFETENSORS_INDEX, SAFETENSORS_FILE), (TORCH_INDEX, TORCH_FILE)):
             if (source / index).is_file():

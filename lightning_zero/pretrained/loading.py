@@ -1,4 +1,4 @@
-"""Pretrained weights into a model of any stage, tensor by tensor: :func:`load_pretrained`.
+"""Pretrained weights into a model of any stage, tensor by tensor: ``load_pretrained``.
 
 [Note: three moments to load pretrained weights]
 - The module's tensors are materialized and not sharded (a plain module; ``ddp``; any stage before setup, e.g. built
@@ -38,14 +38,14 @@ _SHOWN = 20  # keys listed per kind in an error message
 
 
 class LoadResult(NamedTuple):
-    """What :func:`load_pretrained` did not match (always empty with ``strict=True``): module keys."""
+    """What ``load_pretrained`` did not match (always empty with ``strict=True``): module keys."""
 
     missing_keys: list[str]
     unexpected_keys: list[str]
 
 
 class ShardOwner(Protocol):
-    """What holds a model's shards after setup (a :class:`~lightning_zero.engine.engine.ZeroEngine`): its parameter
+    """What holds a model's shards after setup (a ``ZeroEngine``): its parameter
     store and the stage 3 unit runtime."""
 
     store: Any
@@ -253,7 +253,7 @@ def _fill(files: WeightFiles, name: str, shard: Shard) -> None:
 
 
 def fill_pending(root: nn.Module, storages: Sequence[ShardedStorage], runtime: Any) -> None:
-    """At zero3 setup, after the sharded construction: fill what :func:`load_pretrained` recorded in
+    """At zero3 setup, after the sharded construction: fill what ``load_pretrained`` recorded in
     ``configure_model`` (on ``root`` or any submodule), then forget it."""
     loads = []
     for name, module in root.named_modules():

@@ -22,7 +22,7 @@ _NOT_THE_CALLER = (
 
 
 def caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside :data:`_NOT_THE_CALLER` and Python's own (``<frozen runpy>``):
+    """The ``stacklevel`` of the first frame outside ``_NOT_THE_CALLER`` and Python's own (``<frozen runpy>``):
     the user's ``ZeroStrategy(...)`` or the script line that starts the CLI. Counted from the caller of this
     function's caller; when every frame is ours (``python -m lightning_zero fit``), the outermost of ours."""
     frame: Optional[FrameType] = sys._getframe(2)

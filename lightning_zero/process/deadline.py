@@ -6,20 +6,20 @@ A Python signal handler runs on the main thread between two bytecodes. A main th
 collective whose peer never comes, a ``recv`` that never completes) runs no bytecode, so a deadline that a Python
 handler starts is never started, and the run waits for the process group's timeout (30 minutes). What does run is
 CPython's C-level handler, on whatever thread the kernel picked: it writes the signal's number to the *wakeup file
-descriptor* (``signal.set_wakeup_fd``). :class:`Watchdog` owns a socket pair: the C handler writes one end, a thread
+descriptor* (``signal.set_wakeup_fd``). ``Watchdog`` owns a socket pair: the C handler writes one end, a thread
 of its own blocks reading the other, and on SIGTERM or SIGINT it starts the deadline. When the deadline passes while
 the guard is still installed (the ranks did not stop and tear down), the thread reports (below) and ends the process
 with ``128 + signal`` (143 for SIGTERM), without the main thread. The thread lives from the guard's ``install`` to its
 ``remove``, which joins it (see [Note: nothing outlives the run] in ``lightning/processes.py``).
 
 [Note: who did not arrive]
-At the deadline each rank's thread describes its main thread (:func:`position`): how many step boundaries it passed
+At the deadline each rank's thread describes its main thread (``position``): how many step boundaries it passed
 and whether it waits inside one of the package's collectives (a frame of ``comm/collectives.py`` on its stack), with
 the innermost frame. It posts that to the job's key-value store (the one the process group was made with, through a
-connection of its own: the main thread may hold the other, blocked), waits at most :data:`GRACE` seconds for the
+connection of its own: the main thread may hold the other, blocked), waits at most ``GRACE`` seconds for the
 other ranks' posts, and prints one line: the ranks that did not arrive (not waiting in a collective while others do,
 or fewer step boundaries behind them), where the others waited, and this rank's exit. Rank 0 serves the store, so it
-ends last: it waits (at most :data:`GRACE` seconds) until every rank that posted has read.
+ends last: it waits (at most ``GRACE`` seconds) until every rank that posted has read.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _library(frame: FrameType) -> bool:
 
 
 def describe(positions: dict[int, dict[str, Any]], world: int, signame: str, timeout: float, me: int) -> str:
-    """The one line of [Note: who did not arrive] from every rank's :func:`position` (missing: no answer)."""
+    """The one line of [Note: who did not arrive] from every rank's ``position`` (missing: no answer)."""
     waiting = {r: p for r, p in positions.items() if p["collective"] is not None}
     if waiting and len(waiting) < len(positions):
         late = {r: p for r, p in positions.items() if r not in waiting}
@@ -192,7 +192,7 @@ def _exchange(mine: dict[str, Any], me: int, world: int, generation: int) -> dic
 
 
 def _wait(store: Any, keys: list[str]) -> bool:
-    """Whether every key of ``keys`` was set within :data:`GRACE` seconds."""
+    """Whether every key of ``keys`` was set within ``GRACE`` seconds."""
     try:
         store.wait(keys, timedelta(seconds=GRACE))
     except Exception:  # the store's timeout (a DistStoreError) or its connection gone

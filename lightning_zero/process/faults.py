@@ -9,7 +9,7 @@ two units of stage-3 construction, at an evaluation step). The one way to arm a 
 ``save.written`` it sends SIGINT to its process group (what Ctrl-C does; ``target=self``, the default, signals only
 this process). The variable is read at each fault point, not at import: setting, changing or removing it arms,
 re-arms (counting occurrences from zero) or disarms from the next point on. Unset, a fault point costs a function
-call and an environment lookup. The points (:data:`POINTS`; ``tests/test_faults.py`` checks that the package
+call and an environment lookup. The points (``POINTS``; ``tests/test_faults.py`` checks that the package
 marks exactly these): ``save.written`` (every rank's shard files written, before ``meta.pt``), ``save.full`` (a full
 checkpoint's file written, before its rename), ``collective.reduce_scatter`` (before a gradient bucket's
 reduce-scatter, in the reducer; no collective carries a fault point), ``materialize.unit`` (before a stage-3 unit

@@ -4,7 +4,7 @@
 The ranks of a job share one terminal. When all of them raise (a bug in ``training_step``, a refused checkpoint),
 Python prints each rank's traceback, and two to four copies of the same 40 lines come out interleaved. So when a run
 stops on an exception, each rank that raised writes its traceback to ``<log_dir>/rank<r>.log``, posts its error's
-type and message to the job's key-value store, and waits at most :data:`REPORT_WAIT` seconds for the other ranks'
+type and message to the job's key-value store, and waits at most ``REPORT_WAIT`` seconds for the other ranks'
 (ranks that raise the same error post at once; a rank that did not raise is not waited for longer). The lowest rank
 that posted then prints one line instead of its traceback: the error, the ranks that raised it and where the
 tracebacks are; a rank that raised the same error prints nothing, one that raised another error prints its own
@@ -71,7 +71,7 @@ def report_once(error: BaseException, log_dir: Path) -> None:
 
 
 def _exchange(store: Any, key: str, me: int, world: int, text: str) -> dict[int, str]:
-    """Post ``text``; every rank's that came within :data:`REPORT_WAIT` seconds, by rank."""
+    """Post ``text``; every rank's that came within ``REPORT_WAIT`` seconds, by rank."""
     store.set(f"{key}/{me}", text)
     keys = [f"{key}/{r}" for r in range(world)]
     try:

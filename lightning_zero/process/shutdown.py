@@ -7,12 +7,12 @@ write: "write to closed file", then ``terminate`` and SIGABRT), or on one rank b
 other ranks then wait for. Lightning's own SIGTERM handler even issues a broadcast from inside the handler, matched
 against whatever collective the other ranks are in.
 
-While a ZeRO run is set up or trains, :class:`SignalGuard` replaces those handlers with one that only *records* the
+While a ZeRO run is set up or trains, ``SignalGuard`` replaces those handlers with one that only *records* the
 signal. At every safe point (the start of each training, validation, test and predict step, and between two units of
-stage-3 construction) every rank calls :meth:`SignalGuard.safe_point`: one tiny all-reduce tells every rank what any
+stage-3 construction) every rank calls ``SignalGuard.safe_point``: one tiny all-reduce tells every rank what any
 rank received, and all of them act on it at the same place: SLURM's requeue signal runs Lightning's requeue handler
 (which saves a checkpoint: a collective, now issued by every rank at the same point), SIGINT and SIGTERM raise
-:class:`Stopped` on every rank. A checkpoint write is never interrupted: it completes, or fails as a whole, before the
+``Stopped`` on every rank. A checkpoint write is never interrupted: it completes, or fails as a whole, before the
 next safe point. ``Stopped`` is a ``KeyboardInterrupt``, so Lightning's own graceful-shutdown path runs (callbacks'
 ``on_exception``, teardown, exit code 1).
 
@@ -35,8 +35,8 @@ write.
 
 [Note: a failed run claims no agreed stop]
 A rank whose collective failed (a peer ended: "Connection closed by peer") goes through Lightning's exception path to
-teardown with the signal still pending. The ranks did not stop together there, so :meth:`SignalGuard.raise_pending`
-then says what happened in one line and lets the failure propagate, instead of raising :class:`Stopped`.
+teardown with the signal still pending. The ranks did not stop together there, so ``SignalGuard.raise_pending``
+then says what happened in one line and lets the failure propagate, instead of raising ``Stopped``.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ class SignalGuard:
     See [Note: signals act at agreed step boundaries].
 
     [Note: one guard per process]
-    The guard stays one object per process (:data:`GUARD`), not a part of the communication object
-    (:class:`~lightning_zero.comm.groups.ShardGroups`): what it guards is process state by nature. A signal is
+    The guard stays one object per process (``GUARD``), not a part of the communication object
+    (``ShardGroups``): what it guards is process state by nature. A signal is
     delivered to the process, ``signal.signal`` keeps one handler per signal per process, and a checkpoint write
     (``with GUARD:``) must hold off a signal whichever engine's write it is. Two guards would fight over the same
     handlers. Only its agreement is communication, and that goes over the ``ShardGroups`` each caller passes to
-    :meth:`SignalGuard.safe_point` (counted as ``control`` under ``"world"`` in its traffic), so the guard holds no
+    ``SignalGuard.safe_point`` (counted as ``control`` under ``"world"`` in its traffic), so the guard holds no
     process group and no counter. It costs one small all-reduce per step (benchmarks/RESULTS.md, "The signal
     guard's step boundary") and is kept: it is what lets every rank stop at the same step.
     """
@@ -86,7 +86,7 @@ class SignalGuard:
         """Signal number to how many times it arrived since the last safe point acted on it."""
         self.original: dict[int, Handler] = {}
         """The handler each guarded signal had before the guard first took it in this process: restored by
-        :meth:`remove`, and what the signal does while the guard is inactive."""
+        ``remove``, and what the signal does while the guard is inactive."""
         self.adopted: dict[int, Handler] = {}
         """Handlers registered over the guard's during this run (Lightning's), replaced by it again; SLURM's
         requeue handler among them is run at a safe point."""
@@ -98,7 +98,7 @@ class SignalGuard:
         self._watchdog: Optional[deadline.Watchdog] = None
         self._generation = 0
         self.progress = deadline.Progress()
-        """The step boundaries passed since :meth:`install`, which the watchdog reports at the deadline."""
+        """The step boundaries passed since ``install``, which the watchdog reports at the deadline."""
         self._handler = self._record  # one bound method object, so that `signal.getsignal(...) is` compares
         self.where: Optional[Callable[[], str]] = None
         """The adapter's description of where the run stopped, for the stop message: the step and the checkpoint to
@@ -123,7 +123,7 @@ class SignalGuard:
             self._watchdog = deadline.Watchdog(shutdown_timeout, self._generation, self.progress)
 
     def retake(self) -> None:
-        """Take back signals whose handler was replaced since :meth:`install` (Lightning registers its own after
+        """Take back signals whose handler was replaced since ``install`` (Lightning registers its own after
         the strategy's setup); the replacing handler is adopted (see ``adopted``)."""
         if self.active and _main_thread():
             for signum in GUARDED:
@@ -237,7 +237,7 @@ class SignalGuard:
 
 def _reason(name: str, where: str = "") -> str:
     """The stop message (printed by rank 0; see [Note: a message nobody can read is not an error] in ``say.py``):
-    ``where`` is the adapter's "at global step N. Resume ..." (see :attr:`SignalGuard.where`)."""
+    ``where`` is the adapter's "at global step N. Resume ..." (see ``SignalGuard.where``)."""
     position = where or ". The last complete checkpoint is the state to resume from."
     message = f"lightning-zero: {name} received; every rank stopped at the same step boundary{position}"
     if collectives.rank() == 0:

@@ -7,8 +7,8 @@ and wrong under a sharded stage: the call gathers pieces from every rank, and th
 job waits for the process group's timeout (30 minutes). So each such call first tells every rank which call it is,
 through the job's key-value store (the ``n``-th checked call of each rank under its own key, ``n`` counted in that
 store: a process group made again, on some ranks only or with a fresh store, starts its count again), and waits at
-most :data:`CALL_TIMEOUT` seconds for the other ranks' ``n``-th call. When they do not come, or come to another call,
-the rank raises :class:`OneRankCallError`, which says what to do. The store and not a collective: a wait that ends
+most ``CALL_TIMEOUT`` seconds for the other ranks' ``n``-th call. When they do not come, or come to another call,
+the rank raises ``OneRankCallError``, which says what to do. The store and not a collective: a wait that ends
 leaves no operation pending in a process group (a pending gloo collective would keep the process from exiting).
 The other ranks wait in their next collective with this rank, which fails when this rank's process ends.
 """
@@ -48,8 +48,8 @@ class OneRankCallError(RuntimeError):
 
 
 def check_every_rank_calls(call: int) -> None:
-    """Raise :class:`OneRankCallError` unless every rank makes call ``call`` (of :data:`CALLS`) as its next checked
-    call within :data:`CALL_TIMEOUT` seconds (see [Note: a collective called on one rank])."""
+    """Raise ``OneRankCallError`` unless every rank makes call ``call`` (of ``CALLS``) as its next checked
+    call within ``CALL_TIMEOUT`` seconds (see [Note: a collective called on one rank])."""
     store = _store()
     if store is None:
         return

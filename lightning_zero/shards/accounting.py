@@ -181,7 +181,7 @@ def expected_disk_bytes(
     """``(device, host, disk)`` bytes of model states per rank with ``offload_optimizer="disk"`` and, with
     ``offload_params``, ``offload_params="disk"`` (Adam; see [Note: what lives on disk] in ``disk.py``).
 
-    The master shard and Adam's states (``/N``) move from the host of :func:`expected_offload_bytes` to the files;
+    The master shard and Adam's states (``/N``) move from the host of ``expected_offload_bytes`` to the files;
     the gradient shard stays on the host; ``offload_params`` puts the working shard in a file too, where it is the
     master file itself when it has the master's dtype (no extra bytes). Files hold what a rank's memory does not:
     only the windows in flight are resident (constant in the model size).

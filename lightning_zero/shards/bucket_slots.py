@@ -1,9 +1,9 @@
-"""A gradient bucket's pooled buffer (:class:`BucketSlot`), the sink a reducer may write into instead of a device
-gradient shard (:class:`GradSink`), and the two helpers that fill a bucket; the reducer that uses them is in
+"""A gradient bucket's pooled buffer (``BucketSlot``), the sink a reducer may write into instead of a device
+gradient shard (``GradSink``), and the two helpers that fill a bucket; the reducer that uses them is in
 ``buckets.py``.
 
 [Note: a sink instead of a device shard]
-With a :class:`GradSink` (``offload_optimizer``: ``offload.HostGrads``) the reducer keeps no gradient shard at all
+With a ``GradSink`` (``offload_optimizer``: ``offload.HostGrads``) the reducer keeps no gradient shard at all
 (``grad_shard`` stays ``None``): every reduce-scatter writes into its slot's side output, a scratch chunk of one
 bucket's chunk size (after the replica all-reduce under hybrid sharding, as above), and the sink copies that chunk
 into its shard (the first reduction after a clear) or adds it (accumulation). Zeroing (buckets that got no

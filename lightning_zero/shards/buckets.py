@@ -98,7 +98,7 @@ class GradientReducer:
         """The engine's memory readings, one at the first gradient of each backward (see [Note: the account of a
         rank's memory] in ``memory/account.py``)."""
         self.grad_shard: Optional[torch.Tensor] = None
-        """This rank's reduced gradients (``None`` until the first reduction, after :meth:`clear`, and always with a
+        """This rank's reduced gradients (``None`` until the first reduction, after ``clear``, and always with a
         ``sink``)."""
         self._written = [False] * len(layout.buckets)  # shard slice holds gradients since the last clear
         self._expected = [sum(length for _, _, length, _ in layout.bucket_pieces(b)) for b in layout.buckets]
@@ -206,7 +206,7 @@ class GradientReducer:
                             self._zero(at, at + pc.length)
 
     def release_unwritten_shard(self) -> None:
-        """Free the gradient shard if no reduction wrote into it since the last :meth:`clear` (it is made again on
+        """Free the gradient shard if no reduction wrote into it since the last ``clear`` (it is made again on
         the next reduction)."""
         if not any(self._written) and not self._in_flight:
             self.grad_shard = None
@@ -336,13 +336,13 @@ class GradientReducer:
         [Note: the replica all-reduce overlaps]
         Under hybrid sharding a reduced chunk is all-reduced across the replica group before it is delivered. It is
         started as soon as its reduce-scatter is waited for and waited for only when its buffer is needed again or
-        the round ends (:meth:`wait`), so it runs while backward goes on and the next buckets are reduce-scattered
+        the round ends (``wait``), so it runs while backward goes on and the next buckets are reduce-scattered
         (another process group: its own queue of work). Every rank starts these all-reduces in the same order, that
         of the reduce-scatters (first in, first out), so the replica group's collectives match ([Note: lockstep]).
         A chunk reduced straight into the shard holds no buffer meanwhile (its slot went back to the pool when the
         reduce-scatter was waited for), so the all-reduce runs on while backward fills the next buckets; a chunk in
         a slot's side output (accumulation, a sink) keeps its slot until it is delivered here. Nothing reads a chunk
-        before delivery: the shard is read only after :meth:`wait`.
+        before delivery: the shard is read only after ``wait``.
         """
         bucket, work, slot, accumulate = self._replicating.popleft()
         collectives.wait(work, f"all-reduce gradient bucket {bucket.index}{self._unit_label(bucket)} across replicas")

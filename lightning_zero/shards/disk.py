@@ -24,7 +24,7 @@ or the first step after a checkpoint load) are moved into files of their own, an
 evicted. An optimizer that cannot step in pieces (not elementwise, or with step hooks) steps its whole shard as one
 window: correct, but its resident memory is then the shard's. Stage 3's gathers evict each unit's piece of a disk
 shard once it is uploaded into the unit's buffer, and every copy between a disk shard and another (the update into
-the working shard, the fill at setup) goes window by window (:func:`copy_windowed`).
+the working shard, the fill at setup) goes window by window (``copy_windowed``).
 
 [Note: the files have no name]
 Each file is created (``mkstemp`` in ``offload_path``), its blocks reserved (``posix_fallocate``: a disk without room
@@ -32,17 +32,17 @@ fails here, at setup, with a clear error, and never later as a ``SIGBUS`` on a p
 mapped, then unlinked and its descriptor closed. The mapping keeps the file alive; the kernel frees its blocks when
 the mapping goes (the tensor is garbage-collected) or the process ends, however it ends: an exception, Ctrl-C,
 SIGTERM, even SIGKILL leave nothing behind in ``offload_path``. A write that fails mid-step (the fault point
-``offload.write``, or an ``OSError`` of the file system) raises :class:`DiskOffloadError` naming the path: the step
+``offload.write``, or an ``OSError`` of the file system) raises ``DiskOffloadError`` naming the path: the step
 is then incomplete, the process ends through the usual exception path, and the last checkpoint (written elsewhere,
 atomically: [Note: complete or absent] in ``checkpoints/storage.py``) is untouched.
 
 [Note: faults are agreed on every rank]
 A rank whose disk fails while the others' do not must not raise alone: the others would wait for it in their next
 collective until the process group's timeout. So the engine's setup and each of its optimizer steps run inside
-:func:`agreed_faults`: there a file that cannot be made (``zeros``: the tensor is then an ordinary zeroed one in
+``agreed_faults``: there a file that cannot be made (``zeros``: the tensor is then an ordinary zeroed one in
 memory) or a window that cannot be written back (``evict``) is *recorded* and the rank carries on in step with the
-others; at the end of the block one tiny all-reduce (:func:`~lightning_zero.comm.collectives.agree_max`, on the CPU)
-tells every rank which rank failed, and every rank raises :class:`DiskOffloadError` at the same place (that rank's
+others; at the end of the block one tiny all-reduce (``agree_max``, on the CPU)
+tells every rank which rank failed, and every rank raises ``DiskOffloadError`` at the same place (that rank's
 own message there, the rank and the cause elsewhere). The all-reduce runs only with a disk tier, once at setup and
 once per step, after the optimizer step and before anything (a checkpoint save in ``on_train_batch_end``) can read
 an incomplete step: a step on disk reads and writes the whole optimizer shard, next to which four bytes are nothing.
@@ -53,9 +53,9 @@ The file has no name, but it is not out of reach: ``mmap.mmap`` keeps a duplicat
 ``size()``), which any process of the same user can open as ``/proc/<pid>/fd/<n>`` (and root as
 ``/proc/<pid>/map_files/...``) and truncate. A page of a mapping past the end of its file is a ``SIGBUS`` when
 touched, which no Python code can turn into an exception. So every window is checked before it is touched:
-:func:`_mapped` (under :func:`read`, the read-ahead, :func:`copy_windowed` and therefore stage 3's gathers of a disk
+``_mapped`` (under ``read``, the read-ahead, ``copy_windowed`` and therefore stage 3's gathers of a disk
 shard) compares the file's size (``fstat`` on that descriptor: one system call per tensor and window) with the size
-it was made with, and raises :class:`DiskOffloadError` naming the file. Such an error is raised at once on the rank
+it was made with, and raises ``DiskOffloadError`` naming the file. Such an error is raised at once on the rank
 that sees it (its data is gone; the step cannot go on). A truncation in the instant between the check and the touch
 is still a bus error; ``faulthandler`` (enabled by the strategies) then prints where.
 """
@@ -91,7 +91,7 @@ class DiskOffloadError(OSError):
 
 @dataclass
 class IOCounters:
-    """Bytes the disk tier read into and wrote back from this process's windows since the last :meth:`reset`."""
+    """Bytes the disk tier read into and wrote back from this process's windows since the last ``reset``."""
 
     read: int = 0
     written: int = 0
@@ -118,7 +118,7 @@ _POOL: Optional[ThreadPoolExecutor] = None
 
 
 class _Deferred:
-    """The fault this process recorded inside :func:`agreed_faults` (see [Note: faults are agreed on every rank])."""
+    """The fault this process recorded inside ``agreed_faults`` (see [Note: faults are agreed on every rank])."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -170,8 +170,8 @@ def directory(path: Optional[str]) -> str:
 
 
 def zeros(numel: int, dtype: torch.dtype, path: Optional[str]) -> Tensor:
-    """A zeroed CPU tensor of ``numel`` elements backed by a nameless file in :func:`directory` (see [Note: the
-    files have no name]); raises :class:`DiskOffloadError` if the file cannot be made or its room reserved."""
+    """A zeroed CPU tensor of ``numel`` elements backed by a nameless file in ``directory`` (see [Note: the
+    files have no name]); raises ``DiskOffloadError`` if the file cannot be made or its room reserved."""
     where = directory(path)
     nbytes = -(-max(numel, 1) * torch.empty(0, dtype=dtype).element_size() // PAGE) * PAGE
     try:
@@ -197,7 +197,7 @@ def zeros(numel: int, dtype: torch.dtype, path: Optional[str]) -> Tensor:
 
 
 def _failed(error: DiskOffloadError, cause: OSError, numel: int, dtype: torch.dtype) -> Tensor:
-    """A file :func:`zeros` could not make: raised at once, or recorded inside :func:`agreed_faults` with an ordinary
+    """A file ``zeros`` could not make: raised at once, or recorded inside ``agreed_faults`` with an ordinary
     zeroed tensor in its place, so that this rank keeps in step until every rank raises."""
     if not _DEFERRED.record(error):
         raise error from cause
@@ -206,7 +206,7 @@ def _failed(error: DiskOffloadError, cause: OSError, numel: int, dtype: torch.dt
 
 
 def _error(error: OSError, what: str, consequence: str = "") -> DiskOffloadError:
-    """A :class:`DiskOffloadError` saying what failed where, why, and what to do."""
+    """A ``DiskOffloadError`` saying what failed where, why, and what to do."""
     hint = (
         "The disk is full: free space there or choose a directory with more room"
         if error.errno == errno.ENOSPC
@@ -241,7 +241,7 @@ def _mapping_of(tensor: Tensor) -> Optional[tuple[mmap.mmap, int, int, str]]:
 
 
 def _check_size(mapping: mmap.mmap, size: int, name: str) -> None:
-    """Raise :class:`DiskOffloadError` naming the file if it is shorter than it was made (see [Note: a truncated
+    """Raise ``DiskOffloadError`` naming the file if it is shorter than it was made (see [Note: a truncated
     file is an error, not a bus error])."""
     try:
         now = mapping.size()  # fstat of the mapping's own descriptor
@@ -285,7 +285,7 @@ def read(tensors: Iterable[Tensor]) -> None:
 
 
 def _touch(mapped: list[tuple[Tensor, mmap.mmap, int, int, str]]) -> None:
-    """Fault in the pages of :func:`_mapped`'s ranges (on the reading thread: the ranges were found on the caller's)."""
+    """Fault in the pages of ``_mapped``'s ranges (on the reading thread: the ranges were found on the caller's)."""
     for tensor, mapping, offset, length, _ in mapped:
         mapping.madvise(mmap.MADV_WILLNEED, offset, length)
         step = max(1, PAGE // tensor.element_size())
@@ -296,7 +296,7 @@ def _touch(mapped: list[tuple[Tensor, mmap.mmap, int, int, str]]) -> None:
 
 def evict(tensors: Iterable[Tensor], written: bool = False) -> None:
     """Evict the pages of the disk-tier ``tensors`` from this process; ``written``: they were updated (the *write* of
-    a window, counted, where a failing file system is reported as :class:`DiskOffloadError`)."""
+    a window, counted, where a failing file system is reported as ``DiskOffloadError``)."""
     for tensor, mapping, offset, length, where in _mapped(tensors):
         if written:
             try:
@@ -361,7 +361,7 @@ class WindowedStep:
         after_piece: Optional[Callable[[list[Tensor]], None]] = None,
     ) -> Any:
         """Run ``call`` (the user's ``optimizer.step``) in windows of at most ``limit`` elements (``None``: one window
-        of everything); ``after_piece`` as in :func:`step_in_pieces`, before the window is written back."""
+        of everything); ``after_piece`` as in ``step_in_pieces``, before the window is written back."""
         if limit is None or not steps_in_pieces(self.optimizer, limit):
             masters = [m for group in self.optimizer.param_groups for m in group["params"]]
             read(self.window(masters))

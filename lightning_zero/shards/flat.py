@@ -3,7 +3,7 @@ step] in ``store.py``).
 
 [Note: working parameters are views of one flat buffer]
 The managed parameters become views of one flat buffer in the working dtype (16-bit under mixed precision), in the
-order of :mod:`lightning_zero.shards.layout`. The ``nn.Parameter`` objects stay the same, so the module, tied weights
+order of ``lightning_zero.shards.layout``. The ``nn.Parameter`` objects stay the same, so the module, tied weights
 and user references keep working. After the step, each rank writes its updated chunk into the buffer and one
 all-gather per bucket refreshes everybody's copy in place. When the master dtype equals the working dtype
 (``32-true``, ``bf16-true``) and the optimizer is not offloaded, the master shard *is* this rank's chunk of the
@@ -85,7 +85,7 @@ class FlatStorage(ShardedStorage):
         each piece's buckets are uploaded and all-gathered as soon as the piece is stepped, so the all-gathers run
         while the next pieces step (the host step of ``offload_optimizer`` included) instead of all after it.
         Pieces are runs of whole master tensors, one per bucket chunk, of the same sizes on every rank, so every rank
-        starts the same all-gathers in the same order ([Note: lockstep] in ``buckets.py``); :meth:`refresh_working`
+        starts the same all-gathers in the same order ([Note: lockstep] in ``buckets.py``); ``refresh_working``
         then waits for them and starts the rest in the layout's order. A piece's all-gather writes only its buckets'
         ranges of the flat buffer, which no later piece reads or writes. Only for an optimizer that lends and borrows
         nothing (its storage is its only source, checked by the optimizer): a borrowed tensor's bucket is its

@@ -15,7 +15,7 @@ the user's optimizer makes for its tensors (``exp_avg`` ... are ``zeros_like`` t
 2. the user's optimizer steps on the host masters (the CPU step);
 3. ``refresh_working`` copies the updated master shard into the device's working parameters (and all-gathers them
    under stages 1 and 2), exactly where a non-offloaded run copies its device master shard. From pinned memory the
-   copies are asynchronous (:func:`copy_to_device`), so stages 1 and 2 overlap each bucket's upload with the
+   copies are asynchronous (``copy_to_device``), so stages 1 and 2 overlap each bucket's upload with the
    all-gathers of the buckets before it, and stage 3's upload with what follows the step.
 
 [Note: the uploads of the update do not block]
@@ -59,7 +59,7 @@ def pins(device: torch.device) -> bool:
 
 
 def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zeroed host tensor of ``numel`` elements staging data for ``device`` (pinned where :func:`pins`)."""
+    """A zeroed host tensor of ``numel`` elements staging data for ``device`` (pinned where ``pins``)."""
     return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pins(device))
 
 
@@ -89,15 +89,15 @@ def allocate_master(
 
 class HostGrads:
     """A storage's reduced gradient shard, in host memory and the master dtype: the reducer's
-    :class:`~lightning_zero.shards.bucket_slots.GradSink` (step 1 of [Note: what lives where ...]).
+    ``GradSink`` (step 1 of [Note: what lives where ...]).
 
     [Note: the gradient shard goes to the host bucket by bucket]
     No gradient shard exists on the device. Each bucket's reduce-scatter (and, under hybrid sharding, the replica
-    all-reduce) writes into a scratch chunk of the reducer's bucket pool, and :meth:`write` moves that chunk here:
+    all-reduce) writes into a scratch chunk of the reducer's bucket pool, and ``write`` moves that chunk here:
     the first reduction of a bucket after ``zero_grad`` copies it into its slice of the host buffer (cast to the
     master dtype), a later one (gradient accumulation) adds it in the master dtype. Zeroing (buckets that got no
     gradient, another optimizer's ``zero_grad`` of borrowed parameters) is done here too. So the host buffer is the
-    one gradient shard, complete whenever the reducer is idle and :meth:`shard` returned.
+    one gradient shard, complete whenever the reducer is idle and ``shard`` returned.
 
     On CPU the copies and additions are done at once. On CUDA (pinned memory) they are asynchronous and ordered on
     the current stream after the reduction they follow, so they overlap with the rest of backward: a first write
@@ -106,8 +106,8 @@ class HostGrads:
     event, kept in issue order: it is returned to the reducer, whose slot waits for it before the scratch chunk is
     written again ([Note: a sink instead of a device shard] in ``bucket_slots.py``), and the host side waits for it (and
     so, in issue order, for every earlier copy, among them the first write of the slice an addition lands on)
-    before any CPU read or write of the buffer: an addition, a zeroing, :meth:`shard` before the step.
-    :meth:`clear` waits for what is in flight and drops pending additions (their gradients were cleared).
+    before any CPU read or write of the buffer: an addition, a zeroing, ``shard`` before the step.
+    ``clear`` waits for what is in flight and drops pending additions (their gradients were cleared).
 
     The buffer and the staging chunks are made on first use and kept (pinned memory is slow to allocate).
     """

@@ -1,7 +1,7 @@
 """The user's own optimizer, stepping on this rank's shard of the master weights.
 
 [Note: what the user's optimizer sees]
-:class:`ShardedOptimizer` keeps the user's optimizer object (its class, hyperparameters, param groups, LR schedulers
+``ShardedOptimizer`` keeps the user's optimizer object (its class, hyperparameters, param groups, LR schedulers
 and any ``param_groups[i]["lr"]`` edits all stay live) and only swaps the tensors in ``param_groups[i]["params"]``:
 an elementwise optimizer (SGD, Adam, AdamW, ...) gets one flat master tensor per bucket of the group, any other
 optimizer (Adafactor, unknown classes) gets the whole parameters this rank owns, shaped as the parameters. Its state
@@ -12,7 +12,7 @@ As under DDP, the reduced gradients stay (in the gradient shard) until ``zero_gr
 on the same backward, and a backward without ``zero_grad`` accumulates into them. ``zero_grad()`` clears them, which
 matters with several optimizers (a GAN's generator gradients produced by the discriminator's backward must be
 discarded by ``opt_g.zero_grad()`` exactly as under DDP). The master tensors carry a ``.grad`` only from
-:meth:`ShardedOptimizer.reduce` to :meth:`ShardedOptimizer.after_step` (views of the shard, or fp32 copies
+``ShardedOptimizer.reduce`` to ``ShardedOptimizer.after_step`` (views of the shard, or fp32 copies
 under mixed precision); the shard stays the one source of truth. Because Lightning calls ``zero_grad`` on a
 ``LightningOptimizer`` whose class is derived from the optimizer's class, the hook has to be on the class: the
 optimizer's class is swapped for a subclass that adds it (``isinstance`` checks still hold). This is the only way
@@ -69,10 +69,10 @@ class ShardedOptimizer:
     (default: unless it is elementwise).
 
     [Note: the phases of one optimizer step]
-    An optimizer is ``ACCUMULATING`` (backward adds gradients into the storages) until :meth:`reduce` finishes the
-    reduction and gives every master its averaged gradient: it is then ``REDUCED`` until :meth:`after_step` (or a
+    An optimizer is ``ACCUMULATING`` (backward adds gradients into the storages) until ``reduce`` finishes the
+    reduction and gives every master its averaged gradient: it is then ``REDUCED`` until ``after_step`` (or a
     ``zero_grad`` that clears its storage's gradients) takes it back to ``ACCUMULATING``. Everything that needs the
-    reduced gradients (clipping, gradient norms, the step) asks for :meth:`reduce`; it reduces only from
+    reduced gradients (clipping, gradient norms, the step) asks for ``reduce``; it reduces only from
     ``ACCUMULATING`` and otherwise returns the overflow found then, so manual optimization may clip before
     ``optimizer.step()`` and the step does not reduce twice.
     """
@@ -172,12 +172,12 @@ class ShardedOptimizer:
         return step_in_pieces(self.optimizer, self.storage.bucket_elements, call, stepped)
 
     def step_once(self, call: Callable[[], Any]) -> Any:
-        """Run the user's ``optimizer.step`` (``call``) as one call (:attr:`steps_once`), as one window on disk."""
+        """Run the user's ``optimizer.step`` (``call``) as one call (``steps_once``), as one window on disk."""
         return self.windowed.run(call, None) if self.windowed is not None else call()
 
     @property
     def steps_once(self) -> bool:
-        """Whether :meth:`step` makes one ``optimizer.step`` call (not pieces: see [Note: the step in constant-size
+        """Whether ``step`` makes one ``optimizer.step`` call (not pieces: see [Note: the step in constant-size
         pieces] in ``optimizer_support.py``)."""
         return self.layout.whole_params or not steps_in_pieces(self.optimizer, self.storage.bucket_elements)
 

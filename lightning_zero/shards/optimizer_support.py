@@ -69,7 +69,7 @@ class _ZeroGradHook:
 
 
 def zero_subclass(cls: type) -> type:
-    """``cls`` with :class:`_ZeroGradHook` mixed in, keeping its name (see the module docstring)."""
+    """``cls`` with ``_ZeroGradHook`` mixed in, keeping its name (see the module docstring)."""
     return with_mixin(_ZeroGradHook, cls)
 
 
@@ -95,7 +95,7 @@ def _piecewise_step_is_invisible(optimizer: Optimizer) -> bool:
 
 
 def steps_in_pieces(optimizer: Optimizer, limit: int) -> bool:
-    """Whether :func:`step_in_pieces` would call ``step`` more than once."""
+    """Whether ``step_in_pieces`` would call ``step`` more than once."""
     if not _piecewise_step_is_invisible(optimizer):
         return False
     size, pieces = limit, 0

@@ -1,11 +1,11 @@
 """What the parameter store, its storages and the sharded optimizer read of the options: one small frozen policy
-each, derived once from :class:`~lightning_zero.ZeroConfig` by the engine (``engine/policies.py``), so that nothing
+each, derived once from ``ZeroConfig`` by the engine (``engine/policies.py``), so that nothing
 in ``shards/`` (or ``stage3/``'s storage) sees the whole configuration. They have no defaults: the options' defaults
-are :class:`~lightning_zero.ZeroConfig`'s alone.
+are ``ZeroConfig``'s alone.
 
 [Note: one offload policy for the store and the optimizers]
 Where the master shard lives (the store allocates it) and where the step runs (the optimizer steps on it) must
-agree, so both are handed the same :class:`OffloadPolicy` object inside their own policies.
+agree, so both are handed the same ``OffloadPolicy`` object inside their own policies.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 #: ``reduce_bucket_size=None`` (the default) picks ``clamp(Ψ / AUTO_BUCKET_FRACTION, MIN, MAX)`` elements per bucket
-#: for an optimizer of Ψ parameters: see :func:`auto_bucket_elements`.
+#: for an optimizer of Ψ parameters: see ``auto_bucket_elements``.
 MIN_AUTO_BUCKET_ELEMENTS = 1_000_000
 MAX_AUTO_BUCKET_ELEMENTS = 4_000_000
 AUTO_BUCKET_FRACTION = 32
@@ -58,11 +58,11 @@ class OffloadPolicy:
 
 @dataclass(frozen=True)
 class StorePolicy:
-    """What a :class:`~lightning_zero.shards.store.ShardedStorage` reads: the buckets of its layout and reducer, its
+    """What a ``ShardedStorage`` reads: the buckets of its layout and reducer, its
     tiers, and the block sizes of ZeRO++'s quantized collectives."""
 
     reduce_bucket_size: Optional[int]
-    """Elements per bucket (``None``: :func:`auto_bucket_elements` of the storage's parameters)."""
+    """Elements per bucket (``None``: ``auto_bucket_elements`` of the storage's parameters)."""
     bucket_buffers: int
     """Bucket-sized buffers that may be in flight at once."""
     overlap_comm: bool
@@ -82,7 +82,7 @@ class StorePolicy:
 
 @dataclass(frozen=True)
 class OptimizerPolicy:
-    """What a :class:`~lightning_zero.shards.optimizer.ShardedOptimizer` reads: whether its optimizer is stepped on
+    """What a ``ShardedOptimizer`` reads: whether its optimizer is stepped on
     flat slices or whole tensors, and where its step runs."""
 
     partition_whole_params: Optional[bool]

@@ -9,7 +9,7 @@ own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``
   storage (flat buffer, stage 3 unit buffers), its master weight and its gradient reduction, so a backward reduces
   each gradient once, whatever the number of optimizers.
 - Every later optimizer that holds it *borrows* it: it steps on views of the owner's master pieces on
-  this rank (:func:`borrowed_slots`), with its own optimizer state for them, and takes their gradients from the
+  this rank (``borrowed_slots``), with its own optimizer state for them, and takes their gradients from the
   owner's gradient shard. Whichever optimizer steps, it updates the one master weight, and the owner's working
   parameters are refreshed from it afterwards: the next step of any optimizer starts from the value the last one
   left, as under ``ddp``.
@@ -18,7 +18,7 @@ own state (momentum, ``exp_avg``); ``zero_grad`` of either clears that ``.grad``
   step on one backward, and gradients accumulate across steps without ``zero_grad``, as under ``ddp``.
 - A borrowed master is a view of the owner's shard, so the optimizers sharing parameters must agree on how it is
   cut: if any of them needs whole tensors (Adafactor, an unknown class), all of them get whole tensors
-  (:func:`whole_params_per_optimizer`).
+  (``whole_params_per_optimizer``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from lightning_zero.shards.policy import OptimizerPolicy
 
 class Lender(Protocol):
     """What borrowing reads of a storage that owns parameters (a
-    :class:`~lightning_zero.shards.store.ShardedStorage`)."""
+    ``ShardedStorage``)."""
 
     params: list[Tensor]
     layout: FlatLayout
@@ -102,7 +102,7 @@ def borrowed_slots(
 ) -> list[tuple[L, MasterSlot]]:
     """The master tensors a borrowing optimizer steps on for ``members[first_borrowed:]``, with the storage owning each.
 
-    Each is a :class:`MasterSlot` whose ``start`` is an offset in the *owner's* shard and whose pieces index
+    Each is a ``MasterSlot`` whose ``start`` is an offset in the *owner's* shard and whose pieces index
     ``members``. Flat pieces that lie side by side in the owner's slot and fall in the same param group of the
     borrower are merged into one tensor; a whole-parameter slot is borrowed whole, in the parameter's shape.
     """

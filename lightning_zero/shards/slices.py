@@ -27,7 +27,7 @@ class TensorParallelSlice:
 
 def mark_tensor_parallel(param: Tensor, dim: int, group: Optional[Any], parts: int = 1) -> Tensor:
     """Record that ``param`` is this rank's slice, along ``dim``, of a tensor cut over the tensor group ``group``
-    (of ``parts`` blocks, each cut: see :class:`TensorParallelSlice`); it survives stage 3's construction on the
+    (of ``parts`` blocks, each cut: see ``TensorParallelSlice``); it survives stage 3's construction on the
     meta device. Returns ``param``."""
     if not -param.dim() <= dim < max(param.dim(), 1):
         raise ValueError(
@@ -42,6 +42,6 @@ def mark_tensor_parallel(param: Tensor, dim: int, group: Optional[Any], parts: i
 
 
 def tensor_parallel_slice(tensor: Tensor) -> Optional[TensorParallelSlice]:
-    """The slice ``tensor`` is (see :func:`mark_tensor_parallel`), ``None`` for a replicated tensor."""
+    """The slice ``tensor`` is (see ``mark_tensor_parallel``), ``None`` for a replicated tensor."""
     found = getattr(tensor, _ATTRIBUTE, None)
     return found if found is not None and found.size > 1 else None

@@ -1,10 +1,10 @@
 """The parameter store: where the managed parameters live, with or without optimizers.
 
 [Note: the store and the optimizers]
-:class:`ParameterStore` belongs to the engine and exists from setup on, whether or not optimizers were given. It
-holds one :class:`ShardedStorage` per layout: the layout itself, the working storage (stages 1 and 2: one full flat
+``ParameterStore`` belongs to the engine and exists from setup on, whether or not optimizers were given. It
+holds one ``ShardedStorage`` per layout: the layout itself, the working storage (stages 1 and 2: one full flat
 buffer; stage 3: the working shard and the unit buffers), the master shard of the laid-out parameters, the gradient
-reducer and the gradient hooks. An optimizer (:class:`~lightning_zero.shards.optimizer.ShardedOptimizer`) keeps only
+reducer and the gradient hooks. An optimizer (``ShardedOptimizer``) keeps only
 its master slots (views of a storage's master shard: its own storage's and those it borrows) and its step.
 
 The layout depends on the optimizer: its param groups (a bucket never mixes two) and whether it is elementwise
@@ -12,7 +12,7 @@ The layout depends on the optimizer: its param groups (a bucket never mixes two)
 Evaluation under stage 3 (no optimizer) gets one storage over the trainable parameters, laid out as one group of
 flat slices, and no optimizer object at all. Optimizers set up later (Fabric's ``setup_module`` then
 ``setup_optimizers``) get storages laid out for them, and the weights move from the evaluation storage one unit at a
-time (:func:`~lightning_zero.stage3.partitioned.move_units`: gathered, filled into the new storages, freed), so no
+time (``move_units``: gathered, filled into the new storages, freed), so no
 rank ever holds more than one unit in full. The alternative, keeping the evaluation layout and mapping each
 optimizer's master slots onto it, would save that one move but needs a layout that serves every param group
 split and whole-tensor optimizers at once (buckets cut at group boundaries the store cannot know before the
@@ -44,8 +44,8 @@ class ShardedStorage:
 
     [Note: two storages, one step]
     What differs between the stages is where the working parameters live, so that is what the two subclasses hold:
-    :class:`~lightning_zero.shards.flat.FlatStorage` (stages 1 and 2: one full flat working buffer on every rank,
-    refreshed by an all-gather after the step) and :class:`~lightning_zero.stage3.partitioned.PartitionedStorage`
+    ``FlatStorage`` (stages 1 and 2: one full flat working buffer on every rank,
+    refreshed by an all-gather after the step) and ``PartitionedStorage``
     (stage 3: a working shard, units gathered around their use). The layout, the reduction of gradients and the
     master shard are this class's; the step on the masters is the optimizer's.
 
@@ -134,7 +134,7 @@ class ShardedStorage:
         self._reduced_in_backward = False  # the last backward reduced every gradient: nothing is left for the step
         self.uninstalled = False
         self.clears = 0
-        """How many times :meth:`clear_grads` ran (an optimizer's reduced gradients are stale once it moved)."""
+        """How many times ``clear_grads`` ran (an optimizer's reduced gradients are stale once it moved)."""
 
     def _pins_heap(self, device: torch.device) -> bool:
         """Whether the reducer keeps a pin at the top of the host heap (see [Note: the heap pin] in ``heap_pin.py``):
@@ -160,7 +160,7 @@ class ShardedStorage:
 
     def refresh_as_stepped(self) -> Optional[Callable[[list[Tensor]], None]]:
         """What to do with the master tensors of each piece of a step in pieces once it is stepped (stages 1 and 2
-        start their refresh); ``None``: nothing before :meth:`refresh_working`."""
+        start their refresh); ``None``: nothing before ``refresh_working``."""
         return None
 
     def gather_full_master(self) -> Tensor:
@@ -234,7 +234,7 @@ class ShardedStorage:
         [Note: stage 1 reduces in the backward the step follows]
         Stage 1 reduce-scatters in buckets during backward, as stage 2 does (DDP overlaps its all-reduce with backward
         the same way), whenever the step follows that backward. Inside ``no_backward_sync`` (Lightning's
-        ``accumulate_grad_batches``, ``fabric.no_backward_sync``, :meth:`ZeroEngine.no_backward_sync`) the hooks leave
+        ``accumulate_grad_batches``, ``fabric.no_backward_sync``, ``ZeroEngine.no_backward_sync``) the hooks leave
         the gradients in ``.grad``, where autograd accumulates them, and the backward after it reduces them once: one
         reduce-scatter per step whatever the accumulation (stage 2 reduces every backward). Entering it frees the
         gradient shard kept between steps if it holds nothing yet, so full gradients and the shard are never held at
@@ -270,7 +270,7 @@ class ShardedStorage:
 
     def reduce_grads(self) -> Tensor:
         """Reduce the gradients not reduced yet (a collective); returns this rank's gradient shard, which keeps the
-        sum until :meth:`clear_grads` (with ``offload_optimizer`` it lives in host memory, see ``offload.py``)."""
+        sum until ``clear_grads`` (with ``offload_optimizer`` it lives in host memory, see ``offload.py``)."""
         # every backward run through the engine reduced already; stage 1 reduces here what a held backward (or one
         # run outside Lightning and the engine) left, launching every bucket not launched yet on every rank
         late = self.policy.holds_grads_when_accumulating and not self._reduced_in_backward
@@ -356,7 +356,7 @@ class ParameterStore:
         return {id(p): unit for storage in self.storages for p, unit in zip(storage.params, storage.param_units)}
 
     def hold_grads(self, holding: bool) -> None:
-        """Enter or leave ``no_backward_sync`` in every storage (see :meth:`ShardedStorage.hold_grads`)."""
+        """Enter or leave ``no_backward_sync`` in every storage (see ``ShardedStorage.hold_grads``)."""
         for storage in self.storages:
             storage.hold_grads(holding)
 
@@ -366,7 +366,7 @@ class ParameterStore:
             storage.finish_backward()
 
     def uninstall(self, gather: bool) -> None:
-        """Uninstall every storage (see :meth:`ShardedStorage.uninstall`); once a gather fails, the storages after it
+        """Uninstall every storage (see ``ShardedStorage.uninstall``); once a gather fails, the storages after it
         are uninstalled without one, and the failure is raised after."""
         failure: Optional[RuntimeError] = None
         for storage in self.storages:

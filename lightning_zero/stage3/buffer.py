@@ -1,9 +1,9 @@
 """Stage 3: one unit's flat buffer in one storage, the memory it borrows from the pool while gathered, the
 parameters that view it (see [Note: stage 3 storage] in ``params.py``) and its hpZ copy.
 
-A :class:`UnitBuffer` is the per-storage piece of a unit group (see [Note: one object per unit group] in ``unit.py``):
-the group holds one per storage that has parameters of the unit, and the storage's :class:`ShardedParams` fills it
-(gathers, uploads) from its working shard, as its :class:`~lightning_zero.stage3.secondary.SecondaryShards` fills and
+A ``UnitBuffer`` is the per-storage piece of a unit group (see [Note: one object per unit group] in ``unit.py``):
+the group holds one per storage that has parameters of the unit, and the storage's ``ShardedParams`` fills it
+(gathers, uploads) from its working shard, as its ``SecondaryShards`` fills and
 reads the hpZ copy.
 """
 
@@ -25,14 +25,14 @@ class UnitBuffer:
         self.tensor = tensor
         """The flat buffer in the working dtype; its storage holds zero bytes while the unit is released."""
         self.params = params
-        """The parameters viewing :attr:`tensor` (released with it: see [Note: a released parameter raises, it never
+        """The parameters viewing ``tensor`` (released with it: see [Note: a released parameter raises, it never
         crashes] in ``guard.py``)."""
         self.pool = pool
         self.secondary: Optional[Tensor] = None
         """hpZ: this rank's secondary pieces of the unit, made at the first keep and reused by every later one (see
         [Note: hpZ, the secondary partition] in ``secondary.py``); ``None`` without hpZ or before the first keep."""
         self.secondary_current = False
-        """Whether :attr:`secondary` holds the unit's current values (a backward may gather from it)."""
+        """Whether ``secondary`` holds the unit's current values (a backward may gather from it)."""
         self.tensor.untyped_storage().resize_(0)
 
     @property
@@ -47,7 +47,7 @@ class UnitBuffer:
 
     def attach_views(self, offsets: list[int]) -> int:
         """Make the parameters views of the buffer, each at its element offset in it; returns the bytes lent to the
-        buffer to do so (as :meth:`lend`)."""
+        buffer to do so (as ``lend``)."""
         lent = self.lend()  # views can only be made of a tensor that has its storage
         for p, offset in zip(self.params, offsets):
             p.data = self.tensor[offset : offset + p.numel()].view(p.shape)

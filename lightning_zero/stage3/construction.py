@@ -2,7 +2,7 @@
 replay it one unit at a time.
 
 [Note: record and replay]
-Under zero3, ``configure_model`` runs on the meta device (shapes only, no memory) inside a :class:`Recording`, a
+Under zero3, ``configure_model`` runs on the meta device (shapes only, no memory) inside a ``Recording``, a
 ``TorchDispatchMode`` that logs every aten operation touching a meta tensor: factories (``torch.ones``,
 ``torch.arange``), initializers (``normal_``, ``uniform_``, ``fill_``, ``copy_``), arithmetic (rotary ``inv_freq``),
 whatever the module's ``__init__``, a parent's re-initialization or Hugging Face's ``post_init`` / ``_init_weights``
@@ -86,7 +86,7 @@ class LooksEager(TorchFunctionMode):
         self.device = device
         self.redirect = redirect
         """Whether new tensors asked for on ``device`` are made on the meta device (inside the construction context
-        only: after it, see :class:`PendingRecording`, the user's own new tensors are real)."""
+        only: after it, see ``PendingRecording``, the user's own new tensors are real)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -131,7 +131,7 @@ def _is_meta(x: Any) -> bool:
 
 @dataclass
 class Recording(TorchDispatchMode):
-    """Records construction on the meta device for :meth:`values` (see [Note: record and replay])."""
+    """Records construction on the meta device for ``values`` (see [Note: record and replay])."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     ops: list[_Op] = field(default_factory=list)
@@ -306,8 +306,8 @@ class PendingRecording:
     Fabric's ``init_module()`` returns a model on the meta device, and client code goes on with it before
     ``fabric.setup``: LitGPT's ``pretrain.py`` initializes the weights in place (``initialize_weights``) and rebuilds
     its RoPE cache as new buffers, ``load_checkpoint`` patterns call ``load_state_dict``. On meta tensors all of that
-    would do nothing, so after the context closes the recording stays on (:meth:`start`) until setup
-    (:meth:`stop`): in-place initializers, copies from real tensors and new meta buffers join the log, and setup
+    would do nothing, so after the context closes the recording stays on (``start``) until setup
+    (``stop``): in-place initializers, copies from real tensors and new meta buffers join the log, and setup
     replays them after construction, in program order, as an eager build would have run them (the values are
     ``ddp``'s bit for bit). Meta tensors still look like tensors of the device (``is_meta`` is ``False``, initializers
     do not skip them), but nothing else is redirected: a tensor the user makes in between is real, where asked.
@@ -321,7 +321,7 @@ class PendingRecording:
         self.active = False
 
     def start(self) -> "PendingRecording":
-        """Push the modes (they stay on the thread's mode stacks until :meth:`stop`)."""
+        """Push the modes (they stay on the thread's mode stacks until ``stop``)."""
         self._looks_eager.__enter__()
         self.recording.__enter__()
         self.active = True

@@ -4,8 +4,8 @@
 Between uses a stage 3 parameter is a view of a unit buffer whose storage has zero bytes (see [Note: stage 3
 storage] in ``params.py``): its shape is the parameter's, its memory is gone. A plain tensor like that crashes the
 process when read (a segfault on CPU, no Python traceback). So while its unit is released, the parameter's class is
-swapped for a subclass of its own class (:func:`guarded_class`) whose ``__torch_function__`` refuses every operation
-that would read the values with :class:`ParameterNotGatheredError`, naming the parameter, its unit and the fix, and
+swapped for a subclass of its own class (``guarded_class``) whose ``__torch_function__`` refuses every operation
+that would read the values with ``ParameterNotGatheredError``, naming the parameter, its unit and the fix, and
 allows what only reads metadata (shape, dtype, device, ``requires_grad``, ``.grad``, hooks). Gathering the unit swaps
 the class back before anyone can use the values, so inside forward and backward the parameters are plain
 ``nn.Parameter`` objects: the step pays one attribute store per parameter per gather and release, nothing per

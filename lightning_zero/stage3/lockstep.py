@@ -42,7 +42,7 @@ class RanksOutOfStepError(RuntimeError):
 
 
 class LockstepCheck:
-    """Exchanges each rank's next unit; :meth:`finish` raises :class:`RanksOutOfStepError` when they differ.
+    """Exchanges each rank's next unit; ``finish`` raises ``RanksOutOfStepError`` when they differ.
 
     Made by every rank at setup (a collective: it makes the check's process group once per job). One check is in
     flight at a time (see [Note: a check is waited for one unit late]).
@@ -85,7 +85,7 @@ class LockstepCheck:
             raise RanksOutOfStepError(self.describe(rows, forward_order))
 
     def describe(self, rows: list[list[int]], forward_order: Sequence[int]) -> str:
-        """What each rank was about to run, and which units a rank skipped (see :meth:`skipped`)."""
+        """What each rank was about to run, and which units a rank skipped (see ``skipped``)."""
         doing = "; ".join(
             f"rank {r}: the {_described(phase)} of stage 3 unit '{self.names[unit]}'"
             for r, (phase, unit, _) in enumerate(rows)

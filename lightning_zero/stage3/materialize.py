@@ -18,7 +18,7 @@ child still on the meta device (or initializes it, then the child's default init
 GPT of ``benchmarks/gpt.py`` (now ``benchmarks/_model.py``) then started zero3 with ``N(0, 1)`` embeddings instead
 of ``N(0, 0.02)`` (a loss far above ``ln(vocabulary)`` before the first update, and subnormal gradients that slowed
 every matmul: benchmarks/RESULTS.md, "What it was: a wrong initialization, then subnormal floats").
-:func:`materialize` gives every meta tensor its memory first and then calls ``reset_parameters`` children first,
+``materialize`` gives every meta tensor its memory first and then calls ``reset_parameters`` children first,
 parents last, as eager construction does.
 """
 

@@ -1,7 +1,7 @@
 """Stage 3 parameter storage: this rank keeps a shard of the working parameters; units are gathered on demand.
 
 [Note: stage 3 storage]
-Each unit of :mod:`lightning_zero.stage3.plan` has one flat buffer per storage of the engine's parameter store (see
+Each unit of ``lightning_zero.stage3.plan`` has one flat buffer per storage of the engine's parameter store (see
 ``shards/store.py``), in the working dtype, covering the unit's adjacent buckets of the layout. Its parameters are
 views of that buffer from setup on; between uses the buffer's storage holds zero bytes, so the parameters keep their
 shapes but hold no memory. An unshard lends the storage a block of the pool and a reshard takes it back (see [Note:
@@ -15,9 +15,9 @@ device keeps no persistent copy of it: only the gathered units in flight. Gather
 chunk of each of its buckets from the host shard straight into that chunk's place in the unit's (device) buffer, then
 all-gathers in place, so no device staging buffer exists. The uploads are issued on the current stream before the
 all-gather (asynchronous from pinned memory, ordered before the collective that reads them) and run in the prefetch
-order of :mod:`lightning_zero.stage3.units`, so a prefetched unit's upload overlaps the current unit's compute. Before
+order of ``lightning_zero.stage3.units``, so a prefetched unit's upload overlaps the current unit's compute. Before
 the host shard is written (the optimizer step on an aliased host master, the copy of an updated master, a load),
-:meth:`ShardedParams.settle` waits for uploads still reading it. On a CPU-only machine the host shard is still a
+``ShardedParams.settle`` waits for uploads still reading it. On a CPU-only machine the host shard is still a
 storage of its own and every upload still happens, so CPU tests exercise this path.
 """
 
@@ -79,7 +79,7 @@ class ShardedParams:
 
     @property
     def buffers(self) -> dict[int, Tensor]:
-        """Each unit's flat buffer (the tensors of :attr:`units`)."""
+        """Each unit's flat buffer (the tensors of ``units``)."""
         return {unit: buffer.tensor for unit, buffer in self.units.items()}
 
     def unit_numel(self, unit: int) -> int:
@@ -98,7 +98,7 @@ class ShardedParams:
         vocabulary for stage 3] in ``unit.py``); returns the work handles. With
         ``quantize_block``, as blockwise int8 (qwZ: see [Note: qwZ, the quantized all-gather of weights] in
         ``comm/quantize.py``). ``verified``: the lockstep check matched this gather on every rank (see
-        :func:`~lightning_zero.comm.collectives.all_gather`)."""
+        ``all_gather``)."""
         if unit not in self.units:
             return []
         buffer = self._allocate(unit)

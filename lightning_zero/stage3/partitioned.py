@@ -104,7 +104,7 @@ class PartitionedStorage(ShardedStorage):
 
     def gather_master_unit(self, unit: int) -> Tensor:
         """``unit``'s master values, all-gathered whole into a new tensor on the device (a collective; every rank
-        calls it for the same units). Used by :func:`move_units`, which must carry the master precision."""
+        calls it for the same units). Used by ``move_units``, which must carry the master precision."""
         assert self.master_storage is not None
         self.settle()  # a host master may be the host parameter shard an upload still reads
         start, end = self.layout.unit_range(unit)
@@ -157,7 +157,7 @@ class PartitionedStorage(ShardedStorage):
         The full fp32 weights handed back at teardown (4 bytes per parameter on every rank) are the largest
         allocation of a stage 3 run. Everything a step used and ``fit`` no longer needs goes first: every gathered
         unit and the pool's blocks (the gradient shard and the bucket buffers are gone already, see
-        :meth:`ShardedStorage.uninstall`), hpZ's secondary copies, and the free pages of the host heap those left
+        ``ShardedStorage.uninstall``), hpZ's secondary copies, and the free pages of the host heap those left
         (one trim). Then the full buffer is made empty (no page touched), this rank's chunks are copied into their
         places in it, and the master shard goes: each master tensor becomes a view of its own values in the full
         buffer (the same numbers, so the optimizer's state keyed by it and a checkpoint saved after ``fit`` read what

@@ -11,7 +11,7 @@ once per step, from the end of the optimizer step before it (see [Note: the root
 step] in ``units.py``), and kept until the step's backward is done.
 
 [Note: one algorithm at every size]
-``persistence_threshold=None`` (the default) is :data:`DEFAULT_PERSISTENCE_THRESHOLD` elements for every model,
+``persistence_threshold=None`` (the default) is ``DEFAULT_PERSISTENCE_THRESHOLD`` elements for every model,
 whatever its size (as DeepSpeed's ``param_persistence_threshold``): units of that many elements or fewer join the
 root, larger ones are gathered around their use. A default that gathered a small model whole once per step (as
 earlier versions did under 16M parameters) made the small benchmark fast by another algorithm and changed nothing
@@ -35,7 +35,7 @@ computation over gathered parameters (their tensors, shapes and strides never ch
 so dynamo's guards hold and it compiles once). A unit *inside* a compiled region (a compiled ``forward`` around the
 blocks, ``module.compile()`` of a block, ``torch.compile(self.model)``) has its hooks called from compiled code:
 dynamo splits the graph at each of them (the pieces are compiled once and reused, no recompilation). That works and
-gives the same results, but compiles pieces between units; :func:`units_under_compile` names such units so that
+gives the same results, but compiles pieces between units; ``units_under_compile`` names such units so that
 setup can say so. ``module.compile()`` of a unit compiles its ``_call_impl``, hooks included, and is such a case
 too."""
 
@@ -68,14 +68,14 @@ class UnitPlan:
 
 
 def resolve_persistence_threshold(configured: Optional[int]) -> int:
-    """The ``persistence_threshold`` option, or :data:`DEFAULT_PERSISTENCE_THRESHOLD` for ``None``: the same for every
+    """The ``persistence_threshold`` option, or ``DEFAULT_PERSISTENCE_THRESHOLD`` for ``None``: the same for every
     model (see [Note: one algorithm at every size])."""
     return configured if configured is not None else DEFAULT_PERSISTENCE_THRESHOLD
 
 
 @dataclass(frozen=True)
 class UnitPolicy:
-    """What stage 3's unit plan and its runtime (:class:`~lightning_zero.stage3.units.UnitRuntime`) read of the
+    """What stage 3's unit plan and its runtime (``UnitRuntime``) read of the
     options, derived once by the engine (``engine/policies.py``)."""
 
     unit_classes: tuple[Union[type, str], ...]
@@ -92,7 +92,7 @@ class UnitPolicy:
     the blocks and left the threshold at its default (see [Note: the blocks a user names are units])."""
 
     def plan(self, module: nn.Module) -> UnitPlan:
-        """The units of ``module`` under this policy (see :func:`plan_units`)."""
+        """The units of ``module`` under this policy (see ``plan_units``)."""
         return plan_units(module, self.unit_classes, self.persistence_threshold, self.block_threshold)
 
 

@@ -6,7 +6,7 @@ its storage memory with ``resize_`` and taking it away with ``resize_(0)`` is on
 whole unit per gather: on a GPU the caching allocator makes that cheap, on a CPU it is ``malloc``/``free`` of tens
 of MiB, which glibc serves with ``mmap`` above its threshold, so every gather of every step maps fresh pages and
 faults on each of them (a zeroed page per 4 KiB; and whether it does depends on a process-wide setting no library
-should decide). So the memory comes from a :class:`BlockPool` instead: a block of the unit's byte size, made on first
+should decide). So the memory comes from a ``BlockPool`` instead: a block of the unit's byte size, made on first
 use and kept, is *swapped into* the buffer's storage at gather and swapped back out at release
 (``UntypedStorage._swap_data_ptr_``: the two storages exchange their memory; nothing is allocated or copied). The
 buffer's storage object never changes, so the parameters (views of it) and every tensor autograd saved from them,

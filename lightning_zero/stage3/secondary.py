@@ -40,7 +40,7 @@ from lightning_zero.stage3.buffer import UnitBuffer
 
 class SecondaryShards:
     """The secondary pieces of one storage's units (see [Note: hpZ, the secondary partition]); each unit's copy lives
-    on its :class:`~lightning_zero.stage3.buffer.UnitBuffer` (``units``), this object makes and reads them."""
+    on its ``UnitBuffer`` (``units``), this object makes and reads them."""
 
     def __init__(self, layout: FlatLayout, groups: ShardGroups, units: dict[int, UnitBuffer]) -> None:
         assert groups.secondary is not None

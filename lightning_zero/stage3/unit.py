@@ -125,7 +125,7 @@ class UnitGroup:
         self.grads_expected = 0
         """Parameters of the unit whose gradient backward produces (the unit is freed once all of them have)."""
         self.grads_seen = 0
-        """Those whose gradient the current backward has produced (see :meth:`grad_arrived`)."""
+        """Those whose gradient the current backward has produced (see ``grad_arrived``)."""
         self.guarded_while_gathering = False
         """Whether the parameters refuse reads until ``wait_for_unshard`` (a gather started between steps)."""
         self.handles: list[RemovableHandle] = []

@@ -10,7 +10,7 @@ saved in forward (the weights, and views of them such as ``W.t()``) read the re-
 on each unit output re-gathers the unit when the gradient reaches it; the unit is freed again once all of its
 parameters have their gradient. Inside backward (activation checkpointing recomputes a forward) the post-forward
 hook does not free: the backward that follows needs the parameters, and the pre-forward hook prefetches in backward
-order. A block checkpointed by the strategy (:mod:`lightning_zero.activations.checkpointing`) recomputes its original
+order. A block checkpointed by the strategy (``lightning_zero.activations.checkpointing``) recomputes its original
 ``forward`` without its hooks; the unit is gathered once in backward, by the hook on its output, before the
 recomputation.
 
@@ -27,24 +27,24 @@ the error names the unit each rank ran and the units a rank skipped.
 The root unit (the parameters outside every block: embeddings, final norm, head) is the first one a forward needs, and
 no unit before it can prefetch it: gathered at the root's pre-forward hook, its all-gather is the one stage 3 waits for
 with nothing to overlap. So after an optimizer step, once the new shards are written, every rank starts the root's
-gather (:meth:`UnitRuntime.prefetch_root`) and the next forward waits for it; it overlaps the data loading and the
+gather (``UnitRuntime.prefetch_root``) and the next forward waits for it; it overlaps the data loading and the
 loop's own work between steps, as hooks on the forward could not. Meanwhile user code may run (callbacks, a checkpoint,
 evaluation), so the root's parameters keep refusing reads until the gather is waited for
 (``UnitGroup.unshard(guarded=True)``, [Note: a released parameter raises, it never crashes] in ``guard.py``): what a
 callback sees between steps is what it saw before, and every path that reads the root (its forward hook,
 ``gathered_parameters``, ``state_dict``) waits for the gather first; ``load_state_dict``, a checkpoint load and
-``load_pretrained`` wait for it before they write the shards it reads (:meth:`UnitRuntime.wait_for_unshard`). The memory
+``load_pretrained`` wait for it before they write the shards it reads (``UnitRuntime.wait_for_unshard``). The memory
 is the root's, held from the step's end instead of from the next forward's start: after the step's peak, not on it.
 
 [Note: the last unit stays gathered into backward]
 Backward starts where forward ended: the first unit it needs is the last one forward ran. Freeing that unit after
 its forward and gathering it again as backward's first act moves one unit per step for nothing (and waits for it with
 nothing to overlap), so, as FSDP2 does not reshard the root's last module after forward, a training forward leaves
-the last unit of the recorded order gathered (:meth:`UnitRuntime.keeps_for_backward`: once the order is known, only
+the last unit of the recorded order gathered (``UnitRuntime.keeps_for_backward``: once the order is known, only
 when its output requires grad, never while recomputing or ``SUMMONED``); its pre-backward hook finds it gathered and
 its gradient hook frees it as it frees every unit. Its hpZ copy is not kept: backward reads the gathered buffers. A
 forward that no backward follows must not leave it behind: the next unit hook of another forward frees it
-(:meth:`UnitRuntime._hand_over_kept`), as do the end of the backward, the end of a step and an optimizer step's refresh
+(``UnitRuntime._hand_over_kept``), as do the end of the backward, the end of a step and an optimizer step's refresh
 gathers it again from the new shards. The values are those a backward gather would give (the same shards, the same
 int8 blocks under qwZ), so nothing but the traffic changes: per step and micro-batch stage 3 all-gathers its units
 once for forward and, for backward, every unit but the root and the last one.
@@ -104,7 +104,7 @@ class UnitRuntime:
         self.forward_order: list[int] = []
         """The units' indices in the order of the first training forward (see [Note: lockstep and prefetch])."""
         self.order_final = False
-        """Whether :attr:`forward_order` is complete (from the end of the first backward on)."""
+        """Whether ``forward_order`` is complete (from the end of the first backward on)."""
         self.peak_gathered_bytes = 0
         """High-water mark of gathered unit bytes (root, current unit, prefetch): bounded by options, not depth."""
         self.kept: Optional[UnitGroup] = None

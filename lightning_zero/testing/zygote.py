@@ -10,7 +10,7 @@ as the interpreter would (threads joined, ``atexit`` run, an uncaught Ctrl-C re-
 ``-signal``) comes back like a ``subprocess`` return code. Processes it starts itself (Lightning's launcher starting
 the other ranks) are ordinary ``python`` processes. Variables read only once at process start (glibc's
 ``MALLOC_MMAP_THRESHOLD_``, ``PYTHONPATH``, ``OMP_NUM_THREADS``) are the ones the zygote itself starts with
-(:data:`ZYGOTE_ENV`), equal to what :mod:`lightning_zero.testing.launch` gives every rank; anything else lightning_zero
+(``ZYGOTE_ENV``), equal to what ``lightning_zero.testing.launch`` gives every rank; anything else lightning_zero
 reads from the environment, it reads when used, not at import.
 
 Protocol on the zygote's stdin/stdout, one JSON object per line: ``{"argv", "env", "cwd", "stdout", "stderr",

@@ -11,7 +11,7 @@ level before it). ``benchmarks/memory.py`` measures "peak growth in fit" the sam
 
 [Note: the default budget]
 CUDA: the device's free memory (``torch.cuda.mem_get_info``) at setup. CPU: the host's available memory
-(``MemAvailable`` of ``/proc/meminfo``) divided among the ranks of this node. Either less :data:`MARGIN` of it, which
+(``MemAvailable`` of ``/proc/meminfo``) divided among the ranks of this node. Either less ``MARGIN`` of it, which
 is left to what no prediction sees: the allocator's reserve and fragmentation, the framework's own growth during
 fit (threads, the collectives' transport buffers, the data loader) and, on CPU, the other processes of the host.
 """

@@ -16,7 +16,7 @@ A candidate's peak per rank is what stays for the whole run plus the larger of t
 - the step's moment: the optimizer step's temporaries, one tensor the size of the rank's master shard (the foreach
   kernels of Adam make one, ``exp_avg_sq.sqrt()``) and, in the mixed precisions, the master gradient (the 16-bit
   gradient shard made fp32 for the step: one more); the activations are gone by then.
-On CPU, the first run of a process adds :data:`FIRST_RUN_BYTES`: what its resident memory grows by once, whatever
+On CPU, the first run of a process adds ``FIRST_RUN_BYTES``: what its resident memory grows by once, whatever
 the configuration and the model (the threads' stacks and heaps, the collectives' transport, the first use of the
 kernels), measured with ``benchmarks/auto.py`` as the cold fit's peak less the same fit's peak run again in the same
 process: 27 to 30 MiB per rank on the GPT at 5.3M and 18.2M parameters, fp32 and bf16-mixed (torch 2.13, gloo, two
@@ -26,7 +26,7 @@ guess, which the margin of the default budget covers (see [Note: the default bud
 ``max_memory_allocated`` does not see it.
 
 [Note: the headroom]
-A candidate fits when its predicted peak plus :data:`HEADROOM` of it is within the budget: the measured peak falls
+A candidate fits when its predicted peak plus ``HEADROOM`` of it is within the budget: the measured peak falls
 within about 10% of the prediction either way (what the allocator does with the holes a step leaves, e.g. on CPU the
 heap pin of stages 1 and 2 lets a later forward's activations land above it: +5 to +8% at 5.3M parameters), and a
 budget is a limit the run must stay under, so the choice errs on the side of the cheaper-in-memory candidate. Every
@@ -102,7 +102,7 @@ class ModelFacts:
     accumulates: bool = False
     """Gradients are accumulated over micro-batches (``accumulate_grad_batches > 1``)."""
     first_run: bool = False
-    """The first run of this process on CPU (see :data:`FIRST_RUN_BYTES`)."""
+    """The first run of this process on CPU (see ``FIRST_RUN_BYTES``)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Prediction:
     activations: float
     step: float
     runtime: float = 0.0
-    """What the process grows by once (:data:`FIRST_RUN_BYTES`), or 0."""
+    """What the process grows by once (``FIRST_RUN_BYTES``), or 0."""
 
     @property
     def peak(self) -> float:
@@ -192,7 +192,7 @@ class Choice:
     chosen: Prediction
     budget: float
     predictions: tuple[Prediction, ...]
-    """Every candidate's, in the order of :data:`CANDIDATES`."""
+    """Every candidate's, in the order of ``CANDIDATES``."""
 
     def by_name(self) -> dict[str, float]:
         """``{candidate name: predicted peak}`` of every candidate."""
@@ -240,8 +240,8 @@ class BudgetTooSmall(ValueError):
 def choose(
     facts: ModelFacts, world_size: int, precision: str, config: ZeroConfig, budget: float, on_host: bool
 ) -> Choice:
-    """The first candidate of :data:`CANDIDATES` whose predicted peak fits ``budget``; raises
-    :class:`BudgetTooSmall`, naming the smallest budget that would fit, when none does."""
+    """The first candidate of ``CANDIDATES`` whose predicted peak fits ``budget``; raises
+    ``BudgetTooSmall``, naming the smallest budget that would fit, when none does."""
     predictions = tuple(predict(candidate, facts, world_size, precision, config, on_host) for candidate in CANDIDATES)
     for prediction in predictions:
         if prediction.needs <= budget:

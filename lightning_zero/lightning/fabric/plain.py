@@ -6,7 +6,7 @@ before setting it up (fine-tuning from a file). No engine holds such a model, so
 writes what ``ddp`` writes (every entry as its state dict, one file from rank 0), and ``fabric.load`` restores it
 from either format: that plain file, or a checkpoint of ours (a sharded directory is consolidated on the way, so a
 model keeps the ``state_dict`` it had when it was saved set up). A set-up model loads the plain file too: the entry
-under its key becomes its ``state_dict`` (:func:`as_engine_checkpoint`).
+under its key becomes its ``state_dict`` (``as_engine_checkpoint``).
 """
 
 from __future__ import annotations

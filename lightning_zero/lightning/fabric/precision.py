@@ -17,7 +17,7 @@ from lightning_zero.lightning.precision import LossScaler, PrecisionInput, UsesP
 
 
 class ZeroFabricPrecision(UsesPrecisionMode, Precision):
-    """Fabric's precision plugin for :class:`ZeroFabricStrategy` (the numerics are :class:`PrecisionMode`'s).
+    """Fabric's precision plugin for ``ZeroFabricStrategy`` (the numerics are ``PrecisionMode``'s).
 
     Inputs and outputs are cast as Fabric's own ``MixedPrecision`` / ``HalfPrecision`` cast them.
     """

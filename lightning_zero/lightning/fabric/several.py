@@ -1,13 +1,13 @@
 """Several models on one ``ZeroFabricStrategy`` (a GAN's generator and discriminator, teacher and student, an EMA
-copy): each ``fabric.setup`` gives its own :class:`~lightning_zero.engine.engine.ZeroEngine` over the same process
+copy): each ``fabric.setup`` gives its own ``ZeroEngine`` over the same process
 groups, and a checkpoint of several of them is one sharded checkpoint.
 
 [Note: several models in one checkpoint]
 ``fabric.save(path, {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": n})`` with several set-up models writes
 the checkpoint a LightningModule holding them as attributes ``g`` and ``d`` would: ``state_dict`` keys prefixed with
 the state's key of their model (``g.net.0.weight``), ``optimizer_states`` the engines' optimizers in the order the
-models were set up (each engine's in its own order), every other entry as itself, and under :data:`MODELS_KEY` the
-state keys of the models. :class:`EngineGroup` shows the engines to the format's functions (``engine/state.py``) as
+models were set up (each engine's in its own order), every other entry as itself, and under ``MODELS_KEY`` the
+state keys of the models. ``EngineGroup`` shows the engines to the format's functions (``engine/state.py``) as
 one engine whose module is a ``ModuleDict`` of the models (with the engine's checkpoint methods that Fabric's
 ``save`` and ``load`` call), so a directory is written by every rank in one go and
 ``lightning-zero inspect`` / ``consolidate`` read it as any other (the consolidated file loads into such a

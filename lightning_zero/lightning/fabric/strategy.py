@@ -1,6 +1,6 @@
 """``ZeroFabricStrategy``: ZeRO under Lightning Fabric (``Fabric(strategy="zero1" | "zero2" | "zero3")``).
 
-A thin adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`: ``fabric.setup`` makes the engine,
+A thin adapter over ``ZeroEngine``: ``fabric.setup`` makes the engine,
 ``fabric.backward`` and ``optimizer.step()`` are the engine's, ``fabric.save`` / ``fabric.load`` write and read the
 Trainer's checkpoint format (see [Note: one checkpoint format for every way in] in ``engine/state.py``), and
 ``fabric.init_module()`` under zero3 builds the model sharded, as the Trainer's ``configure_model`` does. Each
@@ -102,7 +102,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.engines: list[ZeroEngine] = []
         """One engine per ``fabric.setup`` / ``setup_module``, in setup order, over the same process groups (see
-        [Note: several models in one checkpoint] in ``several.py``); :attr:`engine` is the last."""
+        [Note: several models in one checkpoint] in ``several.py``); ``engine`` is the last."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -336,7 +336,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
         )
 
     def _engine_of(self, state: dict[str, Any]) -> Any:
-        """The engine of the one model in ``state``, or an :class:`EngineGroup` of its several models (see [Note:
+        """The engine of the one model in ``state``, or an ``EngineGroup`` of its several models (see [Note:
         several models in one checkpoint] in ``several.py``)."""
         named = {
             key: several.engine_of_module(self.engines, obj) for key, obj in state.items() if isinstance(obj, Module)
@@ -386,7 +386,7 @@ class ZeroFabricStrategy(ZeroProcesses, ParallelStrategy, _Sharded):
     @override
     def gathered_parameters(self) -> AbstractContextManager:
         """Every parameter of every set-up model whole inside, on every rank (a collective); see
-        :meth:`ZeroEngine.gathered_parameters`."""
+        ``ZeroEngine.gathered_parameters``."""
         if not self.engines:
             raise RuntimeError("`gathered_parameters()` needs the model set up: use it after `fabric.setup`.")
         return several.all_gathered(self.engines)

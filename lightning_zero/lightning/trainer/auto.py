@@ -44,7 +44,7 @@ class AutoRun:
     choice: Choice
     meter: PeakMeter
     measured: Optional[int] = None
-    """The highest measured peak over the ranks, after :data:`STEPS_MEASURED` steps (or at the end of a shorter fit)."""
+    """The highest measured peak over the ranks, after ``STEPS_MEASURED`` steps (or at the end of a shorter fit)."""
 
     def report(self) -> str:
         """``zero_auto zero2: predicted peak 11.2 GiB, measured 10.9 GiB (+3%) ...``."""

@@ -1,5 +1,5 @@
 """The Trainer's side of sharded checkpoints outside of training: a LightningModule for inference from a checkpoint
-directory (:func:`load_from_checkpoint`), and :class:`ZeroCheckpointIO`, with which any other strategy (``ddp``, a
+directory (``load_from_checkpoint``), and ``ZeroCheckpointIO``, with which any other strategy (``ddp``, a
 single device) resumes from one. Both read the directory as ``checkpoints/consolidate.py`` does, in one plain
 process: one copy of the weights in memory.
 """

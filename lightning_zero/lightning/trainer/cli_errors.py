@@ -100,7 +100,7 @@ def unknown_zero_strategy(name: object) -> Optional[str]:
     ``Trainer(strategy="zero4")`` fails in Lightning's accelerator connector, whose message lists ``auto, ddp,
     ddp_spawn, deepspeed`` and not ours. That check runs inside ``Trainer.__init__`` (and ``Fabric.__init__``) against
     a plain list of the registry's keys, before any code of ours, so importing ``lightning_zero`` wraps it
-    (:func:`_names_ours`): a name starting with ``zero`` gets this message instead. The ``lightning-zero``
+    (``_names_ours``): a name starting with ``zero`` gets this message instead. The ``lightning-zero``
     command checks the name itself, before the Trainer is built.
     """
     from lightning.pytorch.strategies import StrategyRegistry

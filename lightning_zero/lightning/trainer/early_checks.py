@@ -5,7 +5,7 @@ Lightning restores a checkpoint after the strategy's setup (``restore_checkpoint
 shards), so a path with nothing there, a damaged ``meta.pt`` or another model's checkpoint was found only after
 ``configure_model`` and the sharded construction (minutes to hours at scale). The path Lightning will restore is
 what its checkpoint connector's ``_select_ckpt_path`` returns ("last", "best" and "hpc" resolved); importing
-``lightning_zero`` records it on the connector (:func:`install`). Then:
+``lightning_zero`` records it on the connector (``install``). Then:
 
 - in ``setup_environment``, before ``configure_model``: the path exists, and a directory's ``meta.pt`` matches its
   checksum and every file of it is there with its size (the full checksums are verified at the load, as before);
@@ -23,7 +23,7 @@ checkpoint is data, never code] in ``checkpoints/trust.py``). Lightning passes i
 only when the strategy restores *before* setup; ours restores after (``restore_checkpoint_after_setup``), where
 Lightning's ``_run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it. Importing ``lightning_zero``
 also records on the checkpoint connector the ``weights_only`` each ``Trainer._run`` was given
-(:func:`requested_trust`), for the early checks and for ``ZeroStrategy.load_checkpoint``. Each run records its own
+(``requested_trust``), for the early checks and for ``ZeroStrategy.load_checkpoint``. Each run records its own
 value (``None`` when not given), so a trust given to one ``fit`` never carries over to the next.
 """
 

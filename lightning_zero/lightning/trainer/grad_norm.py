@@ -5,13 +5,13 @@ Under zero2 and zero3 each gradient is reduced into this rank's shard as it is m
 in ``on_before_optimizer_step``, and Lightning's ``grad_norm(module, norm_type)`` (which reads ``param.grad``)
 returns an empty dict: gradient logging showed nothing, without a word. Importing ``lightning_zero`` makes
 ``grad_norm`` of a module (or submodule) that a ZeRO engine holds return the engine's
-:meth:`~lightning_zero.engine.engine.ZeroEngine.grad_norms` for that module's parameters: each trainable
+``grad_norms`` for that module's parameters: each trainable
 parameter's norm of its averaged gradient (what ``ddp``'s ``.grad`` holds) under the names and keys ``grad_norm``
 gives, and their total. It is a collective, as every rank calls ``on_before_optimizer_step``.
 
 A user's module imports ``grad_norm`` with ``from lightning.pytorch.utilities import grad_norm``, often before
 ``import lightning_zero`` (isort's order), and keeps the function object it got; so the function itself is
-redirected: its code is replaced by a two-line dispatch to :func:`_grad_norm` (in its own module's globals), and
+redirected: its code is replaced by a two-line dispatch to ``_grad_norm`` (in its own module's globals), and
 the original code lives on in a copy that every module Zero does not hold still gets.
 """
 

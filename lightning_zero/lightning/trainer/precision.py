@@ -1,7 +1,7 @@
 """The Trainer's precision plugin of ZeRO: a thin adapter that hands Lightning's optimizer step to the engine.
 
 Its numerics (dtypes, autocast, loss scaling, clipping over shards) are
-:class:`~lightning_zero.engine.amp.PrecisionMode`'s; the order of one optimizer step is :meth:`ZeroEngine.step`'s (see
+``PrecisionMode``'s; the order of one optimizer step is ``ZeroEngine.step``'s (see
 [Note: the order of one optimizer step] in ``engine.py``). Lightning's ``on_before_optimizer_step`` hooks and its
 gradient clipping run as the step's ``before_step``, after the gradients were reduced and unscaled.
 """
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class ZeroPrecision(UsesPrecisionMode, Precision):
-    """Precision plugin for :class:`~lightning_zero.ZeroStrategy`.
+    """Precision plugin for ``ZeroStrategy``.
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``. In the mixed modes the

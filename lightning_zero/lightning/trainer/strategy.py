@@ -1,4 +1,4 @@
-"""``ZeroStrategy``: the Trainer's adapter over :class:`~lightning_zero.engine.engine.ZeroEngine`. It registers
+"""``ZeroStrategy``: the Trainer's adapter over ``ZeroEngine``. It registers
 ``zero1``, ``zero2``, ``zero3`` and their ``_spawn`` / ``_fork`` variants (``zero_auto`` is its subclass
 ``ZeroAutoStrategy``, in ``auto.py``), makes the engine at setup and hands it Lightning's steps, backward and
 checkpoints; the optimizer step goes through the precision plugin (``precision.py``)."""
@@ -407,7 +407,7 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Lightning calls this when a run stops on an exception or Ctrl-C, just before :meth:`teardown`."""
+        """Lightning calls this when a run stops on an exception or Ctrl-C, just before ``teardown``."""
         # a refused checkpoint is refused by every rank at the same point (its checks are agreed across ranks)
         self._ranks_in_step = self.world_size == 1 or isinstance(exception, CheckpointError)
         self._failure = exception
