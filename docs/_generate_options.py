@@ -5,7 +5,8 @@
 
 Each option is documented once: a field of ``lightning_zero.config.ZeroConfig`` with its docstring, or one of the
 strategies' own arguments (``memory_budget``, ``process_group_backend``, ``timeout``, ``start_method``) in the
-``Args:`` of ``ZeroStrategy``'s docstring. ``OPTION_GROUPS`` in ``lightning_zero/config.py`` orders them by concern.
+``Args:`` of ``ZeroStrategy``'s docstring (``ZeroAutoStrategy``'s for ``memory_budget``). ``OPTION_GROUPS`` in
+``lightning_zero/config.py`` orders them by concern.
 docs/options.md gets one table per group (option, type, default, the whole doc); the README one table (option,
 default, the first paragraph of the doc). Only the text between ``<!-- options:start -->`` and
 ``<!-- options:end -->`` is written: the prose around it is the page's own. tests/test_docs.py fails when a table is
@@ -60,30 +61,37 @@ class _Sources:
     def __init__(self) -> None:
         from lightning_zero.config import ZeroConfig
         from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
+        from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy
         from lightning_zero.lightning.trainer.strategy import ZeroStrategy
 
         self.fields = {f.name: f for f in dataclasses.fields(ZeroConfig)}
         self.hints = typing.get_type_hints(ZeroConfig)
         self.field_docs = _attribute_docs(ZeroConfig)
-        self.strategies = {
-            cls.__name__: inspect.signature(cls).parameters for cls in (ZeroStrategy, ZeroFabricStrategy)
+        classes = (ZeroStrategy, ZeroAutoStrategy, ZeroFabricStrategy)
+        self.strategies = {cls.__name__: inspect.signature(cls).parameters for cls in classes}
+        self.strategy_hints = {
+            **typing.get_type_hints(ZeroStrategy.__init__),
+            **typing.get_type_hints(ZeroAutoStrategy.__init__),
         }
-        self.strategy_hints = typing.get_type_hints(ZeroStrategy.__init__)
-        self.arg_docs = _args_docs(inspect.getdoc(ZeroStrategy) or "")
+        self.arg_docs = {
+            **_args_docs(inspect.getdoc(ZeroStrategy) or ""),
+            **_args_docs(inspect.getdoc(ZeroAutoStrategy) or ""),
+        }
 
     def option(self, name: str) -> Option:
         if name in self.fields:
             if name not in self.field_docs:
                 raise SystemExit(f"ZeroConfig.{name} has no docstring: document it under the field.")
             return _option(name, self.hints[name], self.fields[name].default, self.field_docs[name])
-        takers = [cls for cls, params in self.strategies.items() if name in params]
+        takers = [cls for cls, params in self.strategies.items() if name in params]  # by name, not through **kwargs
         if not takers or name not in self.arg_docs:
             raise SystemExit(
-                f"`{name}` in OPTION_GROUPS is neither a ZeroConfig field nor documented in ZeroStrategy's `Args:`."
+                f"`{name}` in OPTION_GROUPS is neither a ZeroConfig field nor documented in the `Args:` of "
+                "ZeroStrategy or ZeroAutoStrategy."
             )
         doc = self.arg_docs[name]
         doc = f"{' and '.join(f'``{t}``' for t in takers)} only. {doc[:1].upper()}{doc[1:]}"
-        return _option(name, self.strategy_hints[name], self.strategies["ZeroStrategy"][name].default, doc)
+        return _option(name, self.strategy_hints[name], self.strategies[takers[0]][name].default, doc)
 
 
 def _option(name: str, hint: Any, default: Any, doc: str) -> Option:

@@ -20,6 +20,7 @@ from lightning_zero.engine.engine import ZeroEngine
 from lightning_zero.lightning import install
 from lightning_zero.lightning.fabric.precision import ZeroFabricPrecision
 from lightning_zero.lightning.fabric.strategy import ZeroFabricStrategy
+from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy
 from lightning_zero.lightning.trainer.checkpoint_io import ZeroCheckpointIO, load_from_checkpoint
 from lightning_zero.lightning.trainer.precision import LossScaler, ZeroPrecision
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy
@@ -48,6 +49,7 @@ __all__ = [
     "ModelStateBytes",
     "ParameterNotGatheredError",
     "Traffic",
+    "ZeroAutoStrategy",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricPrecision",

@@ -49,8 +49,8 @@ class ZeroConfig:
     """Which model states are partitioned: 1 optimizer states (and fp32 master weights), 2 also gradients, 3 also
     parameters.
 
-    ``ZeroStrategy`` also takes ``"auto"`` (``strategy="zero_auto"``): the stage is chosen at setup from
-    ``memory_budget`` ([zero_auto](zero_auto.md))."""
+    A stage chosen at setup from a memory budget: ``ZeroAutoStrategy(memory_budget=...)``
+    (``strategy="zero_auto"``, [zero_auto](zero_auto.md))."""
     reduce_bucket_size: Optional[Elements] = None
     """Elements per gradient bucket; ``None``: ``clamp(Ψ / 32, 1M, 4M)`` for an optimizer of Ψ parameters.
 

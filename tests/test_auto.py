@@ -105,21 +105,24 @@ def test_a_budget_nothing_fits_names_the_smallest_that_would():
     choose(FACTS, 2, "32-true", config, smallest, on_host=True)
 
 
-def test_the_strategy_takes_auto_and_a_budget():
-    strategy = lightning_zero.ZeroStrategy(stage="auto", memory_budget="20GiB")
+def test_the_auto_strategy_takes_a_budget_and_the_fixed_one_refuses_it():
+    strategy = lightning_zero.ZeroAutoStrategy(memory_budget="20GiB")
     assert strategy._auto_budget == 20 * 2**30 and strategy.config.stage == 3  # recorded as zero3 until setup
-    with pytest.raises(ValueError, match="`memory_budget` is the budget `stage='auto'`"):
-        lightning_zero.ZeroStrategy(stage=2, memory_budget="20GiB")
-    with pytest.raises(ValueError, match="`offload_optimizer` is chosen by `stage='auto'`"):
-        lightning_zero.ZeroStrategy(stage="auto", offload_optimizer=True)
+    for wrong in ({"stage": 2, "memory_budget": "20GiB"}, {"stage": "auto"}):
+        with pytest.raises(ValueError, match=r"is `ZeroAutoStrategy\(memory_budget=...\)` \(or `strategy='zero_auto'`\)"):
+            lightning_zero.ZeroStrategy(**wrong)
+    with pytest.raises(ValueError, match="chooses the stage itself: leave `stage` out, got 2"):
+        lightning_zero.ZeroAutoStrategy(stage=2)
+    with pytest.raises(ValueError, match="`offload_optimizer` is chosen by `zero_auto` itself"):
+        lightning_zero.ZeroAutoStrategy(offload_optimizer=True)
     with pytest.raises(ValueError, match="not a size with a unit"):
-        lightning_zero.ZeroStrategy(stage="auto", memory_budget="20")
+        lightning_zero.ZeroAutoStrategy(memory_budget="20")
 
 
 def test_zero_auto_in_lightning_cli_yaml(tmp_path):
     config = tmp_path / "auto.yaml"
     config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n    class_path: "
-                      "lightning_zero.ZeroStrategy\n    init_args:\n      stage: auto\n      memory_budget: 12GiB\n")
+                      "lightning_zero.ZeroAutoStrategy\n    init_args:\n      memory_budget: 12GiB\n")
     cli = LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
     assert isinstance(cli.trainer.strategy, ZeroAutoStrategy) and cli.trainer.strategy._auto_budget == 12 * 2**30
     short = LightningCLI(TinyGPT, args=["--trainer.strategy", "zero_auto", "--trainer.accelerator", "cpu",

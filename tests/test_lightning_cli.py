@@ -136,6 +136,24 @@ def test_options_override_a_short_name_on_the_command_line(flags, option):
     assert strategy._start_method == ("spawn" if "spawn" in flags[0] else "popen")
 
 
+def test_options_after_zero_auto_on_the_command_line_reach_its_own_class():
+    strategy = _zero_cli("--trainer.strategy", "zero_auto", "--trainer.strategy.memory_budget", "12GiB",
+                         "--trainer.strategy.prefetch_size", "1000").trainer.strategy
+    assert type(strategy) is lightning_zero.ZeroAutoStrategy
+    assert (strategy._auto_budget, strategy.config.prefetch_size) == (12 * 2**30, 1000)
+
+
+@pytest.mark.parametrize("strategy", ["ZeroStrategy", "ZeroAutoStrategy"])
+def test_a_misspelled_option_of_either_class_in_yaml_is_one_line(tmp_path, strategy, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n"
+                      f"    class_path: lightning_zero.{strategy}\n    init_args:\n      prefetch_sise: 1\n")
+    with pytest.raises(SystemExit):
+        LightningCLI(TinyGPT, args=["--config", str(config)], run=False, save_config_callback=None)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`prefetch_sise`: did you mean `prefetch_size`?" in err, err
+
+
 @pytest.mark.parametrize("name, stage", [("zero3", 3), ("zero2_spawn", 2)])
 def test_options_after_a_short_name_in_yaml_override_it(tmp_path, name, stage):
     config = tmp_path / "short.yaml"

@@ -18,10 +18,15 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoints.storage import missing_message
 from lightning_zero.config import ZeroConfig
+from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy
 from lightning_zero.lightning.trainer.cli_errors import unknown_zero_strategy
 from lightning_zero.lightning.trainer.strategy import ZeroStrategy
 
 STRATEGY_FLAG = "--trainer.strategy"
+ZERO_STRATEGIES = (
+    ZeroAutoStrategy,
+    ZeroStrategy,
+)  # by name in jsonargparse's messages ("ZeroStrategy" is not in the other)
 LONG_FORM_HINT = (
     "A strategy given by its short name (`zero3`) takes no options after it: jsonargparse reads the name as a string. "
     "Give the class and its stage instead, on the command line `--trainer.strategy lightning_zero.ZeroStrategy "
@@ -69,7 +74,7 @@ def _long_form(name: object) -> Optional[list[str]]:
     entry = dict.get(StrategyRegistry, name) if isinstance(name, str) else None  # .get() would build it
     if entry is None or not issubclass(entry["strategy"], ZeroStrategy):
         return None
-    long_form = [STRATEGY_FLAG, "lightning_zero.ZeroStrategy"]
+    long_form = [STRATEGY_FLAG, f"lightning_zero.{entry['strategy'].__name__}"]  # ZeroStrategy, ZeroAutoStrategy
     for key, value in entry["init_params"].items():
         if not (key == "start_method" and value == "popen"):
             long_form += [f"{STRATEGY_FLAG}.{key}", str(value)]
@@ -99,9 +104,12 @@ def _strategy_in_configs(argv: Sequence[str]) -> object:
 def option_hints(message: str) -> str:
     """jsonargparse's error for an unknown ``ZeroStrategy`` option ("Option 'stagee' is not accepted") with the
     "did you mean" the Python API gives (``config.check_option_names``)."""
-    if "ZeroStrategy" not in message:
+    strategy = next((cls for cls in ZERO_STRATEGIES if cls.__name__ in message), None)
+    if strategy is None:
         return message
-    known = [f.name for f in dataclasses.fields(ZeroConfig)] + list(inspect.signature(ZeroStrategy).parameters)
+    known = [f.name for f in dataclasses.fields(ZeroConfig)] + [
+        name for cls in ZERO_STRATEGIES for name in inspect.signature(cls).parameters if name != "kwargs"
+    ]
     hints = [
         f"`{name}`: did you mean `{match[0]}`?"
         for name in re.findall(r"Option '([^']+)' is not accepted", message)
@@ -114,7 +122,7 @@ def option_hints(message: str) -> str:
         message
         + "\nUnknown ZeRO option(s): "
         + "; ".join(hints)
-        + " (every option is listed by `--trainer.strategy.help lightning_zero.ZeroStrategy`)."
+        + f" (every option is listed by `--trainer.strategy.help lightning_zero.{strategy.__name__}`)."
     )
 
 

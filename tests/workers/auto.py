@@ -21,7 +21,7 @@ import lightning as L
 import torch
 
 from benchmarks._model import SIZES, BenchGPT, GPTSize
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroAutoStrategy
 from lightning_zero.engine.auto import choice
 
 warnings.filterwarnings("ignore")
@@ -52,7 +52,7 @@ def fit(size: GPTSize, precision: str, construction: str, budget: Any, steps: in
     """One fit under ``zero_auto``; the strategy's record of it."""
     L.seed_everything(0, verbose=False)
     model = BenchGPT(size, samples=64, meta_init=construction == "configure")
-    strategy = ZeroStrategy(stage="auto", memory_budget=budget, **OPTIONS)
+    strategy = ZeroAutoStrategy(memory_budget=budget, **OPTIONS)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, max_steps=steps,
                         accumulate_grad_batches=ACCUMULATE,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

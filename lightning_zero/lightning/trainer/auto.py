@@ -57,7 +57,7 @@ def check_auto(memory_budget: Optional[Union[str, float]], options: dict[str, An
     chosen = [name for name in CHOSEN_OPTIONS if options.get(name)]
     if chosen:
         raise ValueError(
-            f"`{chosen[0]}` is chosen by `stage='auto'` itself (zero3 with offload comes last, where "
+            f"`{chosen[0]}` is chosen by `zero_auto` itself (zero3 with offload comes last, where "
             "nothing else fits); to set it, pick the stage too (`strategy='zero3'`)."
         )
     return resolve_budget(memory_budget)
@@ -100,11 +100,10 @@ def first_batch(trainer: "pl.Trainer") -> Optional[Any]:
     return batch
 
 
-class ZeroAutoStrategy(ZeroStrategy, auto=True):
+class ZeroAutoStrategy(ZeroStrategy):
     """``strategy="zero_auto"``: ZeRO whose stage and offload are chosen at the setup of each ``fit`` from the memory
     budget, the least costly of zero1, zero2, zero3, zero3 with ``offload_optimizer``, zero3 with ``offload_params``
-    whose predicted peak fits (see ``docs/zero_auto.md``); outside ``fit``, zero3. ``ZeroStrategy(stage="auto")``
-    constructs it too (see [Note: stage="auto" constructs ZeroAutoStrategy] in ``strategy.py``).
+    whose predicted peak fits (see ``docs/zero_auto.md``); outside ``fit``, zero3.
 
     [Note: zero_auto records as zero3]
     The configuration is chosen at setup, from the model ``configure_model`` built and the first micro-batch, but
@@ -114,26 +113,22 @@ class ZeroAutoStrategy(ZeroStrategy, auto=True):
     replays it unit by unit. Outside ``fit`` (no optimizer, nothing to choose for) it stays zero3.
 
     Args:
-        stage: ``"auto"`` (the only value; it is there for ``ZeroStrategy(stage="auto")``).
         memory_budget: bytes per rank, a size such as ``"20GiB"`` or a number; ``None``: the device's free memory
             (CPU: the host's available memory shared among this node's ranks) less 10%.
-        *args, **kwargs: ``ZeroStrategy``'s other arguments and ``ZeroConfig``'s fields, less the ``CHOSEN_OPTIONS``.
+        **kwargs: ``ZeroStrategy``'s other arguments and ``ZeroConfig``'s fields, less ``stage`` and the
+            ``CHOSEN_OPTIONS``.
     """
 
-    def __init__(
-        self,
-        stage: Literal["auto"] = "auto",
-        *args: Any,
-        memory_budget: Optional[Union[str, float]] = None,
-        **kwargs: Any,
-    ) -> None:
-        if stage != "auto":
-            raise ValueError(f"`ZeroAutoStrategy` chooses the stage itself: leave `stage` out, got {stage!r}.")
+    def __init__(self, memory_budget: Optional[Union[str, float]] = None, **kwargs: Any) -> None:
+        if "stage" in kwargs:
+            raise ValueError(
+                f"`ZeroAutoStrategy` chooses the stage itself: leave `stage` out, got {kwargs['stage']!r}."
+            )
         self._auto_budget = check_auto(memory_budget, kwargs)
         """The budget in bytes per rank; ``None``: from the device's free memory at each setup."""
         self._auto: Optional[AutoRun] = None
         """The choice of the last setup of ``fit``, and the peak measured after it."""
-        super().__init__(AUTO_UNTIL_SETUP, *args, **kwargs)
+        super().__init__(AUTO_UNTIL_SETUP, **kwargs)
 
     @classmethod
     @override
@@ -144,7 +139,6 @@ class ZeroAutoStrategy(ZeroStrategy, auto=True):
                 f"zero_auto{suffix}",
                 cls,
                 override=True,
-                stage="auto",
                 start_method=start_method,
                 description="ZeRO, the stage and offload chosen at setup from the memory budget, start "
                 f"method '{start_method}'",

@@ -34,18 +34,20 @@ _argv: list[str] = []
 def zero_option_error(message: str, argv: Sequence[str]) -> Optional[str]:
     """The one-line error for jsonargparse's ``message`` about ``ZeroStrategy``'s arguments (``None`` for any other
     message, or when ``ZeroStrategy`` accepts the arguments given)."""
+    from lightning_zero.lightning.trainer.auto import ZeroAutoStrategy
     from lightning_zero.lightning.trainer.strategy import ZeroStrategy
 
-    given = re.search(r"Given value: (\{.*'class_path': 'lightning_zero\.ZeroStrategy'.*\})", message)
+    given = re.search(r"Given value: (\{.*'class_path': 'lightning_zero\.(Zero(?:Auto)?Strategy)'.*\})", message)
     if given is None:
         return None
+    strategy = ZeroAutoStrategy if given.group(2) == "ZeroAutoStrategy" else ZeroStrategy
     try:
         init_args = dict(ast.literal_eval(given.group(1)).get("init_args") or {})
-        ZeroStrategy(**init_args)
+        strategy(**init_args)
     except (ValueError, TypeError, SyntaxError) as error:
         keys = re.findall(r'Parser key "([^"]+)"', message)
         key = f"trainer.strategy.init_args.{keys[-1]}" if len(keys) > 1 else "trainer.strategy.init_args"
-        files = [f for f in _config_files(argv) if "ZeroStrategy" in _read(f)]
+        files = [f for f in _config_files(argv) if strategy.__name__ in _read(f)]
         where = f"{', '.join(files)}: " if files else ""
         return f"{where}`{key}`: {error}".replace("\n", " ")
     return None

@@ -5,13 +5,11 @@ checkpoints; the optimizer step goes through the precision plugin (``precision.p
 
 from __future__ import annotations
 
-import inspect
-from abc import ABCMeta
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning
 import lightning.pytorch as pl
@@ -44,40 +42,16 @@ from lightning_zero.process.shutdown import GUARD
 from lightning_zero.stage3.construction import Recording
 
 
-class _AutoStageMeta(ABCMeta):
-    """``ZeroStrategy``'s metaclass: ``ZeroStrategy(stage="auto", ...)`` constructs ``ZeroAutoStrategy``.
-
-    [Note: stage="auto" constructs ZeroAutoStrategy]
-    ``zero_auto`` is its own class (``trainer/auto.py``), and ``ZeroStrategy(stage="auto")``, or a LightningCLI
-    ``class_path: lightning_zero.ZeroStrategy`` with ``stage: auto``, makes one too. The class is picked here, not in
-    a ``__new__``: jsonargparse (LightningCLI) reads the parameters of a class's own ``__new__`` in place of its
-    ``__init__``'s, and one taking ``*args, **kwargs`` would leave the CLI no option to accept.
-    """
-
-    @property
-    def __signature__(cls) -> inspect.Signature:
-        """What ``inspect.signature`` gives for the class: its ``__init__``'s less ``self`` (not ``__call__``'s)."""
-        init = inspect.signature(cls.__init__)  # type: ignore[misc]  # cls is a class, its __init__ its own
-        return init.replace(parameters=list(init.parameters.values())[1:])
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is ZeroStrategy and (args[0] if args else kwargs.get("stage")) == "auto":
-            assert ZeroStrategy._auto_class is not None  # defined on import of the package (trainer/auto.py)
-            return type.__call__(ZeroStrategy._auto_class, *args, **kwargs)
-        return type.__call__(cls, *args, **kwargs)
-
-
-class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
+class ZeroStrategy(ZeroProcesses, ParallelStrategy):
     """ZeRO data parallelism: model states partitioned across the data-parallel ranks.
 
-    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` / ``"zero_auto"`` (``"zero2_spawn"`` to launch with
-    ``spawn``), or construct it. Lightning calls the step and checkpoint hooks after ``setup``, which makes the engine.
+    Use ``Trainer(strategy="zero1")`` / ``"zero2"`` / ``"zero3"`` (``"zero2_spawn"`` to launch with ``spawn``), or
+    construct it; ``strategy="zero_auto"`` is its subclass ``ZeroAutoStrategy``. Lightning calls the step and
+    checkpoint hooks after ``setup``, which makes the engine.
 
     Args:
-        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters;
-            ``"auto"`` constructs a ``ZeroAutoStrategy`` (``strategy="zero_auto"``, see ``docs/zero_auto.md``).
-        memory_budget: with ``stage="auto"`` only: bytes per rank, e.g. ``"20GiB"``; ``None``: the device's free
-            memory less 10% (see ``ZeroAutoStrategy``).
+        stage: 1 partitions optimizer states (and fp32 master weights), 2 also gradients, 3 also parameters (a
+            stage chosen from a memory budget: ``ZeroAutoStrategy``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default from the device.
         timeout: the process group's timeout, in seconds or as a ``timedelta`` (a hung collective fails after it).
         start_method: ``"popen"`` (Lightning's script launcher) or ``"spawn"``/``"fork"``/``"forkserver"``.
@@ -85,19 +59,10 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
     """
 
     strategy_name = "zero"
-    _auto_class: ClassVar[Optional[type[ZeroStrategy]]] = None
-    """The class ``stage="auto"`` constructs: the subclass defined with ``auto=True`` (``ZeroAutoStrategy``)."""
-
-    def __init_subclass__(cls, auto: bool = False, **kwargs: Any) -> None:
-        """``class ZeroAutoStrategy(ZeroStrategy, auto=True)`` names the class ``ZeroStrategy(stage="auto")``
-        constructs (``auto.py`` imports this module, not the other way round)."""
-        super().__init_subclass__(**kwargs)
-        if auto:
-            ZeroStrategy._auto_class = cls
 
     def __init__(
         self,
-        stage: Literal[1, 2, 3, "auto"] = 2,
+        stage: Literal[1, 2, 3] = 2,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -106,17 +71,14 @@ class ZeroStrategy(ZeroProcesses, ParallelStrategy, metaclass=_AutoStageMeta):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
         start_method: StartMethod = "popen",
-        memory_budget: Optional[Union[str, float]] = None,
         **options: Any,
     ) -> None:
-        check_option_names(options)
-        if stage == "auto":  # only a subclass's __init__ gets here (see [Note: stage="auto" constructs ...])
-            raise TypeError("`stage='auto'` is `ZeroAutoStrategy`'s: derive from that class to extend `zero_auto`.")
-        if memory_budget is not None:
+        if stage == "auto" or "memory_budget" in options:
             raise ValueError(
-                f"`memory_budget` is the budget `stage='auto'` chooses a configuration for; with "
-                f"`stage={stage!r}` nothing reads it. Use `strategy='zero_auto'` or leave it out."
+                "A stage chosen from a memory budget is `ZeroAutoStrategy(memory_budget=...)` (or "
+                f"`strategy='zero_auto'`); `ZeroStrategy` takes `stage` 1, 2 or 3, got {stage!r}."
             )
+        check_option_names(options)
         ZeroProcesses.__init__(self, ZeroConfig(stage=stage, **options), process_group_backend, timeout, start_method)
         ParallelStrategy.__init__(
             self,
