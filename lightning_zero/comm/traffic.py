@@ -32,10 +32,10 @@ def _counts() -> defaultdict[str, int]:
 class Traffic:
     """Payload moved per collective kind since the last ``reset``, in bytes and in elements."""
 
-    bytes: dict[str, int] = field(default_factory=_counts)
-    elements: dict[str, int] = field(default_factory=_counts)
-    calls: dict[str, int] = field(default_factory=_counts)
-    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_counts))
+    bytes: dict[str, int] = field(default_factory=_counts, init=False)
+    elements: dict[str, int] = field(default_factory=_counts, init=False)
+    calls: dict[str, int] = field(default_factory=_counts, init=False)
+    scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(_counts), init=False)
     """Elements per scope (``"world"``, ``"shard"``, ``"replicate"``, ``"tensor"``, ``"data"``) and kind: see
     [Note: hybrid sharding and its traffic] in ``groups.py``. ``elements`` is their sum over scopes."""
 
