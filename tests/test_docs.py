@@ -232,3 +232,13 @@ def _env() -> dict[str, str]:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def test_the_package_cites_only_documents_in_the_repository() -> None:
+    """A ``.md`` file a docstring or comment names exists in the repository (as given, or under ``docs/``)."""
+    missing = []
+    for path in sorted((ROOT / "lightning_zero").rglob("*.py")):
+        for cited in re.findall(r"[\w./-]+\.md\b", path.read_text(encoding="utf-8")):
+            if not (ROOT / cited).is_file() and not (ROOT / "docs" / cited).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {cited}")
+    assert not missing, missing

@@ -17,7 +17,7 @@ unit and those prefetched: bounded by ``prefetch_size``, not by the model's dept
 between steps: the memory a gather would have taken again at the next forward is kept for it.
 
 Alternatives weighed: a fixed pool of slots with each unit's parameters re-pointed (``param.data = slot...``) and
-the tensors autograd saved re-pointed through ``saved_tensors_hooks`` works too (``notes/stage3-memory.md``), but
+the tensors autograd saved re-pointed through ``saved_tensors_hooks`` works too (it was built and measured), but
 hooks every saved tensor of every unit (a lookup each, and care with checkpointing's own hooks and
 ``torch.compile``), changes the parameters' tensors at every gather (compiled graphs guard on them), and reaches the
 same counts: no allocation, no fault. Swapping the memory under an unchanged storage keeps every tensor and every
