@@ -1,6 +1,6 @@
 """Stage 3 under ``torch.profiler``: a trace of a step names each unit and what was done to it (``unshard``,
-``wait_for_unshard``, ``reshard`` and the hooks: see [Note: one vocabulary for stage 3] in ``stage3/unit.py``), in one
-process (a world of one rank: the all-gathers are copies)."""
+``wait_for_unshard``, ``reshard``, the hooks and the reduce-scatter of its gradients: see [Note: one vocabulary for
+stage 3] in ``stage3/unit.py``), in one process (a world of one rank: the all-gathers are copies)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def test_a_traced_step_names_every_unit_and_phase():
             assert f"lightning_zero::{what} {unit}" in names, (what, unit, sorted(n for n in names if "zero" in n))
         assert f"lightning_zero::pre_backward {unit}" in names
         assert f"lightning_zero::post_backward {unit}" in names
+    reductions = [n for n in names if n.startswith("lightning_zero::reduce_scatter bucket ")]
+    assert reductions and all(" of stage 3 unit '" in n for n in reductions), sorted(names)  # the reducer's too
+    assert any(n.startswith("lightning_zero::wait_for_reduce_scatter bucket ") for n in names)
     engine.teardown()
 
 

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as autograd_profiler
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_zero.comm.traffic import Group
@@ -523,3 +524,12 @@ class PendingPositions:
         """Wait for the exchange; one row per rank."""
         wait(self._work, "exchange stage 3's lockstep check")
         return self._out.view(-1, self._width).tolist()
+
+
+def profiler_label(what: str, subject: str) -> AbstractContextManager[Any]:
+    """A ``torch.profiler`` range ``lightning_zero::<what> <subject>`` (a stage 3 unit's verb or hook, a gradient
+    bucket's reduce-scatter), so that a trace reads as the data path (see [Note: one vocabulary for stage 3] in
+    ``stage3/unit.py``); nothing at all while no profiler runs."""
+    if not autograd_profiler._is_profiler_enabled:
+        return nullcontext()
+    return torch.profiler.record_function(f"lightning_zero::{what} {subject}")

@@ -290,12 +290,13 @@ class GradientReducer:
             slot.wait_fence(self.device)  # the sink's last read of it comes first
             self._in_flight_peak(slot)  # the side output may just have been made
         fault_point("collective.reduce_scatter")
-        if self.quantize_block is not None:
-            work = reduce_scatter_quantized(
-                target, data, self.quantize_block, group=self.group, scratch=self._quantize_scratch
-            )
-        else:
-            work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
+        with collectives.profiler_label("reduce_scatter", f"bucket {bucket.index}{self._unit_label(bucket)}"):
+            if self.quantize_block is not None:
+                work = reduce_scatter_quantized(
+                    target, data, self.quantize_block, group=self.group, scratch=self._quantize_scratch
+                )
+            else:
+                work = collectives.reduce_scatter(target, data, group=self.group, async_op=self.overlap)
         self._written[bucket.index] = True
         self._received[bucket.index] = 0
         self._in_flight.append((bucket, work, slot, accumulate))
@@ -317,7 +318,9 @@ class GradientReducer:
         """Wait for the oldest reduce-scatter; deliver its chunk, or under hybrid sharding start its replica
         all-reduce first (see [Note: the replica all-reduce overlaps])."""
         bucket, work, slot, accumulate = self._in_flight.popleft()
-        collectives.wait(work, f"reduce-scatter gradient bucket {bucket.index}{self._unit_label(bucket)}")
+        label = f"bucket {bucket.index}{self._unit_label(bucket)}"
+        with collectives.profiler_label("wait_for_reduce_scatter", label):
+            collectives.wait(work, f"reduce-scatter gradient {label}")
         if self.groups.replicate is None:
             self._deliver(bucket, slot, accumulate)
             return

@@ -20,8 +20,9 @@ writes them; nothing if it is ``SHARDED``). The runtime's ``unshard``, ``wait_fo
 same verbs applied to a group (or to every group); the rest of the runtime is orchestration named for what it does
 (``before_use``, ``prefetch_root``, ``end_backward``, ``refresh``, ...). A storage's ``unshard_unit`` and
 ``reshard_unit`` are the same verbs for one storage's piece of a unit (``partitioned.py``). Each verb and each hook
-runs inside a profiler range named ``lightning_zero::<verb or hook> <unit name>`` (``profiler_label``), so a
-trace of a step reads as its data path, unit by unit.
+runs inside a profiler range named ``lightning_zero::<verb or hook> <unit name>`` (``collectives.profiler_label``),
+and so do the gradients' ``reduce_scatter`` and ``wait_for_reduce_scatter`` of each bucket (``shards/buckets.py``,
+naming the bucket and its unit), so a trace of a step reads as its data path, unit by unit.
 
 [Note: a unit's state and the runtime's phase]
 Each unit is one ``UnitGroup`` that owns its state, a ``UnitState``: ``SHARDED`` (its buffers hold no memory),
@@ -39,13 +40,11 @@ unit output carried a hook), and a backward run outside the engine never tells t
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.autograd import profiler as autograd_profiler
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
@@ -89,14 +88,6 @@ FORWARD, RECOMPUTE, BACKWARD = TrainingPhase.FORWARD, TrainingPhase.RECOMPUTE, T
 
 class IllegalUnitTransition(RuntimeError):
     """A unit was asked for a move its state does not allow (a bug in the runtime, never in user code)."""
-
-
-def profiler_label(what: str, unit: str) -> AbstractContextManager[Any]:
-    """A profiler range ``lightning_zero::<what> <unit>`` around a verb or hook of a unit (see [Note: one vocabulary
-    for stage 3]); nothing at all while no profiler runs."""
-    if not autograd_profiler._is_profiler_enabled:
-        return nullcontext()
-    return torch.profiler.record_function(f"lightning_zero::{what} {unit}")
 
 
 class UnitGroup:
@@ -157,7 +148,7 @@ class UnitGroup:
         keep refusing reads until ``wait_for_unshard`` (user code may run before the unit's next use)."""
         if self.state is not UnitState.SHARDED:
             return False
-        with profiler_label("unshard", self.name):
+        with collectives.profiler_label("unshard", self.name):
             options = {"compute": True, "backward": backward} if compute else {}
             self.pending = [w for storage in self.storages for w in storage.unshard_unit(self.index, **options)]
             self.state = UnitState.GATHERING
@@ -174,7 +165,7 @@ class UnitGroup:
             )
         if self.state is UnitState.GATHERED:
             return
-        with profiler_label("wait_for_unshard", self.name):
+        with collectives.profiler_label("wait_for_unshard", self.name):
             pending, self.pending = self.pending, []
             for work in pending:
                 collectives.wait(work, f"gather stage 3 unit '{self.name}'")
@@ -188,7 +179,7 @@ class UnitGroup:
         if self.state is UnitState.SHARDED:
             return
         self.wait_for_unshard()
-        with profiler_label("reshard", self.name):
+        with collectives.profiler_label("reshard", self.name):
             for storage in self.storages:
                 storage.reshard_unit(self.index)
             self.state = UnitState.SHARDED
@@ -221,7 +212,7 @@ class UnitGroup:
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         """The unit's module is about to run: check it against the other ranks, unshard it, prefetch the units after
         it (see [Note: lockstep and prefetch] in ``units.py``)."""
-        with profiler_label("pre_forward", self.name):
+        with collectives.profiler_label("pre_forward", self.name):
             runtime = self._shared()
             recompute = runtime.enter_forward()
             record = torch.is_grad_enabled() and not recompute
@@ -231,7 +222,7 @@ class UnitGroup:
         """The unit's module ran: hook its output for backward, keep the hpZ copy, reshard (unless backward needs the
         unit next: a recomputation, or the last unit of a training forward). The root's (on the whole model) only
         hooks the output (see [Note: backward finds every unit gathered, the root too] in ``units.py``)."""
-        with profiler_label("post_forward", self.name):
+        with collectives.profiler_label("post_forward", self.name):
             runtime = self._shared()
             if self.is_root:
                 if not in_backward() and runtime.phase is not TrainingPhase.SUMMONED:
@@ -264,7 +255,7 @@ class UnitGroup:
         ``units.py``): nothing, no collective, when it is gathered."""
         if self.is_root and self.state is UnitState.GATHERED:
             return
-        with profiler_label("pre_backward", self.name):
+        with collectives.profiler_label("pre_backward", self.name):
             runtime = self._shared()
             if runtime.phase is not TrainingPhase.SUMMONED:
                 runtime.phase = TrainingPhase.BACKWARD
@@ -272,7 +263,7 @@ class UnitGroup:
 
     def post_backward(self, param: Tensor) -> None:
         """One of the unit's gradients is accumulated: after the last of this backward, reshard the unit."""
-        with profiler_label("post_backward", self.name):
+        with collectives.profiler_label("post_backward", self.name):
             if self.grad_arrived():
                 self._shared().reshard_after_use(self)
 

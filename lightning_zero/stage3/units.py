@@ -75,7 +75,7 @@ from torch import nn
 from lightning_zero.comm import collectives
 from lightning_zero.stage3.lockstep import LockstepCheck, RanksOutOfStepError
 from lightning_zero.stage3.plan import ROOT, UnitPlan, units_under_compile
-from lightning_zero.stage3.unit import FORWARD, TrainingPhase, UnitGroup, UnitState, in_backward, profiler_label
+from lightning_zero.stage3.unit import FORWARD, TrainingPhase, UnitGroup, UnitState, in_backward
 
 if TYPE_CHECKING:
     from lightning_zero.stage3.partitioned import PartitionedStorage
@@ -375,7 +375,7 @@ class UnitRuntime:
             if size > budget:
                 return
             if not candidate.gathered:
-                with profiler_label("prefetch", f"{candidate.name} (from {group.name})"):
+                with collectives.profiler_label("prefetch", f"{candidate.name} (from {group.name})"):
                     self._unshard(candidate, wait=False)
             budget -= size
 
