@@ -51,13 +51,14 @@ PHASES = ("setup", "forward", "backward", "reduce", "step")
 MiB = 2**20
 
 
-def launch_variant(text: str, size: str, world_size: int, steps: int) -> dict[str, Any]:
-    """One launch of one variant with the phase probe on."""
+def launch_probed(text: str, size: str, world_size: int, steps: int, probe: str, timeout: float) -> dict[str, Any]:
+    """One launch of one variant with a probe of ``benchmarks._worker`` on: ``"phases"`` (each phase's peak) or
+    ``"account"`` (``AccountProbe``: the account of the rank's memory)."""
     strategy, options, env = parse_variant(text)
     with environment(env):
         cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": steps, "warmup": 1, "bucket": None,
-               "gpu": False, "precision": "32-true", "options": options, "phases": True}
-        return run_config(cfg, world_size, timeout=900)
+               "gpu": False, "precision": "32-true", "options": options, probe: True}
+        return run_config(cfg, world_size, timeout=timeout)
 
 
 def row(text: str, rec: dict[str, Any], ddp: float) -> str:
@@ -140,7 +141,7 @@ def account(args: argparse.Namespace) -> None:
             print("|---|---|---|---|" + "---|" * (len(ACCOUNT_PARTS) + 1))
             ddp = 0.0
             for text in args.strategies:
-                rec = launch_account(text, size, world_size, args.steps)
+                rec = launch_probed(text, size, world_size, args.steps, "account", timeout=1800)
                 records.append({"strategy": text, "size": size, "world_size": world_size, **rec})
                 if "error" in rec:
                     print(f"| {text} | {rec['error']} |", flush=True)
@@ -157,15 +158,6 @@ def account(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(records, indent=1))
 
 
-def launch_account(text: str, size: str, world_size: int, steps: int) -> dict[str, Any]:
-    """One launch of one strategy with the account probe on (``benchmarks._worker``'s ``AccountProbe``)."""
-    strategy, options, env = parse_variant(text)
-    with environment(env):
-        cfg = {"strategy": strategy, "size": SIZES[size].__dict__, "steps": steps, "warmup": 1, "bucket": None,
-               "gpu": False, "precision": "32-true", "options": options, "account": True}
-        return run_config(cfg, world_size, timeout=1800)
-
-
 def phases(args: argparse.Namespace) -> None:
     """Print the per-phase peak table: one launch per variant."""
     print(f"size {args.size}: {SIZES[args.size]}, {SIZES[args.size].num_params():,} parameters, N={args.world_size}")
@@ -177,7 +169,7 @@ def phases(args: argparse.Namespace) -> None:
     ddp, ddp_time = 0.0, 0.0
     for text in args.variants:
         t0 = time.perf_counter()
-        rec = launch_variant(text, args.size, args.world_size, args.steps)
+        rec = launch_probed(text, args.size, args.world_size, args.steps, "phases", timeout=900)
         if text == "ddp" and "peak_growth" in rec:
             ddp = rec["peak_growth"] / MiB
         lines.append(row(text, rec, ddp))

@@ -12,15 +12,18 @@ from lightning_zero import ZeroEngine
 from lightning_zero.stage3.unit import UnitState
 
 
-def _model() -> nn.Module:
+def _engine() -> tuple[ZeroEngine, nn.Module, torch.optim.Optimizer]:
+    """Stage 3 over four units (three blocks and the head), the root empty."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)], nn.Linear(8, 2))
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)], nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [optimizer], stage=3, persistence_threshold=0, unit_classes=[nn.Sequential])
+    assert engine.runtime is not None
+    return engine, model, optimizer
 
 
 def test_a_traced_step_names_every_unit_and_phase():
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], stage=3, persistence_threshold=0, unit_classes=[nn.Sequential])
+    engine, model, optimizer = _engine()
     runtime = engine.runtime
     assert runtime is not None
     units = [u.name for u in runtime.units[1:]]
@@ -42,9 +45,7 @@ def test_a_traced_step_names_every_unit_and_phase():
 
 
 def test_groups_and_the_runtime_say_what_they_hold():
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [optimizer], stage=3, persistence_threshold=0, unit_classes=[nn.Sequential])
+    engine, _, _ = _engine()
     runtime = engine.runtime
     assert runtime is not None
     group = runtime.units[1]

@@ -110,11 +110,6 @@ class SecondaryShards:
             owner.secondary_current = False
 
     @property
-    def kept_bytes(self) -> int:
-        """Bytes of current secondary pieces."""
-        return sum(_bytes(b.secondary) for b in self.units.values() if b.secondary_current)
-
-    @property
     def held_bytes(self) -> int:
         """Bytes held for secondary pieces, current or stale."""
         return sum(_bytes(b.secondary) for b in self.units.values())
